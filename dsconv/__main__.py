@@ -1,0 +1,3 @@
+from dsconv.cli import main
+
+main()

@@ -1,0 +1,504 @@
+"""The one streaming reader: a model directory's tensors from headers, and one tensor at a time from mmap.
+
+`Checkpoint.open(dir)` reads config.json and the safetensors headers only (name, dtype, shape, file, byte range),
+validates all of it, normalises transformers' fused MoE layout into per-expert tensors (each a contiguous byte range of
+the fused tensor), and classifies every tensor through its family. `load(name)` copies one tensor out of a read-only
+mmap and tells the kernel to drop those pages from this process, so resident memory stays near one tensor however
+large the checkpoint; FP8 block-scaled weights are dequantized on read when asked.
+
+Everything it reads is untrusted: headers are bounded and checked, byte ranges must lie in the file and not overlap,
+index entries must stay inside the model directory, and pickled weights are refused unless explicitly allowed.
+"""
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from dsconv.errors import UserError
+from dsconv.families import Family, family_for
+from dsconv.families.base import ModelFacts
+from dsconv.families.roles import TensorRole
+from dsconv.writer import DTYPE_SIZES, TensorSpec
+
+MAX_HEADER = 100 * 2**20  # safetensors' own limit
+PAGE = mmap.PAGESIZE
+COPY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+              "chat_template.jinja", "chat_template.json")
+QUANT_DESCRIPTIONS = ("quant_model_description.json", "quant_model_description_w8a8.json",
+                      "quant_model_description_w8a8_dynamic.json", "quant_model_description_w8a16.json",
+                      "quant_model_description_w4a16.json")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+def torch_dtype(st_dtype: str):
+    import torch
+
+    return {
+        "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
+        "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32, "F32": torch.float32,
+        "I64": torch.int64, "U64": torch.uint64, "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn,
+        "F8_E5M2": torch.float8_e5m2,
+    }[st_dtype]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one (logical) tensor's bytes are: file and absolute byte range. No data."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: Path
+    start: int
+    end: int
+    source: str  # the tensor name on disk (differs for experts cut out of a fused tensor)
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def spec(self) -> TensorSpec:
+        return TensorSpec(self.name, self.dtype, self.shape)
+
+
+def read_header(path: Path) -> tuple[int, dict[str, Any]]:
+    """Validated safetensors header of `path`: (data start offset, {name: entry}); reads only the header bytes."""
+    size = path.stat().st_size
+    where = path.name
+    if size < 8:
+        raise UserError(f"{where} is truncated ({size} bytes)", hint="re-download or re-copy the file")
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if n > MAX_HEADER:
+            raise UserError(f"{where}: header claims {n} bytes (limit {MAX_HEADER})",
+                            hint="the file is not safetensors or is damaged")
+        if 8 + n > size:
+            raise UserError(f"{where} is truncated: header of {n} bytes but file is {size} bytes",
+                            hint="re-download or re-copy the file")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise UserError(f"{where}: header is not valid JSON", hint="the file is not safetensors or is damaged") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{where}: header is not a JSON object", hint="the file is not safetensors or is damaged")
+    header.pop("__metadata__", None)
+    data_start = 8 + n
+    data_len = size - data_start
+    spans = []
+    for name, e in header.items():
+        try:
+            dtype, shape, (a, b) = e["dtype"], e["shape"], e["data_offsets"]
+            ok = (dtype in DTYPE_SIZES and isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+                  and isinstance(a, int) and isinstance(b, int) and 0 <= a <= b)
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise UserError(f"{where}: tensor {name} has a malformed header entry",
+                            hint="the file is damaged or not safetensors")
+        if b - a != math.prod(shape) * DTYPE_SIZES[dtype]:
+            raise UserError(f"{where}: tensor {name} spans {b - a} bytes but {dtype}{shape} needs "
+                            f"{math.prod(shape) * DTYPE_SIZES[dtype]}", hint="the file is damaged")
+        if b > data_len:
+            raise UserError(f"{where}: tensor {name} ends at byte {data_start + b}, past the end of the file "
+                            f"({size} bytes)", hint="the file is truncated; re-download or re-copy it")
+        spans.append((a, b, name))
+    spans.sort()
+    for (a1, b1, n1), (a2, b2, n2) in zip(spans, spans[1:]):
+        if a2 < b1:
+            raise UserError(f"{where}: tensors {n1} and {n2} overlap (bytes {a2}..{b1})",
+                            hint="the file is damaged or crafted; do not use it")
+    return data_start, header
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        path.resolve().relative_to(root.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+class Checkpoint:
+    """A model directory: config, family, tensor metadata from headers, and one-tensor-at-a-time loading."""
+
+    def __init__(self, root: Path, config: dict[str, Any], family: Family, tensors: dict[str, TensorInfo],
+                 files: list[Path], quant_description: dict[str, Any] | None = None,
+                 pickled: dict[str, Any] | None = None) -> None:
+        self.root = root
+        self.config = config
+        self.family = family
+        self.facts: ModelFacts = family.facts(config)
+        self.tensors = tensors
+        self.files = files
+        self.quant_description = quant_description
+        self._pickled = pickled
+        self._maps: dict[Path, mmap.mmap] = {}
+        self.roles: dict[str, TensorRole] = {name: family.classify(name, self.facts) for name in tensors}
+        self._facts_from_disk()
+        self.fp8_scales = self._pair_fp8_scales()
+
+    def _facts_from_disk(self) -> None:
+        """A config may announce MTP layers the weights do not carry (transformers never saves them): trust disk."""
+        f = self.facts
+        present = {r.layer for r in self.roles.values() if r.layer is not None and r.layer >= f.num_layers}
+        f.num_mtp_layers = len(present)
+        f.moe_layers = tuple(i for i in f.moe_layers if i < f.num_layers or i in present)
+
+    # ---- opening ----------------------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, root: Path | str, allow_pickle: bool = False) -> "Checkpoint":
+        root = Path(root)
+        if not root.is_dir():
+            raise UserError(f"{root} is not a directory", hint="pass the HF model directory with --model")
+        config = read_config(root)
+        family = family_for(config, where=str(root / "config.json"))
+        quant_description = _read_quant_description(root)
+        files, entries = _list_safetensors(root)
+        pickled = None
+        if not files:
+            bins = sorted(p for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
+            if not bins:
+                raise UserError(f"{root} has no *.safetensors weights", hint="point --model at a directory with weights")
+            if not allow_pickle:
+                raise UserError(f"{bins[0].name} is a pickled checkpoint; dsconv does not unpickle by default",
+                                hint="convert it to safetensors, or pass --allow-pickle if you trust its source")
+            pickled = _load_pickled(bins)
+            entries = {name: TensorInfo(name, _dtype_name(t), tuple(t.shape), bins[0], 0, t.numel() *
+                                        t.element_size(), name) for name, t in pickled.items()}
+            files = bins
+        tensors = _normalise_fused(entries, family, config)
+        return cls(root, config, family, tensors, files, quant_description, pickled)
+
+    # ---- metadata ---------------------------------------------------------------------------------------------
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise UserError(f"tensor {name} is not in {self.root}", hint="check the name with `dsconv inspect`") from None
+
+    def role(self, name: str) -> TensorRole:
+        return self.roles[name]
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def layers(self) -> dict[int | None, list[str]]:
+        """Tensor names grouped by decoder layer (None: outside the layers), in file order within a layer."""
+        out: dict[int | None, list[str]] = {}
+        for name, r in self.roles.items():
+            out.setdefault(r.layer, []).append(name)
+        return out
+
+    def copy_files(self) -> list[Path]:
+        """Config, tokenizer and generation files a derived checkpoint carries along."""
+        return [self.root / n for n in COPY_FILES if (self.root / n).is_file()]
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.quant_description is not None
+
+    def identity(self) -> dict[str, Any]:
+        """A cheap fingerprint of the input for manifests: config hash and the size of every weight file."""
+        import hashlib
+
+        return {"path": str(self.root.resolve()),
+                "config_sha256": hashlib.sha256((self.root / "config.json").read_bytes()).hexdigest(),
+                "files": {p.name: p.stat().st_size for p in self.files}}
+
+    # ---- data -------------------------------------------------------------------------------------------------
+    def load(self, name: str, dequantize: bool = False):
+        """One tensor as a fresh torch tensor (a copy: the caller may modify it).
+
+        dequantize=True turns an FP8 weight into BF16 using its `weight_scale_inv` (wherever that lives).
+        """
+        info = self.info(name)
+        if self._pickled is not None:
+            t = self._pickled[info.source].clone()
+        else:
+            t = self._read(info)
+        if dequantize and info.dtype in ("F8_E4M3", "F8_E5M2"):
+            scale_name = self.fp8_scales.get(name)
+            if scale_name is None:
+                raise UserError(f"FP8 weight {name} has no weight_scale_inv",
+                                hint="the checkpoint is incomplete; a weight without its scale cannot be used")
+            t = dequant_fp8_block(t, self._read(self.info(scale_name)), self.facts.fp8_block or (128, 128))
+        return t
+
+    def _read(self, info: TensorInfo):
+        import torch
+
+        mm = self._maps.get(info.file)
+        if mm is None:
+            with open(info.file, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+            self._maps[info.file] = mm
+        count = info.numel
+        if count == 0:
+            return torch.empty(info.shape, dtype=torch_dtype(info.dtype))
+        buf = np.frombuffer(mm, dtype=np.uint8, count=info.nbytes, offset=info.start)
+        out = torch.empty(info.nbytes, dtype=torch.uint8)
+        out.numpy()[:] = buf
+        del buf
+        lo = info.start - info.start % PAGE
+        try:  # drop the pages from this process (they stay in the page cache): RSS stays near one tensor
+            mm.madvise(mmap.MADV_DONTNEED, lo, info.end - lo)
+        except (AttributeError, OSError, ValueError):
+            pass
+        return out.view(torch_dtype(info.dtype)).reshape(info.shape)
+
+    def iter_tensors(self, names: list[str] | None = None, dequantize: bool = False) -> Iterator[tuple[str, Any]]:
+        for name in names or self.names():
+            yield name, self.load(name, dequantize=dequantize)
+
+    def close(self) -> None:
+        for mm in self._maps.values():
+            if mm is not None:
+                mm.close()
+        self._maps.clear()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- FP8 --------------------------------------------------------------------------------------------------
+    def _pair_fp8_scales(self) -> dict[str, str]:
+        """Every FP8 weight must have its `weight_scale_inv` of the block-grid shape; anything else is an error."""
+        out = {}
+        block = self.facts.fp8_block or (128, 128)
+        for name, info in self.tensors.items():
+            if info.dtype not in ("F8_E4M3", "F8_E5M2"):
+                continue
+            if self.quant_description is not None:
+                continue  # an int8-style layout stores FP8 differently; not a block-scaled HF checkpoint
+            scale = name + "_scale_inv" if name.endswith(".weight") else None
+            if scale is None or scale not in self.tensors:
+                raise UserError(f"FP8 weight {name} ({info.file.name}) has no {name}_scale_inv in {self.root}",
+                                hint="the checkpoint is incomplete; copy every part listed in the index")
+            want = tuple(math.ceil(d / b) for d, b in zip(info.shape, block))
+            if self.tensors[scale].shape != want:
+                raise UserError(f"{scale} has shape {list(self.tensors[scale].shape)}, expected {list(want)} for "
+                                f"{list(info.shape)} in {block[0]}x{block[1]} blocks",
+                                hint="the scale does not belong to this weight; the checkpoint is damaged")
+            out[name] = scale
+        return out
+
+
+def dequant_fp8_block(weight, scale_inv, block: tuple[int, int] = (128, 128), out_dtype=None):
+    """FP8 [out, in] x float32 [ceil(out/b0), ceil(in/b1)] -> BF16, one row-block stripe at a time (ragged edges)."""
+    import torch
+
+    out_dtype = out_dtype or torch.bfloat16
+    rows, cols = weight.shape
+    b0, b1 = block
+    out = torch.empty((rows, cols), dtype=out_dtype)
+    col_scale_idx = torch.arange(cols) // b1
+    for i in range(0, rows, b0):
+        stripe = weight[i:i + b0].to(torch.float32)
+        stripe.mul_(scale_inv[i // b0].to(torch.float32)[col_scale_idx])
+        out[i:i + b0] = stripe.to(out_dtype)
+    return out
+
+
+def read_config(root: Path) -> dict[str, Any]:
+    path = root / "config.json"
+    if not path.is_file():
+        raise UserError(f"{root} has no config.json", hint="point --model at a HuggingFace model directory")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not valid JSON ({e})", hint="fix or re-download config.json") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path} is not a JSON object", hint="fix or re-download config.json")
+    return config
+
+
+def _read_quant_description(root: Path) -> dict[str, Any] | None:
+    for name in QUANT_DESCRIPTIONS:
+        path = root / name
+        if path.is_file():
+            try:
+                return json.loads(path.read_text())
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path} is not valid JSON (line {e.lineno})", hint="the quantized output is damaged")
+    return None
+
+
+def _list_safetensors(root: Path) -> tuple[list[Path], dict[str, TensorInfo]]:
+    """All tensors of a directory: through its index when there is one, else every *.safetensors file in it."""
+    indexes = sorted(root.glob("*.safetensors.index.json"))
+    entries: dict[str, TensorInfo] = {}
+    headers: dict[Path, tuple[int, dict[str, Any]]] = {}
+
+    def header(part: Path) -> tuple[int, dict[str, Any]]:
+        if part not in headers:
+            headers[part] = read_header(part)
+        return headers[part]
+
+    if indexes:
+        index_path = indexes[0]
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+            assert isinstance(weight_map, dict)
+        except (json.JSONDecodeError, KeyError, TypeError, AssertionError):
+            raise UserError(f"{index_path.name} is not a valid safetensors index (no weight_map)",
+                            hint="fix or re-download the index") from None
+        for name, fname in weight_map.items():
+            if not isinstance(fname, str) or os.path.isabs(fname) or not _inside(root / fname, root):
+                raise UserError(f"{index_path.name}: {name} points to {fname!r}, outside the model directory",
+                                hint="the index is damaged or crafted; dsconv only reads files inside the model dir")
+            part = root / fname
+            if not part.is_file():
+                raise UserError(f"{index_path.name}: {name} is in {fname}, which is missing",
+                                hint="copy every part the index lists")
+            start, h = header(part)
+            if name not in h:
+                raise UserError(f"{index_path.name} lists {name} in {fname}, but that file does not hold it",
+                                hint="the index and the parts disagree; re-download them")
+            e = h[name]
+            entries[name] = TensorInfo(name, e["dtype"], tuple(e["shape"]), part, start + e["data_offsets"][0],
+                                       start + e["data_offsets"][1], name)
+        return sorted(headers), entries
+    files = sorted(p for p in root.glob("*.safetensors") if _inside(p, root))
+    for part in files:
+        start, h = header(part)
+        for name, e in h.items():
+            if name in entries:
+                raise UserError(f"tensor {name} is in both {entries[name].file.name} and {part.name}",
+                                hint="remove the stray file or add an index")
+            entries[name] = TensorInfo(name, e["dtype"], tuple(e["shape"]), part, start + e["data_offsets"][0],
+                                       start + e["data_offsets"][1], name)
+    return files, entries
+
+
+def _normalise_fused(entries: dict[str, TensorInfo], family: Family, config: dict[str, Any]) -> dict[str, TensorInfo]:
+    """Present transformers' fused experts (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) as the
+    per-expert tensors of the original layout; each is a contiguous byte range of the fused tensor, so no copy."""
+    fused = "." + family.fused_experts + "."
+    if not any(fused + "gate_up_proj" in n or n.endswith(fused + "down_proj") for n in entries):
+        return entries
+    out: dict[str, TensorInfo] = {}
+    for name, info in entries.items():
+        prefix, _, param = name.rpartition(".")
+        if prefix.endswith(fused[1:-1]) and param in ("gate_up_proj", "down_proj"):
+            layer_prefix = prefix[: -len(family.fused_experts)]
+            if len(info.shape) != 3:
+                raise UserError(f"{name} has shape {list(info.shape)}; fused experts are 3-D [experts, out, in]",
+                                hint="the checkpoint is damaged")
+            n_exp, rows, cols = info.shape
+            item = DTYPE_SIZES[info.dtype]
+            per_expert = rows * cols * item
+            slots = [("gate", 0, rows // 2), ("up", rows // 2, rows)] if param == "gate_up_proj" else [("down", 0, rows)]
+            for e in range(n_exp):
+                for slot, r0, r1 in slots:
+                    new = layer_prefix + family.expert_modules[slot].replace("{E}", str(e)) + ".weight"
+                    start = info.start + e * per_expert + r0 * cols * item
+                    out[new] = replace(info, name=new, shape=(r1 - r0, cols), start=start,
+                                       end=start + (r1 - r0) * cols * item)
+            continue
+        for old, new in family.fused_renames.items():
+            if f".{old}." in name:
+                name = name.replace(f".{old}.", f".{new}.")
+                info = replace(info, name=name)
+        out[name] = info
+    return out
+
+
+def _dtype_name(t) -> str:
+    from dsconv.writer import torch_dtype_name
+
+    return torch_dtype_name(t)
+
+
+def _load_pickled(files: list[Path]) -> dict[str, Any]:
+    """Only with --allow-pickle, and even then through torch's weights-only unpickler (no code execution)."""
+    import torch
+
+    out: dict[str, Any] = {}
+    for f in files:
+        try:
+            sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # torch raises many types for a bad/unsafe pickle
+            raise UserError(f"{f.name} could not be loaded safely ({type(e).__name__})",
+                            hint="convert it to safetensors with a trusted tool") from None
+        if not isinstance(sd, dict):
+            raise UserError(f"{f.name} does not hold a state dict", hint="convert it to safetensors")
+        out.update(sd)
+    return out
+
+
+def open_input(path: Path | str | None = None, config: Path | str | None = None, allow_pickle: bool = False):
+    """A Checkpoint, or a headers-only view synthesised from config.json alone (`--config`)."""
+    if config is not None:
+        return ConfigOnly.open(Path(config))
+    return Checkpoint.open(Path(path), allow_pickle=allow_pickle)
+
+
+class ConfigOnly:
+    """The tensor list a config implies, without weights: inspect and shard plans work from it."""
+
+    def __init__(self, path: Path, config: dict[str, Any], family: Family) -> None:
+        self.root = path.parent
+        self.config = config
+        self.family = family
+        self.facts = family.facts(config)
+        self.quant_description = None
+        specs = family.synthesize(config)
+        self.tensors = {s.name: TensorInfo(s.name, s.dtype, s.shape, path, 0, s.nbytes, s.name) for s in specs}
+        self.roles = {s.name: family.classify(s.name, self.facts) for s in specs}
+        self.files: list[Path] = []
+        self.fp8_scales = {n: n + "_scale_inv" for n in self.tensors if n + "_scale_inv" in self.tensors}
+
+    @classmethod
+    def open(cls, path: Path) -> "ConfigOnly":
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise UserError(f"{path} does not exist", hint="pass the model's config.json with --config")
+        config = read_config(path.parent) if path.name == "config.json" else _read_json(path)
+        return cls(path, config, family_for(config, where=str(path)))
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def info(self, name: str) -> TensorInfo:
+        return self.tensors[name]
+
+    def role(self, name: str) -> TensorRole:
+        return self.roles[name]
+
+    @property
+    def is_quantized(self) -> bool:
+        return False
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not valid JSON ({e})", hint="pass a HF config.json") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} is not a JSON object", hint="pass a HF config.json")
+    return data

@@ -1,0 +1,64 @@
+"""`dsconv init`, `dsconv inspect`, `dsconv verify`: the workspace and the read-only commands."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from dsconv import workspace
+from dsconv.cli import PATH, cli, emit_json, json_option
+from dsconv.errors import CheckFailed, UserError
+
+
+@cli.command()
+@click.option("--model", "-m", type=PATH, required=True, help="HF model directory this workspace works on.")
+@click.option("--output", "-o", type=PATH, default=Path("dsconv-out"), show_default=True,
+              help="Root under which each stage writes its output (<root>/onnx, quant, shard, atc, ...).")
+@click.option("--force", is_flag=True, help="Overwrite an existing dsconv.toml.")
+def init(model: Path, output: Path, force: bool) -> None:
+    """Write dsconv.toml here so the other commands need no paths."""
+    from dsconv.checkpoint import Checkpoint
+
+    Checkpoint.open(model)  # validate now, not at the first stage
+    ws = workspace.init(model, output, force=force)
+    click.echo(f"wrote {ws.path}: model {ws.model}, outputs under {ws.output}")
+
+
+@cli.command()
+@click.option("--model", "-m", type=PATH, default=None, help="HF model directory (default: the workspace's).")
+@click.option("--config", "config", type=PATH, default=None, help="A config.json alone: no weights needed.")
+@click.option("--allow-pickle", is_flag=True, help="Read .bin/.pt weights (weights-only unpickler).")
+@json_option
+def inspect(model: Path | None, config: Path | None, allow_pickle: bool, as_json: bool) -> None:
+    """Parameters and bytes by category, dtypes, KV cache, and cards needed per SoC and precision."""
+    from dsconv.checkpoint import open_input
+    from dsconv.inspect import inspect_model, render
+
+    if config is None:
+        model = workspace.resolve_model(model)
+    ck = open_input(model, config=config, allow_pickle=allow_pickle)
+    report = inspect_model(ck)
+    if as_json:
+        emit_json(report)
+    else:
+        click.echo(render(report))
+
+
+@cli.command()
+@click.argument("directory", type=PATH)
+@json_option
+def verify(directory: Path, as_json: bool) -> None:
+    """Re-check a dsconv output: every file's sha256 and size, then the stage's own check."""
+    from dsconv.verify import verify as run_verify
+
+    if not directory.is_dir():
+        raise UserError(f"{directory} is not a directory", hint="pass a directory dsconv wrote")
+    manifest, problems = run_verify(directory)
+    if as_json:
+        emit_json({"directory": str(directory), "stage": manifest.get("stage"), "files": len(manifest["files"]),
+                   "ok": not problems, "problems": problems})
+    if problems:
+        raise CheckFailed(f"{directory}: {len(problems)} problem(s), first: {problems[0]}",
+                          details="\n".join(problems[:50]))
+    if not as_json:
+        click.echo(f"{directory}: {len(manifest['files'])} files match the manifest ({manifest.get('stage')} output)")

@@ -1,0 +1,37 @@
+"""The three ways a dsconv command can end badly, each mapped to one exit code (see DESIGN.md).
+
+UserError (exit 2): the user's input or options are wrong. CheckFailed (exit 3): a check the user asked for
+(numeric parity, balance, fit) failed. Both print one line - what, where, what to do - and never a traceback.
+Anything else is a bug (exit 1): the CLI prints the traceback and asks for a report.
+"""
+from __future__ import annotations
+
+
+class DsconvError(Exception):
+    """Base of the errors the CLI turns into a one-line message and an exit code."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, hint: str | None = None, details: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        self.details = details  # extra lines (figures, per-rank reasons) shown under the message
+
+    def one_line(self) -> str:
+        text = self.message.rstrip(".")
+        if self.hint:
+            text += f"; {self.hint}"
+        return " ".join(text.split("\n"))
+
+
+class UserError(DsconvError):
+    """The input or the options are wrong: exit 2, one line naming the file/line/tensor and the fix."""
+
+    exit_code = 2
+
+
+class CheckFailed(DsconvError):
+    """A check the user asked for failed (parity, balance, fit): exit 3, nothing written."""
+
+    exit_code = 3

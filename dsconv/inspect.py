@@ -1,0 +1,158 @@
+"""`dsconv inspect`: what a model is and what it needs, from headers (or config.json) alone.
+
+Parameters and bytes by category, dtypes, KV-cache bytes per token, and how many cards of each SoC the weights need
+at BF16/FP16, INT8 and INT4, plain and with the field's 1.2-1.3 overhead factor. "parameters" counts each stored
+model parameter once (tied embeddings once, FP8 scales and int8 auxiliaries excluded); DeepSeek's router
+`e_score_correction_bias` counts, as in DeepSeek's own code and its 671B figure.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any
+
+from dsconv.families.roles import Category
+from dsconv.writer import DTYPE_SIZES
+
+# Bytes per parameter of a quantized linear at each precision, scales included (INT4: group 128, fp32 scale+offset).
+PRECISIONS = {"bf16": None, "int8": 1.0 + 0.0, "int4": 0.5 + 8 / 128}
+OVERHEADS = (1.2, 1.3)
+SIZING_SOCS = ("Ascend910B", "Ascend910B4", "Ascend310P3")
+
+
+def soc_memory_bytes(soc: str) -> int:
+    """Device memory of a SoC, from its ATC profile (the one place that states it)."""
+    from dsconv.atc.profiles import load_profile
+
+    return load_profile(soc).device_memory_mb * 2**20
+
+
+def inspect_model(ck: Any) -> dict[str, Any]:
+    """The whole report as one JSON-ready dict (`ck` is a Checkpoint or a ConfigOnly)."""
+    facts = ck.facts
+    cats: dict[str, dict[str, int]] = defaultdict(lambda: {"parameters": 0, "bytes": 0, "tensors": 0})
+    dtypes: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "bytes": 0})
+    total_bytes = elements = parameters = main_parameters = 0
+    quantizable = other = 0  # parameters by whether the default quantization touches them
+    tied_dup = facts.tie_word_embeddings and "lm_head.weight" in ck.tensors and "model.embed_tokens.weight" in ck.tensors
+    for name, info in ck.tensors.items():
+        r = ck.roles[name]
+        numel = math.prod(info.shape)
+        c = cats[r.category.value]
+        c["bytes"] += info.nbytes
+        c["tensors"] += 1
+        d = dtypes[info.dtype]
+        d["tensors"] += 1
+        d["bytes"] += info.nbytes
+        total_bytes += info.nbytes
+        elements += numel
+        if r.is_aux or (tied_dup and name == "lm_head.weight"):
+            continue
+        if info.dtype == "I8" and ck.is_quantized and _packed_int4(ck, name):
+            numel *= 2  # two int4 values per byte
+        c["parameters"] += numel
+        parameters += numel
+        if r.category is not Category.MTP:
+            main_parameters += numel
+        if r.role.quantized_by_default and r.param == "weight":
+            quantizable += numel
+        else:
+            other += numel
+    report: dict[str, Any] = {
+        "model_type": facts.model_type,
+        "family": ck.family.name,
+        "source": "config" if not getattr(ck, "files", None) else "checkpoint",
+        "parameters": parameters,
+        "main_parameters": main_parameters,
+        "elements": elements,
+        "bytes": total_bytes,
+        "tensors": len(ck.tensors),
+        "files": len(getattr(ck, "files", []) or []),
+        "dtypes": dict(sorted(dtypes.items())),
+        "categories": {k.value: dict(cats[k.value]) for k in Category if k.value in cats},
+        "architecture": facts.as_dict(),
+        "kv_cache_bytes_per_token": {"bf16": facts.kv_bytes_per_token(2), "int8": facts.kv_bytes_per_token(1)},
+        "quantized": bool(ck.is_quantized),
+    }
+    report["cards"] = cards_needed(quantizable, other)
+    return report
+
+
+def _packed_int4(ck: Any, name: str) -> bool:
+    desc = ck.quant_description or {}
+    return str(desc.get(name, "")).startswith("W4")
+
+
+def weight_bytes(quantizable: int, other: int, precision: str) -> int:
+    """Weights at `precision`: the default-quantized linears at that precision, everything else in 16 bits."""
+    per = PRECISIONS[precision]
+    if per is None:
+        return 2 * (quantizable + other)
+    return int(quantizable * per) + 2 * other
+
+
+def cards_needed(quantizable: int, other: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for soc in SIZING_SOCS:
+        mem = soc_memory_bytes(soc)
+        per_soc: dict[str, Any] = {"memory_bytes": mem}
+        for precision in PRECISIONS:
+            b = weight_bytes(quantizable, other, precision)
+            label = "fp16" if soc.startswith("Ascend310P") and precision == "bf16" else precision
+            per_soc[label] = {"weight_bytes": b, "cards": max(1, math.ceil(b / mem)),
+                              **{f"cards_x{o}": max(1, math.ceil(b * o / mem)) for o in OVERHEADS}}
+        out[soc] = per_soc
+    return out
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def human_count(n: float) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(int(n))
+
+
+def render(report: dict[str, Any]) -> str:
+    """A terminal report: one table of categories, the facts, the card counts."""
+    a = report["architecture"]
+    lines = [f"{report['family']} (model_type {report['model_type']}) from {report['source']}: "
+             f"{report['parameters']:,} parameters ({human_count(report['parameters'])}), "
+             f"{human_bytes(report['bytes'])} in {report['tensors']:,} tensors, {report['files']} files"]
+    if report["main_parameters"] != report["parameters"]:
+        lines.append(f"main model without MTP: {report['main_parameters']:,} parameters")
+    lines.append("")
+    lines.append(f"{'category':<16}{'parameters':>22}{'bytes':>16}{'tensors':>10}")
+    for cat, c in report["categories"].items():
+        lines.append(f"{cat:<16}{c['parameters']:>22,}{human_bytes(c['bytes']):>16}{c['tensors']:>10,}")
+    lines.append("")
+    lines.append("dtypes: " + ", ".join(f"{k} {v['tensors']:,} tensors / {human_bytes(v['bytes'])}"
+                                        for k, v in report["dtypes"].items()))
+    geo = [f"layers {a['num_layers']}", f"hidden {a['hidden_size']}", f"heads {a['num_heads']}",
+           f"kv heads {a['num_kv_heads']}", f"head dim {a['head_dim']}", f"vocab {a['vocab_size']}"]
+    if a["num_experts"]:
+        geo.append(f"experts {a['num_experts']} (top-{a['experts_per_tok']}) in {len(a['moe_layers'])} layers")
+    if a["kv_lora_rank"]:
+        geo.append(f"MLA kv_lora {a['kv_lora_rank']} + rope {a['qk_rope_head_dim']}")
+    if a["num_mtp_layers"]:
+        geo.append(f"MTP layers {a['num_mtp_layers']}")
+    lines.append("architecture: " + ", ".join(geo))
+    kv = report["kv_cache_bytes_per_token"]
+    lines.append(f"KV cache per token (all layers): {kv['bf16']:,} B in BF16/FP16, {kv['int8']:,} B in INT8")
+    lines.append("")
+    lines.append("cards for the weights (plain / x1.2 / x1.3 for KV cache and workspace):")
+    for soc, per in report["cards"].items():
+        cells = []
+        for prec, v in per.items():
+            if prec == "memory_bytes":
+                continue
+            cells.append(f"{prec.upper()} {v['cards']}/{v['cards_x1.2']}/{v['cards_x1.3']}")
+        lines.append(f"  {soc:<12} ({human_bytes(per['memory_bytes'])}): " + "   ".join(cells))
+    return "\n".join(lines)

@@ -1,0 +1,194 @@
+"""Seeded tiny models of every family, built by transformers from a config (no hub): the demo model and test fixtures.
+
+The weights are random but the checkpoints are real `save_pretrained` output (both MoE layouts), so every stage runs
+its real loading code on them. `write_fp8_checkpoint` turns one into a DeepSeek-style FP8 block-scaled checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")
+
+
+def tiny_config(family: str, vocab_size: int = 320, **overrides: Any):
+    """A transformers config of `family` with a few layers and small widths (RoPE and MoE routing intact)."""
+    import transformers
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    if family == "llama":
+        cfg = transformers.LlamaConfig(**common)
+    elif family == "qwen2":
+        cfg = transformers.Qwen2Config(**common)
+    elif family == "qwen3":
+        cfg = transformers.Qwen3Config(**common, head_dim=16)
+    elif family == "qwen2_moe":
+        cfg = transformers.Qwen2MoeConfig(**common, **moe, shared_expert_intermediate_size=48)
+    elif family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**common, **moe, head_dim=16)
+    elif family == "mixtral":
+        cfg = transformers.MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2)
+    elif family == "deepseek_v3":
+        d = dict(common, num_hidden_layers=3, num_key_value_heads=4)
+        cfg = transformers.DeepseekV3Config(
+            **d, first_k_dense_replace=1, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4,
+            moe_intermediate_size=32, n_group=4, topk_group=2, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8,
+            qk_nope_head_dim=16, v_head_dim=16, routed_scaling_factor=2.5, norm_topk_prob=True,
+            num_nextn_predict_layers=0)
+    else:
+        raise ValueError(f"unknown tiny family {family}")
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def build_model(family: str, seed: int = 0, **overrides: Any):
+    """A randomly initialised tiny model (seeded; MoE routers get a spread so that routing varies by input)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(family, **overrides)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))  # non-trivial norms catch mis-mapped weights
+            elif p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+            if name.endswith("mlp.gate.weight") or name.endswith("router.weight"):
+                p.normal_(0.0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.05)
+    return model
+
+
+def save_model(model, out: Path, fused: bool = False, dtype: str | None = None, tokenizer: Any | None = None) -> Path:
+    """`save_pretrained` in the per-expert (default) or fused MoE layout, optionally cast to bf16/fp16."""
+    import torch
+
+    out = Path(out)
+    if dtype:
+        model = model.to({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype])
+    model.save_pretrained(out, save_original_format=not fused)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return out
+
+
+def make_tiny(family: str, out: Path, seed: int = 0, fused: bool = False, dtype: str | None = None,
+              tokenizer: Any | None = None, **overrides: Any) -> Path:
+    if tokenizer is not None:
+        overrides.setdefault("vocab_size", len(tokenizer))
+    return save_model(build_model(family, seed=seed, **overrides), out, fused=fused, dtype=dtype, tokenizer=tokenizer)
+
+
+def train_tokenizer(texts: list[str], vocab_size: int = 512):
+    """A small byte-level BPE trained on `texts` (the bundled calibration set), as a HF fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|bos|>", "<|eos|>", "<|pad|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
+                                   pad_token="<|pad|>", padding_side="left")
+
+
+def add_mtp_layer(model_dir: Path, seed: int = 0) -> None:
+    """Append a DeepSeek MTP module (layer index num_hidden_layers) to a saved tiny DeepSeek-V3 checkpoint, as the
+    published checkpoint stores it; transformers ignores it, dsconv must account for it."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from dsconv.families import family_for
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    fam = family_for(cfg)
+    facts = fam.facts(cfg)
+    g = torch.Generator().manual_seed(seed)
+    existing = load_file(model_dir / "model.safetensors")
+    dtype = next(iter(existing.values())).dtype
+    for spec in fam.synthesize(cfg):
+        if spec.name not in existing and fam.classify(spec.name, facts).layer == facts.num_layers:
+            existing[spec.name] = (torch.randn(spec.shape, generator=g) * 0.05).to(dtype)
+    save_file(existing, model_dir / "model.safetensors", metadata={"format": "pt"})
+    (model_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def write_fp8_checkpoint(src: Path, out: Path, block: tuple[int, int] = (128, 128), max_part_tensors: int = 0) -> Path:
+    """Re-save a tiny DeepSeek-V3 checkpoint the way DeepSeek publishes V3/R1: quantizable linear weights as
+    float8_e4m3fn with a float32 `weight_scale_inv` per 128x128 block, config with quantization_config.
+
+    With `max_part_tensors`, tensors are spread over several parts with an index, and each scale is put in the part
+    after its weight so that readers must look scales up across parts.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from dsconv.families import family_for
+
+    cfg = json.loads((src / "config.json").read_text())
+    fam = family_for(cfg)
+    facts = fam.facts(cfg)
+    tensors = load_file(src / "model.safetensors")
+    out.mkdir(parents=True, exist_ok=True)
+    result: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        r = fam.classify(name, facts)
+        if r.role.quantized_by_default and r.param == "weight" and t.dim() == 2:
+            w = t.float()
+            rows, cols = w.shape
+            sr, sc = math.ceil(rows / block[0]), math.ceil(cols / block[1])
+            scale = torch.empty(sr, sc)
+            q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+            for i in range(sr):
+                for j in range(sc):
+                    blk = w[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]]
+                    s = blk.abs().max().clamp(min=1e-12) / 448.0
+                    scale[i, j] = s
+                    q[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]] = (blk / s).to(
+                        torch.float8_e4m3fn)
+            result[name] = q
+            result[name + "_scale_inv"] = scale
+        else:
+            result[name] = t.to(torch.bfloat16) if t.is_floating_point() and t.dtype != torch.float32 else t
+    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                  "weight_block_size": list(block)}
+    cfg["torch_dtype"] = "bfloat16"
+    for extra in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (src / extra).is_file():
+            (out / extra).write_bytes((src / extra).read_bytes())
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    if not max_part_tensors:
+        save_file(result, out / "model.safetensors", metadata={"format": "pt"})
+        return out
+    names = [n for n in result if not n.endswith("_scale_inv")]
+    parts: list[list[str]] = [names[i:i + max_part_tensors] for i in range(0, len(names), max_part_tensors)]
+    n = len(parts) + 1
+    files = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    weight_map: dict[str, str] = {}
+    contents: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
+    for i, part in enumerate(parts):
+        for name in part:
+            contents[i][name] = result[name]
+            weight_map[name] = files[i]
+            if name + "_scale_inv" in result:  # the scale lives in the next part
+                contents[i + 1][name + "_scale_inv"] = result[name + "_scale_inv"]
+                weight_map[name + "_scale_inv"] = files[i + 1]
+    for i, c in enumerate(contents):
+        save_file(c, out / files[i], metadata={"format": "pt"})
+    total = sum(t.numel() * t.element_size() for t in result.values())
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return out

@@ -1,0 +1,394 @@
+"""The one writer: size-capped safetensors parts, their index, and a manifest, committed atomically.
+
+Why it plans first: a safetensors header lists every tensor's byte range before the data, so a streaming writer must
+know the names, dtypes and shapes of a part before its first byte. Stages know them from headers (plan from headers,
+then stream), hand them to `OutputDir.tensor_set(specs)`, then `write(name, tensor)` one tensor at a time; nothing
+holds more than the tensor being written.
+
+Why a temporary sibling: everything is written to `.NAME.dsconv-tmp` next to the destination and renamed into place
+only when complete, so a crash never leaves a half-written output that a rerun could trust; a rerun removes the stale
+temporary directory.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from dsconv import __version__
+from dsconv.errors import UserError
+
+MANIFEST = "dsconv_manifest.json"
+DEFAULT_MAX_SHARD_SIZE = 4 * 1000**3  # the official tools' "4GB"
+
+# safetensors dtype name -> item size in bytes
+DTYPE_SIZES: dict[str, int] = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}
+
+
+def parse_size(text: str | int) -> int:
+    """'4GB', '500MB', '2GiB', '1000' -> bytes (HF's max_shard_size convention: GB = 10^9, GiB = 2^30)."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip().upper().replace(" ", "")
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+             "TB": 10**12, "B": 1}
+    for unit, factor in units.items():
+        if s.endswith(unit):
+            number = s[: -len(unit)]
+            break
+    else:
+        number, factor = s, 1
+    try:
+        value = int(float(number) * factor)
+    except ValueError:
+        raise UserError(f"cannot read size {text!r}", hint="write it like 4GB, 500MB or 2GiB") from None
+    if value <= 0:
+        raise UserError(f"size {text!r} must be positive")
+    return value
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What the writer must know of a tensor before any data: its name, safetensors dtype and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_SIZES[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def torch_dtype_name(t: Any) -> str:
+    """safetensors dtype name of a torch tensor or numpy array."""
+    import torch
+
+    if isinstance(t, np.ndarray):
+        return _NP_TO_ST[t.dtype.str[1:]]
+    return _TORCH_TO_ST[t.dtype] if _TORCH_TO_ST else _torch_map()[t.dtype]
+
+
+_NP_TO_ST = {"i1": "I8", "u1": "U8", "i2": "I16", "u2": "U16", "f2": "F16", "i4": "I32", "u4": "U32",
+             "f4": "F32", "i8": "I64", "u8": "U64", "f8": "F64", "b1": "BOOL"}
+_TORCH_TO_ST: dict = {}
+
+
+def _torch_map() -> dict:
+    import torch
+
+    _TORCH_TO_ST.update({
+        torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.float16: "F16",
+        torch.bfloat16: "BF16", torch.int32: "I32", torch.float32: "F32", torch.int64: "I64",
+        torch.float64: "F64", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+        torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+    })
+    return _TORCH_TO_ST
+
+
+def _as_bytes(tensor: Any) -> memoryview:
+    """A zero-copy byte view of a contiguous torch tensor or numpy array."""
+    if isinstance(tensor, np.ndarray):
+        return memoryview(np.ascontiguousarray(tensor)).cast("B")
+    import torch
+
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+
+
+def _header_bytes(entries: dict[str, Any]) -> bytes:
+    raw = json.dumps(entries, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # 8-byte alignment of the data, as safetensors writes it
+    return len(raw).to_bytes(8, "little") + raw
+
+
+class TensorSetWriter:
+    """One set of size-capped safetensors parts (`PREFIX-0000i-of-0000N.safetensors` + index, or one file).
+
+    Parts are laid out when the set is created, so every part's header is known and written up front; `write()`
+    then puts each tensor's bytes at its offset (any order), hashing on the fly while tensors arrive in order.
+    """
+
+    def __init__(self, root: Path, specs: Sequence[TensorSpec], prefix: str, max_shard_size: int,
+                 metadata: dict[str, str] | None = None, index_name: str | None = None) -> None:
+        self.root = root
+        self.prefix = prefix
+        self.specs = {s.name: s for s in specs}
+        if len(self.specs) != len(specs):
+            dup = next(s.name for s in specs if sum(t.name == s.name for t in specs) > 1)
+            raise ValueError(f"tensor {dup} planned twice")
+        parts: list[list[TensorSpec]] = [[]]
+        size = 0
+        for spec in specs:
+            if parts[-1] and size + spec.nbytes > max_shard_size:
+                parts.append([])
+                size = 0
+            parts[-1].append(spec)
+            size += spec.nbytes
+        n = len(parts)
+        self.files: list[str] = (
+            [f"{prefix}.safetensors"] if n == 1 else [f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        )
+        self.index_name = index_name or f"{prefix}.safetensors.index.json"
+        self._where: dict[str, tuple[int, int, int]] = {}  # name -> (part, absolute offset, nbytes)
+        self._fds: list[int] = []
+        self._hash: list[Any] = []
+        self._cursor: list[int] = []  # next in-order offset per part (for incremental hashing)
+        self._sizes: list[int] = []
+        self._written: set[str] = set()
+        for i, part in enumerate(parts):
+            entries: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+            offset = 0
+            for spec in part:
+                entries[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape),
+                                      "data_offsets": [offset, offset + spec.nbytes]}
+                offset += spec.nbytes
+            header = _header_bytes(entries)
+            path = root / self.files[i]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.write(fd, header)
+            os.ftruncate(fd, len(header) + offset)
+            for spec in part:
+                start = len(header) + entries[spec.name]["data_offsets"][0]
+                self._where[spec.name] = (i, start, spec.nbytes)
+            self._fds.append(fd)
+            h = hashlib.sha256()
+            h.update(header)
+            self._hash.append(h)
+            self._cursor.append(len(header))
+            self._sizes.append(len(header) + offset)
+
+    @property
+    def total_size(self) -> int:
+        return sum(s.nbytes for s in self.specs.values())
+
+    def write(self, name: str, tensor: Any) -> None:
+        """Write one planned tensor; its dtype and shape must be the planned ones."""
+        spec = self.specs.get(name)
+        if spec is None:
+            raise ValueError(f"tensor {name} was not planned for {self.prefix}")
+        if name in self._written:
+            raise ValueError(f"tensor {name} written twice")
+        dtype = torch_dtype_name(tensor)
+        shape = tuple(tensor.shape)
+        if dtype != spec.dtype or shape != spec.shape:
+            raise ValueError(f"tensor {name}: planned {spec.dtype}{list(spec.shape)}, got {dtype}{list(shape)}")
+        part, offset, nbytes = self._where[name]
+        data = _as_bytes(tensor)
+        assert len(data) == nbytes
+        fd = self._fds[part]
+        done = 0
+        while done < nbytes:
+            done += os.pwrite(fd, data[done:], offset + done)
+        if self._cursor[part] == offset and self._hash[part] is not None:
+            self._hash[part].update(data)
+            self._cursor[part] += nbytes
+        else:
+            self._hash[part] = None  # out of order: hash by reading back at close
+        self._written.add(name)
+
+    def close(self) -> dict[str, dict[str, Any]]:
+        """Check completeness, close the parts, write the index; return {relative file: {sha256, size}}."""
+        missing = [n for n in self.specs if n not in self._written]
+        if missing:
+            raise RuntimeError(f"{len(missing)} planned tensors never written, e.g. {missing[0]}")
+        out: dict[str, dict[str, Any]] = {}
+        for i, fd in enumerate(self._fds):
+            os.fsync(fd)
+            os.close(fd)
+            path = self.root / self.files[i]
+            digest = self._hash[i].hexdigest() if self._hash[i] is not None else sha256_file(path)
+            out[self.files[i]] = {"sha256": digest, "size": self._sizes[i]}
+        self._fds = []
+        if len(self.files) > 1:
+            weight_map = {name: self.files[part] for name, (part, _, _) in self._where.items()}
+            index = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.root / self.index_name).write_text(json.dumps(index, indent=2) + "\n")
+        return out
+
+    def abort(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+
+def sha256_file(path: Path, chunk: int = 16 * 2**20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _is_within(child: Path, parent: Path) -> bool:
+    try:
+        child.resolve().relative_to(parent.resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def versions() -> dict[str, str]:
+    """Versions of the libraries that shaped an output (recorded in every manifest)."""
+    import importlib.metadata as md
+
+    out = {"dsconv": __version__, "python": platform.python_version()}
+    for pkg in ("torch", "numpy", "safetensors", "transformers", "onnx", "onnxruntime", "mindspore"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+class OutputDir:
+    """A stage's output directory as one transaction: temp sibling -> files -> manifest -> rename.
+
+    Refuses to write into (or inside) the input directory, and over an existing directory that is not a dsconv
+    output (`force` replaces a previous dsconv output). Use as a context manager; an exception discards everything.
+    """
+
+    def __init__(self, final: Path | str, *, stage: str, inputs: Iterable[Path | str] = (), force: bool = False,
+                 options: dict[str, Any] | None = None, input_identity: dict[str, Any] | None = None) -> None:
+        self.final = Path(final).absolute()
+        self.stage = stage
+        self.inputs = [Path(p).absolute() for p in inputs]
+        self.force = force
+        self.options = options or {}
+        self.input_identity = input_identity or {}
+        self._sets: list[tuple[str, TensorSetWriter]] = []
+        self._hashes: dict[str, dict[str, Any]] = {}
+        for inp in self.inputs:
+            if _is_within(self.final, inp) or _is_within(inp, self.final):
+                raise UserError(f"output {self.final} overlaps input {inp}",
+                                hint="choose an output directory outside the input (inputs are never modified)")
+        if self.final.exists():
+            if not self.final.is_dir() or not (self.final / MANIFEST).is_file():
+                if self.final.is_dir() and not any(self.final.iterdir()):
+                    pass  # an empty directory is fine to replace
+                else:
+                    raise UserError(f"{self.final} exists and is not a dsconv output",
+                                    hint="choose another --output; dsconv only replaces what it wrote")
+            elif not force:
+                raise UserError(f"{self.final} already holds a dsconv output", hint="pass --force to replace it")
+        self.tmp = self.final.parent / f".{self.final.name}.dsconv-tmp"
+
+    def __enter__(self) -> "OutputDir":
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        if self.tmp.exists():  # a previous run crashed: never trust what it left
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            for _, ts in self._sets:
+                ts.abort()
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return
+        self.commit()
+
+    @property
+    def path(self) -> Path:
+        """Where files go while the transaction is open."""
+        return self.tmp
+
+    def tensor_set(self, specs: Sequence[TensorSpec], prefix: str = "model", subdir: str = "",
+                   max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, metadata: dict[str, str] | None = None,
+                   index_name: str | None = None) -> TensorSetWriter:
+        ts = TensorSetWriter(self.tmp / subdir if subdir else self.tmp, specs, prefix, max_shard_size, metadata,
+                             index_name)
+        self._sets.append((subdir, ts))
+        return ts
+
+    def write_json(self, relpath: str, obj: Any) -> Path:
+        path = self.tmp / relpath
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+        return path
+
+    def write_text(self, relpath: str, text: str) -> Path:
+        path = self.tmp / relpath
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        return path
+
+    def copy_in(self, src: Path, relpath: str | None = None) -> Path:
+        dst = self.tmp / (relpath or src.name)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dst)
+        return dst
+
+    def commit(self) -> None:
+        for subdir, ts in self._sets:
+            for rel, info in ts.close().items():
+                self._hashes[str(Path(subdir) / rel) if subdir else rel] = info
+        files: dict[str, dict[str, Any]] = {}
+        for path in sorted(self.tmp.rglob("*")):
+            if path.is_file() and path.name != MANIFEST:
+                rel = path.relative_to(self.tmp).as_posix()
+                files[rel] = self._hashes.get(rel) or {"sha256": sha256_file(path), "size": path.stat().st_size}
+        manifest = {
+            "tool": "dsconv", "stage": self.stage, "command": sys.argv, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                               time.gmtime()),
+            "inputs": [str(p) for p in self.inputs], "input_identity": self.input_identity,
+            "options": self.options, "versions": versions(), "files": files,
+        }
+        (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
+        if self.final.exists():
+            old = self.final.parent / f".{self.final.name}.dsconv-old"
+            if old.exists():
+                shutil.rmtree(old)
+            self.final.rename(old)
+            self.tmp.rename(self.final)
+            shutil.rmtree(old)
+        else:
+            self.tmp.rename(self.final)
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise UserError(f"{directory} has no {MANIFEST}", hint="verify only works on directories dsconv wrote")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON (line {e.lineno})", hint="the output is damaged; rerun the stage")
+
+
+def verify_files(directory: Path) -> list[str]:
+    """Re-check every sha256 and size in a manifest; return the problems (empty when intact)."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    problems = []
+    for rel, info in manifest.get("files", {}).items():
+        path = directory / rel
+        if not _is_within(path, directory):
+            problems.append(f"{rel}: path escapes the directory")
+        elif not path.is_file():
+            problems.append(f"{rel}: missing")
+        elif path.stat().st_size != info["size"]:
+            problems.append(f"{rel}: size {path.stat().st_size}, manifest says {info['size']}")
+        elif sha256_file(path) != info["sha256"]:
+            problems.append(f"{rel}: sha256 differs from the manifest")
+    return problems
