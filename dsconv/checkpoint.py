@@ -365,21 +365,26 @@ def _list_safetensors(root: Path) -> tuple[list[Path], dict[str, TensorInfo]]:
         except (json.JSONDecodeError, KeyError, TypeError, AssertionError):
             raise UserError(f"{index_path.name} is not a valid safetensors index (no weight_map)",
                             hint="fix or re-download the index") from None
-        for name, fname in weight_map.items():
-            if not isinstance(fname, str) or os.path.isabs(fname) or not _inside(root / fname, root):
-                raise UserError(f"{index_path.name}: {name} points to {fname!r}, outside the model directory",
+        parts: dict[str, tuple[Path, int, dict[str, Any]]] = {}
+        for fname in set(weight_map.values()) if all(isinstance(v, str) for v in weight_map.values()) else [None]:
+            if fname is None or os.path.isabs(fname) or not _inside(root / fname, root):
+                bad = next(k for k, v in weight_map.items() if v == fname or not isinstance(v, str))
+                raise UserError(f"{index_path.name}: {bad} points to {weight_map[bad]!r}, outside the model directory",
                                 hint="the index is damaged or crafted; dsconv only reads files inside the model dir")
             part = root / fname
             if not part.is_file():
-                raise UserError(f"{index_path.name}: {name} is in {fname}, which is missing",
+                bad = next(k for k, v in weight_map.items() if v == fname)
+                raise UserError(f"{index_path.name}: {bad} is in {fname}, which is missing",
                                 hint="copy every part the index lists")
-            start, h = header(part)
-            if name not in h:
+            parts[fname] = (part, *header(part))
+        for name, fname in weight_map.items():
+            part, start, h = parts[fname]
+            e = h.get(name)
+            if e is None:
                 raise UserError(f"{index_path.name} lists {name} in {fname}, but that file does not hold it",
                                 hint="the index and the parts disagree; re-download them")
-            e = h[name]
-            entries[name] = TensorInfo(name, e["dtype"], tuple(e["shape"]), part, start + e["data_offsets"][0],
-                                       start + e["data_offsets"][1], name)
+            a, b = e["data_offsets"]
+            entries[name] = TensorInfo(name, e["dtype"], tuple(e["shape"]), part, start + a, start + b, name)
         return sorted(headers), entries
     files = sorted(p for p in root.glob("*.safetensors") if _inside(p, root))
     for part in files:

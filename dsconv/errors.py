@@ -18,6 +18,9 @@ class DsconvError(Exception):
         self.hint = hint
         self.details = details  # extra lines (figures, per-rank reasons) shown under the message
 
+    def __str__(self) -> str:
+        return self.one_line()
+
     def one_line(self) -> str:
         text = self.message.rstrip(".")
         if self.hint:

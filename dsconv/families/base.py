@@ -89,7 +89,7 @@ def template_of(name: str) -> tuple[str, str, int | None, int | None]:
     param = parts.pop() if parts and parts[-1] in ALL_PARAMS else ""
     layer = expert = None
     for i, p in enumerate(parts):
-        if _NUM.match(p):
+        if p.isdigit():
             if layer is None and i > 0 and parts[i - 1] == "layers":
                 layer = int(p)
                 parts[i] = "{L}"

@@ -1,6 +1,6 @@
 """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): softmax top-k experts plus a gated shared expert."""
 from dsconv.families import register
-from dsconv.families.base import (Family, dense_mlp, expert_rules, llama_rules, router_rule,
+from dsconv.families.base import (Family, cfg_get, dense_mlp, expert_rules, llama_rules, router_rule,
                                   shared_expert_rules)
 
 
@@ -8,13 +8,18 @@ def sparse_layers(c, n_layers):
     """Qwen-MoE's rule: MoE where (layer+1) % decoder_sparse_step == 0 and the layer is not in mlp_only_layers."""
     step = c.get("decoder_sparse_step", 1) or 1
     dense = set(c.get("mlp_only_layers") or [])
-    if not c.get("num_experts"):
+    if not num_experts(c):
         return ()
     return tuple(i for i in range(n_layers) if i not in dense and (i + 1) % step == 0)
 
 
+def num_experts(c) -> int:
+    """Hub configs say num_experts; transformers 5 writes num_local_experts for Qwen3-MoE."""
+    return cfg_get(c, "num_experts", "num_local_experts", default=0)
+
+
 def moe_facts(f, c):
-    f.num_experts = c.get("num_experts", 0)
+    f.num_experts = num_experts(c)
     f.experts_per_tok = c.get("num_experts_per_tok", 0)
     f.moe_intermediate_size = c.get("moe_intermediate_size", 0)
     f.moe_layers = sparse_layers(c, f.num_layers)

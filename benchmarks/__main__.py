@@ -1,0 +1,26 @@
+"""`python -m benchmarks [NAME ...]`: run every benchmarks/bench_*.py (or the named ones) and print their figures."""
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv: list[str]) -> int:
+    here = Path(__file__).parent
+    names = sorted(p.stem[len("bench_"):] for p in here.glob("bench_*.py"))
+    chosen = [n for n in names if not argv or n in argv]
+    unknown = [a for a in argv if a not in names]
+    if unknown:
+        print(f"unknown benchmark(s) {unknown}; available: {names}", file=sys.stderr)
+        return 2
+    for name in chosen:
+        print(f"\n=== benchmark {name}", flush=True)
+        t = time.perf_counter()
+        importlib.import_module(f"benchmarks.bench_{name}").main()
+        print(f"=== {name} done in {time.perf_counter() - t:.1f}s", flush=True)
+    return 0
+
+
+sys.exit(main(sys.argv[1:]))

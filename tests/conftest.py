@@ -1,0 +1,79 @@
+"""Shared fixtures: tiny checkpoints of every family (built once per session) and an in-process CLI runner."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+os.environ.setdefault("GLOG_v", "3")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@dataclass
+class CliResult:
+    code: int
+    out: str
+    err: str
+
+
+def _run_cli(args: list[str], cwd: Path | None = None) -> CliResult:
+    from dsconv.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    old = Path.cwd()
+    if cwd is not None:
+        os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main([str(a) for a in args])
+                code = 0
+            except SystemExit as e:
+                code = int(e.code or 0)
+    finally:
+        os.chdir(old)
+    return CliResult(code, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture(scope="session")
+def run_cli() -> Callable[..., CliResult]:
+    """`run_cli(["inspect", "--model", d], cwd=...)` -> CliResult(code, out, err), exit codes as the shell sees them."""
+    return _run_cli
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Callable[..., Path]:
+    """`tiny_model("mixtral", fused=True, dtype="bf16", **config_overrides)` -> a saved checkpoint dir (cached)."""
+    from dsconv.tiny import make_tiny
+
+    cache: dict[tuple, Path] = {}
+
+    def get(family: str, fused: bool = False, dtype: str | None = None, seed: int = 0, **overrides) -> Path:
+        key = (family, fused, dtype, seed, tuple(sorted(overrides.items())))
+        if key not in cache:
+            d = tmp_path_factory.mktemp(f"{family}{'-fused' if fused else ''}")
+            cache[key] = make_tiny(family, d, seed=seed, fused=fused, dtype=dtype, **overrides)
+        return cache[key]
+
+    return get
+
+
+def write_raw_safetensors(path: Path, header: dict, data: bytes, header_len: int | None = None) -> Path:
+    """A safetensors file with an arbitrary (possibly malicious) header, for attack tests."""
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw) if header_len is None else header_len) + raw + data)
+    return path
+
+
+def copy_model(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
