@@ -78,11 +78,9 @@ class TensorSpec:
 
 def torch_dtype_name(t: Any) -> str:
     """safetensors dtype name of a torch tensor or numpy array."""
-    import torch
-
     if isinstance(t, np.ndarray):
         return _NP_TO_ST[t.dtype.str[1:]]
-    return _TORCH_TO_ST[t.dtype] if _TORCH_TO_ST else _torch_map()[t.dtype]
+    return (_TORCH_TO_ST or _torch_map())[t.dtype]
 
 
 _NP_TO_ST = {"i1": "I8", "u1": "U8", "i2": "I16", "u2": "U16", "f2": "F16", "i4": "I32", "u4": "U32",

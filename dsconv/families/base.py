@@ -7,7 +7,6 @@ name, and the table reads like the checkpoint it describes.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -15,7 +14,6 @@ from dsconv.errors import UserError
 from dsconv.families.roles import ALL_PARAMS, Category, Role, TensorRole
 from dsconv.writer import TensorSpec
 
-_NUM = re.compile(r"^\d+$")
 
 DTYPE_FROM_CONFIG = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float": "F32", "half": "F16",
                      "fp16": "F16", "bf16": "BF16", "fp32": "F32"}
