@@ -27,7 +27,7 @@ STEPS: list[tuple[str, list[str]]] = [
     ("eval", ["eval"]),
     ("shard", ["shard", "--ep", "4", "--tp", "2"]),
     ("atc 910B", ["atc", "--soc", "Ascend910B"]),
-    ("atc 310P3", ["atc", "--soc", "Ascend310P3"]),
+    ("atc 310P3", ["atc", "--soc", "Ascend310P3", "--cast-fp16"]),
 ]
 
 

@@ -1,0 +1,1 @@
+"""Quantization: the math (schemes, observers, GPTQ), calibration and the output formats."""
