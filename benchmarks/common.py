@@ -29,27 +29,24 @@ def scratch(prefix: str) -> Path:
 
 
 def run_measured(code: str, *args: str) -> dict[str, Any]:
-    """Run `python -c code args...` in a child; return its wall time, peak RSS (ru_maxrss) and JSON stdout."""
-    import resource
-
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    """Run `python -c code args...` in a child; return its JSON stdout (which should carry its own peak RSS from
+    CHILD_PEAK's peak_rss_bytes()) plus the wall time."""
     t = time.perf_counter()
     p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
     wall = time.perf_counter() - t
     if p.returncode != 0:
         raise RuntimeError(f"benchmark child failed ({p.returncode}):\n{p.stderr[-3000:]}")
-    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     out = json.loads(p.stdout.strip().splitlines()[-1]) if p.stdout.strip() else {}
-    # ru_maxrss of children is the max over all children so far: run the biggest last or read the child's own figure
-    out.setdefault("peak_rss_bytes", max(peak_kib, before) * 1024)
-    out["wall_s"] = wall
+    out["wall_s"] = wall  # the child reports its own peak (VmHWM) as peak_rss_bytes
     return out
 
 
 CHILD_PEAK = """
-import resource, json
+import json
 def peak_rss_bytes():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec, so a child of a big parent would report the parent's
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 """
 
 

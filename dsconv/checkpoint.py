@@ -29,6 +29,7 @@ from dsconv.writer import DTYPE_SIZES, TensorSpec
 
 MAX_HEADER = 100 * 2**20  # safetensors' own limit
 PAGE = mmap.PAGESIZE
+READ_CHUNK = 32 * 2**20
 COPY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
               "chat_template.jinja", "chat_template.json")
@@ -146,7 +147,7 @@ class Checkpoint:
         self.files = files
         self.quant_description = quant_description
         self._pickled = pickled
-        self._maps: dict[Path, mmap.mmap] = {}
+        self._reader = TensorReader()
         self.roles: dict[str, TensorRole] = {name: family.classify(name, self.facts) for name in tensors}
         self._facts_from_disk()
         self.fp8_scales = self._pair_fp8_scales()
@@ -245,37 +246,14 @@ class Checkpoint:
         return t
 
     def _read(self, info: TensorInfo):
-        import torch
-
-        mm = self._maps.get(info.file)
-        if mm is None:
-            with open(info.file, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
-            self._maps[info.file] = mm
-        count = info.numel
-        if count == 0:
-            return torch.empty(info.shape, dtype=torch_dtype(info.dtype))
-        buf = np.frombuffer(mm, dtype=np.uint8, count=info.nbytes, offset=info.start)
-        out = torch.empty(info.nbytes, dtype=torch.uint8)
-        out.numpy()[:] = buf
-        del buf
-        lo = info.start - info.start % PAGE
-        try:  # drop the pages from this process (they stay in the page cache): RSS stays near one tensor
-            mm.madvise(mmap.MADV_DONTNEED, lo, info.end - lo)
-        except (AttributeError, OSError, ValueError):
-            pass
-        return out.view(torch_dtype(info.dtype)).reshape(info.shape)
+        return self._reader.read(info)
 
     def iter_tensors(self, names: list[str] | None = None, dequantize: bool = False) -> Iterator[tuple[str, Any]]:
         for name in names or self.names():
             yield name, self.load(name, dequantize=dequantize)
 
     def close(self) -> None:
-        for mm in self._maps.values():
-            if mm is not None:
-                mm.close()
-        self._maps.clear()
+        self._reader.close()
 
     def __enter__(self) -> "Checkpoint":
         return self
@@ -304,6 +282,56 @@ class Checkpoint:
                                 hint="the scale does not belong to this weight; the checkpoint is damaged")
             out[name] = scale
         return out
+
+
+class TensorReader:
+    """Reads one tensor's byte range out of a read-only mmap into a fresh tensor, dropping the mapped pages as it goes.
+
+    Shared by every reader of safetensors in dsconv (checkpoints, and stages reading their own outputs back), so the
+    memory behaviour is the same everywhere: resident memory is the tensor plus one 32 MiB chunk.
+    """
+
+    def __init__(self) -> None:
+        self._maps: dict[Path, mmap.mmap | None] = {}
+
+    def read(self, info: TensorInfo):
+        import torch
+
+        mm = self._maps.get(info.file)
+        if info.file not in self._maps:
+            with open(info.file, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+            self._maps[info.file] = mm
+        if info.numel == 0 or mm is None:
+            return torch.empty(info.shape, dtype=torch_dtype(info.dtype))
+        out = torch.empty(info.nbytes, dtype=torch.uint8)
+        dst = out.numpy()
+        # Copy in chunks, dropping each chunk's pages from this process right after (they stay in the page cache):
+        # resident memory is the tensor plus one chunk, never the mapped tensor and its copy at once.
+        for lo in range(0, info.nbytes, READ_CHUNK):
+            hi = min(info.nbytes, lo + READ_CHUNK)
+            dst[lo:hi] = np.frombuffer(mm, dtype=np.uint8, count=hi - lo, offset=info.start + lo)
+            a = info.start + lo
+            a -= a % PAGE
+            try:
+                mm.madvise(mmap.MADV_DONTNEED, a, info.start + hi - a)
+            except (AttributeError, OSError, ValueError):
+                pass
+        return out.view(torch_dtype(info.dtype)).reshape(info.shape)
+
+    def close(self) -> None:
+        for mm in self._maps.values():
+            if mm is not None:
+                mm.close()
+        self._maps.clear()
+
+
+def read_tensor_infos(path: Path) -> dict[str, TensorInfo]:
+    """The tensors of one safetensors file (validated header), e.g. a stage reading its own output back."""
+    start, header = read_header(path)
+    return {name: TensorInfo(name, e["dtype"], tuple(e["shape"]), path, start + e["data_offsets"][0],
+                             start + e["data_offsets"][1], name) for name, e in header.items()}
 
 
 def dequant_fp8_block(weight, scale_inv, block: tuple[int, int] = (128, 128), out_dtype=None):

@@ -22,6 +22,10 @@ def register_check(stage: str):
     return deco
 
 
+def has_check(stage: str) -> bool:
+    return stage in _STAGE_CHECKS
+
+
 def verify(directory: Path) -> tuple[dict, list[str]]:
     manifest = read_manifest(directory)
     problems = verify_files(directory)

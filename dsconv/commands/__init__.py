@@ -5,3 +5,4 @@ Commands stay thin: parse options, resolve workspace defaults, call one stage fu
 from dsconv.commands import workspace_cmds  # noqa: F401  init, inspect, verify
 from dsconv.commands import atc  # noqa: F401
 from dsconv.commands import demo  # noqa: F401
+from dsconv.commands import shard  # noqa: F401

@@ -49,7 +49,7 @@ def inspect(model: Path | None, config: Path | None, allow_pickle: bool, as_json
 @json_option
 def verify(directory: Path, as_json: bool) -> None:
     """Re-check a dsconv output: every file's sha256 and size, then the stage's own check."""
-    from dsconv.verify import verify as run_verify
+    from dsconv.verify import has_check, verify as run_verify
 
     if not directory.is_dir():
         raise UserError(f"{directory} is not a directory", hint="pass a directory dsconv wrote")
@@ -62,3 +62,5 @@ def verify(directory: Path, as_json: bool) -> None:
                           details="\n".join(problems[:50]))
     if not as_json:
         click.echo(f"{directory}: {len(manifest['files'])} files match the manifest ({manifest.get('stage')} output)")
+        if has_check(manifest.get("stage", "")):
+            click.echo(f"{directory}: the {manifest.get('stage')} check passed")

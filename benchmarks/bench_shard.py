@@ -1,0 +1,289 @@
+"""Shard figures.
+
+1. Planning the full DeepSeek-V3 (91,991 tensors) with `--ep 8 --tp 4`: from config.json alone and from the headers
+   of a sparse 163-file checkpoint, in a fresh process (imports included), split into phases. Goal <= 3 s.
+2. Weight bytes per card for `--ep 8 --tp 4` on 32 x 64 GB in FP8 (the published checkpoint), W8A8 (msModelSlim
+   W8A8_DYNAMIC layout synthesised from the BF16 list: int8 weight + fp32 per-channel scale and offset) and BF16,
+   against the reference's 24.9 / 48.5 GiB; the difference is itemised.
+3. Writing: a ~1.3 GB synthetic DeepSeek-architecture checkpoint sharded `--ep 4 --tp 2` (8 ranks) against a plain
+   copy of the same files, with the peak RSS of the shard process and the largest tensor for scale.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.common import run_measured, save, scratch
+
+CONFIG = Path(__file__).resolve().parent.parent / "tests" / "data" / "deepseek_v3_config.json"
+GiB = 2**30
+
+# The child's own high-water mark. Not ru_maxrss: Linux carries ru_maxrss across exec, so a child forked from a
+# parent holding 700 MB would report at least that (benchmarks.common.CHILD_PEAK has this flaw).
+CHILD_PEAK = """
+import json
+def peak_rss_bytes():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+"""
+
+
+# ------------------------------------------------------------------------------------------------ 1. planning
+PLAN_CHILD = CHILD_PEAK + """
+import sys, time
+t0 = time.perf_counter()
+from dsconv.checkpoint import Checkpoint, ConfigOnly
+from dsconv.shard import plan as P
+from dsconv.shard.memory import FitSettings
+from pathlib import Path
+t_import = time.perf_counter() - t0
+t = time.perf_counter()
+src = ConfigOnly.open(Path(sys.argv[1])) if sys.argv[2] == "config" else Checkpoint.open(sys.argv[1])
+t_open = time.perf_counter() - t
+t = time.perf_counter()
+table = P.build_table(src)
+t_table = time.perf_counter() - t
+t = time.perf_counter()
+lay = P.make_layout(8, 4, is_moe=True)
+opts = P.ShardOptions(fit=FitSettings("Ascend910B3", 64 * 2**30), num_groups=8)
+plan = P.make_plan(table, lay, opts)
+t_plan = time.perf_counter() - t
+t = time.perf_counter()
+alts = P.find_alternatives(table, lay, opts)
+t_alts = time.perf_counter() - t
+t = time.perf_counter()
+n = sum(1 for _ in P.iter_tensor_ranks(table, plan.ev, plan.owners()))
+t_materialise = time.perf_counter() - t
+print(json.dumps({"tensors": len(table), "kinds": len(table.kinds), "import_s": t_import, "open_s": t_open,
+                  "table_s": t_table, "plan_s": t_plan, "alternatives_s": t_alts, "alternatives": len(alts),
+                  "materialise_s": t_materialise, "total_s": time.perf_counter() - t0, "ok": plan.ok,
+                  "dry_run_path_s": t_import + t_open + t_table + t_plan,
+                  "peak_rss_bytes": peak_rss_bytes()}))
+"""
+
+
+def bench_planning() -> dict:
+    from benchmarks.bench_foundation import write_sparse_deepseek
+
+    out = {}
+    r = min((run_measured(PLAN_CHILD, str(CONFIG), "config") for _ in range(3)), key=lambda x: x["dry_run_path_s"])
+    out["from_config"] = {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}
+    root = scratch("dsconv-ds-sparse-")
+    try:
+        write_sparse_deepseek(root)
+        r = min((run_measured(PLAN_CHILD, str(root), "headers") for _ in range(3)),
+                key=lambda x: x["dry_run_path_s"])
+        out["from_headers_163_files"] = {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}
+        for label, args in (("config", ["--config", str(CONFIG)]), ("headers", ["-m", str(root), "--dry-run"])):
+            best = 1e9
+            for _ in range(3):  # the CLI end to end: process start, click, plan, JSON
+                t = time.perf_counter()
+                p = subprocess.run([sys.executable, "-m", "dsconv", "shard", *args, "--ep", "8", "--tp", "4",
+                                    "--json"], capture_output=True, text=True)
+                best = min(best, time.perf_counter() - t)
+                assert p.returncode == 0, p.stderr
+            out[f"cli_dry_run_from_{label}_s"] = round(best, 3)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ 2. bytes per card
+class SpecSource:
+    """A headers-only source from (name, dtype, shape) triples (what a W8A8 output of the full model would list)."""
+
+    def __init__(self, config: dict, specs: list, quant: dict | None) -> None:
+        from dsconv.checkpoint import TensorInfo
+        from dsconv.families import family_for
+
+        self.config, self.family = config, family_for(config)
+        self.facts = self.family.facts(config)
+        self.quant_description = quant
+        self.root = Path(".")
+        self.tensors = {n: TensorInfo(n, d, tuple(s), Path("x"), 0, math.prod(s) * _size(d), n) for n, d, s in specs}
+        self.roles = {n: self.family.classify(n, self.facts) for n in self.tensors}
+
+
+def _size(dtype: str) -> int:
+    from dsconv.writer import DTYPE_SIZES
+
+    return DTYPE_SIZES[dtype]
+
+
+def w8a8_specs(config: dict) -> list:
+    """msModelSlim W8A8_DYNAMIC of DeepSeek-V3: every default-quantized linear int8 + [n,1] fp32 scale and offset;
+    embeddings, head, norms, routers and the MTP eh_proj stay BF16 (FLOAT)."""
+    from dsconv.families import family_for
+
+    fam = family_for(config)
+    facts = fam.facts(config)
+    out = []
+    for s in fam.synthesize(config):
+        r = fam.classify(s.name, facts)
+        if r.role.quantized_by_default and r.param == "weight":
+            p = r.module
+            out += [(p + ".weight", "I8", s.shape), (p + ".weight_scale", "F32", (s.shape[0], 1)),
+                    (p + ".weight_offset", "F32", (s.shape[0], 1))]
+        else:
+            out.append((s.name, s.dtype, s.shape))
+    return out
+
+
+def bench_per_card() -> dict:
+    from dsconv.checkpoint import ConfigOnly
+    from dsconv.shard import plan as P
+    from dsconv.shard.memory import FitSettings
+
+    cfg = json.loads(CONFIG.read_text())
+    bf16_cfg = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    root = scratch("dsconv-cfg-")
+    try:
+        (root / "config.json").write_text(json.dumps(bf16_cfg))
+        sources = {"FP8 (published checkpoint)": ConfigOnly.open(CONFIG),
+                   "W8A8_DYNAMIC (msModelSlim layout)": SpecSource(bf16_cfg, w8a8_specs(bf16_cfg),
+                                                                   {"model_quant_type": "W8A8_DYNAMIC"}),
+                   "BF16": ConfigOnly.open(root / "config.json")}
+        reference = {"FP8 (published checkpoint)": 24.9, "W8A8_DYNAMIC (msModelSlim layout)": 24.9, "BF16": 48.5}
+        mtp_copies = 2 * 129280 * 7168 * 2 / 4 / GiB  # MTP's own embed_tokens + shared_head.head, split by tp 4
+        out = {}
+        for label, src in sources.items():
+            table = P.build_table(src)
+            plan = P.make_plan(table, P.make_layout(8, 4, is_moe=True),
+                               P.ShardOptions(fit=FitSettings("Ascend910B3", 64 * GiB), num_groups=8))
+            card = plan.rank_bytes.max() / GiB
+            experts = (plan.rank_bytes.max() - plan.ev.common_bytes) / GiB
+            out[label] = {"per_card_gib": round(card, 3), "routed_experts_gib": round(experts, 3),
+                          "other_gib": round(card - experts, 3),
+                          "by_category_gib": {k: round(v / GiB, 3) for k, v in plan.ev.common_by_category.items()},
+                          "mtp_embed_and_head_copies_gib": round(mtp_copies, 3),
+                          "per_card_without_mtp_copies_gib": round(card - mtp_copies, 3),
+                          "reference_gib": reference[label], "fits_64gb_x0.8": bool(plan.fit.ok),
+                          "kv_tokens_per_card": plan.fit.min_kv_tokens, "max_over_mean": 1 + plan.balance.imbalance}
+        return out
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------ 3. writing
+SYNTH = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 32000,
+         "hidden_size": 2048, "intermediate_size": 5632, "moe_intermediate_size": 1408, "num_hidden_layers": 4,
+         "num_nextn_predict_layers": 0, "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 1,
+         "n_routed_experts": 16, "kv_lora_rank": 256, "q_lora_rank": 512, "qk_rope_head_dim": 64, "v_head_dim": 128,
+         "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4,
+         "moe_layer_freq": 1, "first_k_dense_replace": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+         "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000}
+
+
+def write_synthetic(root: Path) -> tuple[int, int]:
+    """Random-byte BF16 checkpoint of the SYNTH config through dsconv's writer (500 MB parts + index)."""
+    import numpy as np
+    import torch
+
+    from dsconv.families import family_for
+    from dsconv.writer import OutputDir
+
+    fam = family_for(SYNTH)
+    specs = fam.synthesize(SYNTH)
+    rng = np.random.default_rng(0)
+    with OutputDir(root, stage="bench", force=True) as out:
+        ts = out.tensor_set(specs, prefix="model", max_shard_size=500 * 10**6)
+        for s in specs:
+            if s.dtype == "BF16":
+                bits = rng.integers(0, 2**16, size=math.prod(s.shape), dtype=np.uint16).view(np.int16)
+                ts.write(s.name, torch.from_numpy(bits).view(torch.bfloat16).reshape(s.shape))
+            else:
+                ts.write(s.name, rng.random(s.shape, dtype=np.float32))
+        out.write_json("config.json", SYNTH)
+    return sum(s.nbytes for s in specs), max(s.nbytes for s in specs)
+
+
+SHARD_CHILD = CHILD_PEAK + """
+import sys, time
+from pathlib import Path
+from dsconv.shard import ShardRequest, shard
+t = time.perf_counter()
+r = shard(ShardRequest(model=Path(sys.argv[1]), ep=4, tp=2, output=Path(sys.argv[2]), force=True, progress=False))
+wall = time.perf_counter() - t
+assert r.failure is None, r.failure
+print(json.dumps({"shard_s": wall, "bytes_written": r.written["bytes_written"], "peak_rss_bytes": peak_rss_bytes()}))
+"""
+
+VERIFY_CHILD = CHILD_PEAK + """
+import sys, time
+from pathlib import Path
+from dsconv.verify import verify
+import dsconv.shard
+t = time.perf_counter()
+_, problems = verify(Path(sys.argv[1]))
+print(json.dumps({"verify_s": time.perf_counter() - t, "problems": len(problems), "peak_rss_bytes": peak_rss_bytes()}))
+"""
+
+
+def bench_write() -> dict:
+    root = scratch("dsconv-shard-w-")
+    try:
+        src = root / "src"
+        total, largest = write_synthetic(src)
+        files = sorted(src.glob("*.safetensors"))
+        # plain copies of the same files (page cache warm, like the shard run after it), synced; best of 2:
+        # shutil.copyfile (in-kernel copy_file_range) and a user-space read/write copy in 16 MiB chunks
+        for f in files:
+            f.read_bytes()
+
+        def userspace(a: Path, b: Path) -> None:
+            with open(a, "rb") as fi, open(b, "wb") as fo:
+                while chunk := fi.read(16 * 2**20):
+                    fo.write(chunk)
+
+        copy_s = {}
+        for label, fn in (("kernel", shutil.copyfile), ("userspace", userspace)):
+            copy_s[label] = 1e9
+            for _ in range(2):
+                t = time.perf_counter()
+                (root / "copy").mkdir()
+                for f in files:
+                    fn(f, root / "copy" / f.name)
+                subprocess.run(["sync"])
+                copy_s[label] = min(copy_s[label], time.perf_counter() - t)
+                shutil.rmtree(root / "copy")
+        runs = [run_measured(SHARD_CHILD, str(src), str(root / "out")) for _ in range(2)]  # the writer fsyncs
+        r = min(runs, key=lambda x: x["shard_s"])
+        r["peak_rss_bytes"] = max(x["peak_rss_bytes"] for x in runs)
+        v = run_measured(VERIFY_CHILD, str(root / "out"))
+        base = run_measured(CHILD_PEAK + """
+import torch, numpy, tqdm, safetensors
+import dsconv.shard, dsconv.shard.write, dsconv.checkpoint, dsconv.writer
+print(json.dumps({"peak_rss_bytes": peak_rss_bytes()}))
+""")
+        return {"source_gb": round(total / 1e9, 3), "largest_tensor_mib": round(largest / 2**20, 1),
+                "import_baseline_rss_mib": round(base["peak_rss_bytes"] / 2**20, 1),
+                "plain_copy_kernel_gbps": round(total / copy_s["kernel"] / 1e9, 3),
+                "plain_copy_userspace_gbps": round(total / copy_s["userspace"] / 1e9, 3),
+                "shard_s": round(r["shard_s"], 2), "shard_written_gb": round(r["bytes_written"] / 1e9, 3),
+                "shard_read_gbps": round(total / r["shard_s"] / 1e9, 3),
+                "shard_write_gbps": round(r["bytes_written"] / r["shard_s"] / 1e9, 3),
+                "shard_vs_userspace_copy_write_ratio": round(r["bytes_written"] / r["shard_s"] /
+                                                             (total / copy_s["userspace"]), 2),
+                "shard_peak_rss_mib": round(r["peak_rss_bytes"] / 2**20, 1),
+                "verify_s": round(v["verify_s"], 2), "verify_problems": v["problems"],
+                "verify_peak_rss_mib": round(v["peak_rss_bytes"] / 2**20, 1)}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> None:
+    figures = {"planning_deepseek_v3": bench_planning(), "per_card_ep8_tp4_32x64GB": bench_per_card(),
+               "write_ep4_tp2": bench_write()}
+    save("shard", figures)
+
+
+if __name__ == "__main__":
+    main()

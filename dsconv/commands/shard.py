@@ -1,0 +1,96 @@
+"""`dsconv shard`: plan EP/TP placement that fits and balances, then write per-rank weights and cluster files."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+import dsconv.shard  # noqa: F401  (registers the `dsconv verify` check of shard outputs)
+from dsconv import workspace
+from dsconv.cli import PATH, cli, emit_json, force_option, json_option, output_option, warn
+
+
+def _pos_int(ctx, param, value):
+    if value is not None and value < 1:
+        raise click.BadParameter("must be a positive integer")
+    return value
+
+
+@cli.command()
+@click.option("--model", "-m", type=PATH, default=None,
+              help="HF checkpoint (FP8 included) or `dsconv quantize` output (default: the workspace's quantize "
+                   "output if there is one, else its model).")
+@click.option("--config", "config", type=PATH, default=None,
+              help="Plan from a config.json alone (the family's synthesised tensor list); implies --dry-run.")
+@click.option("--ep", type=int, default=None, callback=_pos_int,
+              help="Expert-parallel degree (MindIE moe_ep; default: world / tp for MoE models, 1 otherwise).")
+@click.option("--tp", type=int, default=None, callback=_pos_int,
+              help="Tensor-parallel degree of attention (and, without --dp-attention, of embeddings, head and "
+                   "dense MLPs); replicated over dp = world / tp.")
+@click.option("--world", type=int, default=None, callback=_pos_int, help="World size (default: ep x tp).")
+@click.option("--nodes", type=int, default=None, callback=_pos_int, help="Servers in the cluster.")
+@click.option("--cards-per-node", type=int, default=None, callback=_pos_int, help="NPUs per server (default 8).")
+@click.option("--expert-tp", type=int, default=None, callback=_pos_int,
+              help="Expert-TP (MindIE moe_tp); derived as world / ep, give it only to assert it.")
+@click.option("--dp-attention", is_flag=True,
+              help="Attention alone is data-parallel: embeddings, head, dense MLPs and shared experts are split "
+                   "over all cards.")
+@click.option("--soc", default="Ascend910B", show_default=True, help="SoC whose memory each card has.")
+@click.option("--placement", type=click.Choice(["contiguous", "balanced", "eplb"]), default="contiguous",
+              show_default=True, help="Routed experts: engine default, packed by bytes, or DeepSeek EPLB on load.")
+@click.option("--expert-load", type=PATH, default=None,
+              help='Tokens per expert per layer for eplb: {"layers": {"3": [n0, n1, ...], ...}} '
+                   "(default: expert_load.json in the input dir).")
+@click.option("--redundant-experts", "redundant", type=int, default=0, show_default=True,
+              help="Extra expert copies per MoE layer for eplb (the hottest experts are replicated).")
+@click.option("--balance-tolerance", "tolerance", type=float, default=0.02, show_default=True,
+              help="Largest accepted max/mean - 1 of weight bytes per card.")
+@click.option("--max-context", type=int, default=4096, show_default=True, help="Tokens per sequence in the KV cache.")
+@click.option("--batch", type=int, default=1, show_default=True, help="Concurrent sequences per DP group.")
+@click.option("--kv-bits", type=click.Choice(["16", "8"]), default="16", show_default=True, help="KV cache precision.")
+@click.option("--memory-fraction", type=float, default=0.8, show_default=True,
+              help="Share of card memory the engine may use (MindIE NPU_MEMORY_FRACTION).")
+@click.option("--workspace-gb", type=float, default=None,
+              help="Workspace per card instead of dsconv's estimate (HCCL buffers still added).")
+@click.option("--hosts", type=PATH, default=None,
+              help="Server and NPU addresses for ranktable.json: JSON {\"servers\": [{\"server_ip\", \"device_ips\"}]} "
+                   "or lines 'SERVER_IP DEVICE_IP ...'.")
+@click.option("--max-shard-size", default="4GB", show_default=True, help="Size cap of each rank's safetensors parts.")
+@click.option("--dry-run", is_flag=True, help="Print the plan; write nothing.")
+@click.option("--plot", type=PATH, default=None, help="Also draw the per-card chart into this PNG.")
+@output_option
+@force_option
+@json_option
+def shard(model: Path | None, config: Path | None, ep, tp, world, nodes, cards_per_node, expert_tp, dp_attention, soc,
+          placement, expert_load, redundant, tolerance, max_context, batch, kv_bits, memory_fraction, workspace_gb,
+          hosts, max_shard_size, dry_run, plot, output, force, as_json) -> None:
+    """Place every tensor on every rank (EP/TP), check balance and HBM fit, write rank_XX/ dirs and cluster files.
+
+    A plan that is unbalanced or does not fit exits 3 with the reason per rank and valid layouts for the same world.
+    """
+    from dsconv.inspect import human_bytes
+    from dsconv.shard import ShardRequest, shard as run_shard
+
+    if config is None and model is None:
+        model = workspace.previous_output("quantize") or workspace.resolve_model(None)
+    req = ShardRequest(model=model, config=config, ep=ep, tp=tp, world=world, nodes=nodes,
+                       cards_per_node=cards_per_node, expert_tp=expert_tp, dp_attention=dp_attention, soc=soc,
+                       placement=placement, expert_load=expert_load, redundant=redundant, tolerance=tolerance,
+                       max_context=max_context, batch=batch, kv_bits=int(kv_bits), memory_fraction=memory_fraction,
+                       workspace_gb=workspace_gb, hosts=hosts, output=output, force=force,
+                       max_shard_size=max_shard_size, dry_run=dry_run, plot=plot)
+    result = run_shard(req)
+    for w in result.warnings:
+        warn(w)
+    if as_json:
+        emit_json(result.plan)
+    else:
+        click.echo(result.text)
+    if result.failure is not None:
+        raise result.failure
+    if plot is not None and not as_json:
+        click.echo(f"chart: {plot}")
+    if result.written and not as_json:
+        w = result.written
+        click.echo(f"wrote {w['ranks']} rank directories ({human_bytes(w['bytes_written'])}) and "
+                   f"{', '.join(w['files'])} to {w['output']}")
