@@ -6,3 +6,6 @@ from dsconv.commands import workspace_cmds  # noqa: F401  init, inspect, verify
 from dsconv.commands import atc  # noqa: F401
 from dsconv.commands import demo  # noqa: F401
 from dsconv.commands import shard  # noqa: F401
+from dsconv.commands import quantize  # noqa: F401
+from dsconv.commands import export  # noqa: F401
+from dsconv.commands import eval  # noqa: F401

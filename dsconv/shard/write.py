@@ -9,7 +9,6 @@ gets the quant description of its own tensors. `plan.json` records every tensor'
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
