@@ -61,6 +61,8 @@ def build_model(family: str, seed: int = 0, **overrides: Any):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))  # non-trivial norms catch mis-mapped weights
             elif p.dim() >= 2:
                 p.normal_(0.0, 0.08)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.05)  # non-zero biases: a bias mapped to the wrong projection must show
             if name.endswith("mlp.gate.weight") or name.endswith("router.weight"):
                 p.normal_(0.0, 0.5)
         for name, b in model.named_buffers():

@@ -1,0 +1,483 @@
+"""`dsconv export --format mindir`: a MindSpore network built from the checkpoint, exported to MindIR, and proven
+equal to the PyTorch model before anything is written.
+
+No ONNX -> MindIR converter exists on PyPI, so dsconv writes the network in MindSpore (dsconv/convert/ms_nets: one
+module per architecture on shared blocks), streams the weights into it one tensor at a time, and exports it with
+`mindspore.export`. The exported graph:
+
+* inputs  `input_ids` int64 [batch, seq] and `attention_mask` int64 [batch, seq] (1 = token, 0 = padding), both
+  dimensions dynamic; position ids are `cumsum(attention_mask) - 1`, as transformers' `generate()` makes them, so a
+  left-padded row gives the same logits as the row alone;
+* output  `logits` float32 [batch, seq, vocab] (logits at padding positions are finite but meaningless);
+* MoE layers compute every routed expert for every token and combine them with the router's dense top-k weights:
+  exact for any routing and exportable with dynamic shapes, at num_experts / top_k times the expert FLOPs of a
+  sparse dispatch (right for the small models this path targets);
+* `--dtype fp16` stores and computes in float16 (norms, softmax and routing in float32, as transformers does);
+  `--dtype bf16` stores bf16 weights but computes in float32, because MindSpore's CPU kernels have no bf16
+  MatMul/Softmax/Gather and every export is checked on CPU;
+* weight-only quantized input (a `dsconv quantize` output, W8A16 / W4A16) keeps int8 (or packed int4) weights with
+  their scales and dequantizes inside the graph; W8A8 is refused.
+
+The check is part of the export: the MindIR file is loaded back with `mindspore.load` + `nn.GraphCell` and run on
+three shapes (batch 2 with left padding, a single token, a longer sequence); its logits at the real (non-padding)
+positions are compared with transformers' model in float32 on the same weights (dequantized for quantized input,
+rounded to the export dtype for fp16/bf16). An error above the tolerance (`--atol`, else DEFAULT_ATOL scaled by
+the logits' magnitude) raises CheckFailed (exit 3) and nothing is written. MindSpore runs with a scratch directory
+as its cwd (in a child process for checkpoints above ISOLATE_ABOVE_BYTES), so its debris (`rank_0/`, compile
+caches) never reaches the user's directories. `--with-past` is refused: no KV-cache graph yet.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from dsconv.convert.ms_nets import worker
+from dsconv.errors import CheckFailed, UserError
+
+DTYPES = ("fp32", "fp16", "bf16")
+# Default tolerance on max |MindIR logits - PyTorch logits| at real positions, times max(1, max |reference logit|):
+# float32 sums taken in another order differ relatively, more with depth and width. Measured on correct exports:
+# 3e-6 (tiny models, logits ~3), 2.7e-4 (0.6B Llama, logits ~13), 1.05e-3 (94M Qwen2-MoE, logits ~9: 1.2e-4
+# relative), so 1e-3 relative leaves a margin of 8 while a mis-mapped weight or mask costs O(0.1-1). The reference
+# is transformers' float32 model with its weights rounded to the export's storage dtype (compare_with_reference),
+# so bf16 (bf16 weights, fp32 compute) is the same math as fp32; fp16 also rounds every activation (<= 7e-3
+# measured on the tiny models, logits ~3). The error against the unrounded model (the dtype's own cost, MoE routing
+# flips included: 0.6 on the tiny DeepSeek in bf16) is reported, not gated.
+DEFAULT_ATOL = {"fp32": 1e-3, "fp16": 2e-2, "bf16": 1e-3}
+STAGE = "mindir"
+REPORT = "export_report.json"
+INPUT_DTYPE = "int64"
+# Checkpoints larger than this export in a child process (see ms_nets/worker.py): below it MindSpore's import
+# (~4 s) would dominate; above it the memory MindSpore keeps after export would add to the PyTorch reference's.
+ISOLATE_ABOVE_BYTES = 256 * 2**20
+
+
+# ------------------------------------------------------------------------------------------------ environment
+@contextlib.contextmanager
+def scratch_dir(parent: Path, prefix: str) -> Iterator[Path]:
+    """A scratch directory next to the output (same filesystem: the result is moved, not copied); removed
+    afterwards with whatever MindSpore left in it."""
+    parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    try:
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def working_dir(path: Path) -> Iterator[None]:
+    old = Path.cwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(old)
+
+
+def _make_readable(path: Path) -> None:
+    """MindSpore writes its files 0400; an output others deploy from should be 0644 like every other dsconv file."""
+    paths = [path, *path.rglob("*")] if path.is_dir() else [path]
+    for p in paths:
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+
+
+def input_bytes(ck) -> int:
+    return sum(info.nbytes for info in ck.tensors.values())
+
+
+# ------------------------------------------------------------------------------------------------ MindSpore side
+def export_with_mindspore(ck, model_dir: Path, dtype: str, scratch: Path, allow_pickle: bool) -> dict[str, Any]:
+    """worker.build_and_export into scratch/export: in-process (cwd = scratch) for checkpoints up to
+    ISOLATE_ABOVE_BYTES, else in a child process whose memory is returned when it ends."""
+    export_dir = scratch / "export"
+    export_dir.mkdir()
+    if not _isolate(ck):
+        with working_dir(scratch):
+            return worker.build_and_export(model_dir, dtype, export_dir, allow_pickle)
+    return _run_child("export", scratch, {"model_dir": str(Path(model_dir).absolute()), "dtype": dtype,
+                                          "export_dir": str(export_dir), "allow_pickle": allow_pickle})
+
+
+def run_with_mindspore(ck, model_dir: Path, graph_file: Path, scratch: Path) -> dict[str, Any]:
+    """worker.load_and_run on the exported file (a fresh child process for large checkpoints)."""
+    vocab = int(ck.facts.vocab_size)
+    if not _isolate(ck):
+        with working_dir(scratch):
+            return worker.load_and_run(graph_file, worker.cases_for(ck.config, vocab))
+    result = _run_child("run", scratch, {"model_dir": str(Path(model_dir).absolute()), "graph_file": str(graph_file),
+                                         "vocab": vocab})
+    with np.load(scratch / worker.OUTPUTS) as npz:
+        result["outputs"] = [npz[f"arr_{i}"] for i in range(len(npz.files))]
+    return result
+
+
+def _isolate(ck) -> bool:
+    return input_bytes(ck) > ISOLATE_ABOVE_BYTES
+
+
+def _run_child(step: str, scratch: Path, request: dict[str, Any]) -> dict[str, Any]:
+    """`python -m dsconv.convert.ms_nets.worker STEP request.json` with cwd = scratch; its DsconvError re-raised
+    here as is, any other failure (a MindSpore crash included) as a bug with the child's messages."""
+    import io
+    import json
+    import subprocess
+    import sys
+
+    from dsconv.errors import DsconvError
+
+    request_path = scratch / f"{step}-request.json"
+    result_path = scratch / worker.RESULT
+    result_path.unlink(missing_ok=True)
+    request_path.write_text(json.dumps({**request, "out_dir": str(scratch)}))
+    cmd = [sys.executable, "-m", "dsconv.convert.ms_nets.worker", step, str(request_path)]
+    env = {**os.environ, "GLOG_v": os.environ.get("GLOG_v", "3")}
+    try:  # the child's progress bar and messages go to our stderr; its stdout too (--json owns stdout)
+        fd = sys.stderr.fileno()
+        proc = subprocess.run(cmd, cwd=scratch, env=env, stdout=fd, stderr=fd)
+        tail = ""
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        proc = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True)
+        tail = (proc.stderr or "")[-2000:]
+    result = json.loads(result_path.read_text()) if result_path.is_file() else None
+    if result is not None and "error" in result:
+        err = result["error"]
+        cls = next((c for c in (UserError, CheckFailed) if c.__name__ == err["kind"]), DsconvError)
+        raise cls(err["message"], hint=err.get("hint"), details=err.get("details"))
+    if proc.returncode != 0 or result is None:
+        raise RuntimeError(f"the MindSpore {step} process failed (exit {proc.returncode})" +
+                           (f":\n{tail}" if tail else "; its messages are above"))
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ check
+def _plain_safetensors(ck) -> bool:
+    return (not ck.is_quantized and not ck.fp8_scales and all(f.suffix == ".safetensors" for f in ck.files)
+            and "quantization_config" not in ck.config)
+
+
+def write_reference_checkpoint(ck, directory: Path) -> Path:
+    """A float32 HF checkpoint of what `ck` means (FP8 and int8/int4 weights dequantized; auxiliaries and MTP
+    layers dropped), streamed tensor by tensor through the project's writer, for transformers to load."""
+    import json
+
+    import torch
+
+    from dsconv.families.roles import Category
+    from dsconv.quant.schemes import dequant_weight, unpack_int4_by_shape
+    from dsconv.writer import TensorSetWriter, TensorSpec
+
+    directory.mkdir(parents=True, exist_ok=True)
+    desc = ck.quant_description or {}
+    scales = set(ck.fp8_scales.values())
+    names = [n for n, r in ck.roles.items() if not r.is_aux and n not in scales and r.category != Category.MTP]
+
+    def logical_shape(name: str) -> tuple[int, ...]:
+        info = ck.info(name)
+        if info.dtype != "I8" or not str(desc.get(name, desc.get("model_quant_type", ""))).startswith("W4"):
+            return tuple(info.shape)
+        prefix = name[: -len(".weight")]
+        n = ck.info(prefix + ".weight_scale").shape[0]
+        rows, cols = info.shape
+        return (n, cols) if rows * 2 == n else (rows, cols * 2)
+
+    specs = [TensorSpec(n, "F32", logical_shape(n)) for n in names]
+    writer = TensorSetWriter(directory, specs, "model", max_shard_size=2**62)
+    try:
+        for spec in specs:
+            info = ck.info(spec.name)
+            if info.dtype == "I8":
+                prefix = spec.name[: -len(".weight")]
+                q = ck.load(spec.name).numpy()
+                if tuple(q.shape) != spec.shape:
+                    q = unpack_int4_by_shape(q, spec.shape, spec.name)
+                scale = ck.load(prefix + ".weight_scale").float().numpy()
+                offset = (ck.load(prefix + ".weight_offset").float().numpy()
+                          if prefix + ".weight_offset" in ck else None)
+                w = torch.from_numpy(dequant_weight(q, scale, offset))
+            else:
+                w = ck.load(spec.name, dequantize=True).float()
+            writer.write(spec.name, w.contiguous())
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    config = dict(ck.config)
+    config.pop("quantization_config", None)
+    config["dtype"] = "float32"
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return directory
+
+
+def load_reference(ck, scratch: Path):
+    """transformers' model in float32 (eager attention) on the same weights: the parity reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    src = ck.root if _plain_safetensors(ck) else write_reference_checkpoint(ck, scratch / "reference")
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager")
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    return model.eval()
+
+
+def _is_router(module) -> bool:
+    return type(module).__name__.lower().endswith("router")
+
+
+def _router_hooks(model, hits: dict[str, set[int]]) -> list:
+    """Record which experts each router of the reference picks (to show the check exercised the routing)."""
+    handles = []
+    for name, module in model.named_modules():
+        if _is_router(module):
+            def hook(mod, args, output, name=name):
+                if isinstance(output, tuple) and len(output) == 3:
+                    hits.setdefault(name, set()).update(int(i) for i in output[2].reshape(-1).tolist())
+            handles.append(module.register_forward_hook(hook))
+    return handles
+
+
+def round_weights(model, dtype: str) -> None:
+    """Round the reference's weights to the export's storage dtype, as the MindIR stores them (routers stay
+    float32 there and here); the compute stays float32."""
+    import torch
+
+    target = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    with torch.no_grad():
+        for module in model.modules():
+            if _is_router(module):
+                continue
+            for p in module.parameters(recurse=False):
+                p.copy_(p.to(target).float())
+
+
+def _forward(model, cases) -> list[np.ndarray]:
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for _, ids, mask in cases:
+            positions = torch.from_numpy(np.maximum(mask.cumsum(1) - 1, 0))
+            out.append(model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                             position_ids=positions).logits.float().numpy())
+    return out
+
+
+def _compare(name: str, got: np.ndarray, ref: np.ndarray, mask: np.ndarray) -> dict[str, Any]:
+    if got.shape != ref.shape:
+        raise CheckFailed(f"MindIR logits have shape {list(got.shape)} for {name}, PyTorch {list(ref.shape)}",
+                          hint="this is a bug in the MindSpore network; please report it")
+    real = mask.astype(bool)
+    finite = bool(np.isfinite(got).all())
+    diff = np.abs(got[real].astype(np.float64) - ref[real].astype(np.float64))
+    return {"max_abs_err": float(diff.max()) if finite else float("inf"),
+            "mean_abs_err": float(diff.mean()) if finite else float("inf"),
+            "ref_max_abs": float(np.abs(ref[real]).max()),
+            "top1_agreement": float((got[real].argmax(-1) == ref[real].argmax(-1)).mean()), "finite": finite}
+
+
+def compare_with_reference(ck, scratch: Path, outputs: list[np.ndarray], dtype: str,
+                           atol: float | None) -> dict[str, Any]:
+    """The MindIR's logits (per check case) against transformers' model, per shape.
+
+    The gate compares with the float32 model whose weights are rounded to the export's storage dtype (for fp32
+    and bf16 that is exactly the graph's math; fp16 also rounds activations). For fp16/bf16 the error against the
+    unrounded model (what the dtype costs, routing flips included) is reported beside it, not gated. Without
+    --atol the tolerance of a shape is DEFAULT_ATOL[dtype] x max(1, max |reference logit|): float32 sums in another
+    order differ relatively, so a fixed absolute bound would fail correct exports of models with larger logits.
+    """
+    cases = worker.cases_for(ck.config, int(ck.facts.vocab_size))
+    model = load_reference(ck, scratch)
+    hits: dict[str, set[int]] = {}
+    handles = _router_hooks(model, hits)
+    try:
+        original = _forward(model, cases)
+    finally:
+        for h in handles:
+            h.remove()
+    rounded = original
+    if dtype != "fp32":
+        round_weights(model, dtype)
+        rounded = _forward(model, cases)
+    del model
+    gc.collect()
+    shapes = []
+    for (name, ids, mask), got, ref, orig in zip(cases, outputs, rounded, original):
+        figures = {"name": name, "shape": list(ids.shape), "real_tokens": int(mask.sum()), **_compare(name, got, ref,
+                                                                                                     mask)}
+        figures["tolerance"] = atol if atol is not None else DEFAULT_ATOL[dtype] * max(1.0, figures["ref_max_abs"])
+        figures["passed"] = figures["max_abs_err"] <= figures["tolerance"]
+        if dtype != "fp32":
+            vs = _compare(name, got, orig, mask)
+            figures["vs_unrounded"] = {"max_abs_err": vs["max_abs_err"], "top1_agreement": vs["top1_agreement"]}
+        shapes.append(figures)
+    reference = "transformers float32" + ("" if dtype == "fp32" else
+                                          f", weights rounded to {dtype} as stored (routers float32)")
+    result: dict[str, Any] = {
+        "reference": reference,
+        "atol": atol if atol is not None else f"{DEFAULT_ATOL[dtype]:g} x max(1, max |reference logit|)",
+        "max_abs_err": max(s["max_abs_err"] for s in shapes), "passed": all(s["passed"] for s in shapes),
+        "compared": "logits at real (non-padding) positions", "shapes": shapes}
+    if dtype != "fp32":
+        result["max_abs_err_vs_unrounded"] = max(s["vs_unrounded"]["max_abs_err"] for s in shapes)
+    if hits:
+        counts = [len(v) for v in hits.values()]
+        result["experts_hit"] = {"min_per_layer": min(counts), "max_per_layer": max(counts),
+                                 "num_experts": int(ck.facts.num_experts), "moe_layers": len(counts)}
+    return result
+
+
+def _check_table(check: dict[str, Any]) -> str:
+    lines = [f"{'shape':<24} {'max |err|':>10} {'tolerance':>10} {'mean |err|':>11} {'max |ref|':>10} {'top-1':>6}"]
+    for s in check["shapes"]:
+        lines.append(f"{s['name']:<24} {s['max_abs_err']:>10.3g} {s['tolerance']:>10.3g} {s['mean_abs_err']:>11.3g} "
+                     f"{s['ref_max_abs']:>10.3g} {s['top1_agreement']:>6.1%}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ entry point
+def export_mindir(model_dir: Path, output: Path, *, dtype: str = "fp32", with_past: bool = False,
+                  atol: float | None = None, force: bool = False, allow_pickle: bool = False) -> dict:
+    """Export `model_dir` to `output/model.mindir` (or `model_graph.mindir` + `model_variables/` above ~1 GiB),
+    checked against PyTorch on three shapes; returns a JSON-ready summary (files, sizes, parity per shape, dtype,
+    seconds). CheckFailed (exit 3) when the check fails: nothing is written then."""
+    from dsconv.checkpoint import Checkpoint
+    from dsconv.convert.ms_nets import check_supported
+
+    t0 = time.perf_counter()
+    model_dir, output = Path(model_dir).absolute(), Path(output).absolute()  # MindSpore runs in another cwd
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r} is not a MindIR export dtype", hint=f"use one of {', '.join(DTYPES)}")
+    if with_past:
+        raise UserError("--with-past is not supported for MindIR yet",
+                        hint="export without it: the MindIR recomputes the whole sequence on each call")
+    if atol is not None and not atol > 0:
+        raise UserError(f"--atol {atol} must be positive",
+                        hint=f"omit it for the default ({DEFAULT_ATOL[dtype]:g} x the largest reference logit)")
+    worker.require_mindspore()
+    with Checkpoint.open(model_dir, allow_pickle=allow_pickle) as ck:
+        check_supported(ck.config, str(model_dir / "config.json"))
+        return _export(ck, model_dir, output, dtype, atol, force, allow_pickle, t0)
+
+
+def _export(ck, model_dir: Path, output: Path, dtype: str, atol: float | None, force: bool, allow_pickle: bool,
+            t0: float) -> dict:
+    from dsconv.convert.ms_nets.weights import Precision
+    from dsconv.writer import OutputDir
+
+    options = {"format": "mindir", "dtype": dtype, "with_past": False, "atol": atol}
+    with OutputDir(output, stage=STAGE, inputs=[model_dir], force=force, options=options,
+                   input_identity=ck.identity()) as out:
+        with scratch_dir(out.path.parent, f".{output.name}.mindir-scratch-") as scratch:
+            ms_side = export_with_mindspore(ck, model_dir, dtype, scratch, allow_pickle)
+            graph_file = scratch / "export" / ms_side["graph_file"]
+            ran = run_with_mindspore(ck, model_dir, graph_file, scratch)
+            t = time.perf_counter()
+            check = compare_with_reference(ck, scratch, ran["outputs"], dtype, atol)
+            for shape, run_s in zip(check["shapes"], ran["mindspore_run_s"]):
+                shape["mindspore_s"] = run_s
+            reference_s = time.perf_counter() - t
+            if not check["passed"]:
+                worst = max(check["shapes"], key=lambda s: s["max_abs_err"] / s["tolerance"])
+                raise CheckFailed(f"{output}: MindIR logits differ from PyTorch by {worst['max_abs_err']:.3g} "
+                                  f"(tolerance {worst['tolerance']:.3g}) on {worst['name']}; nothing written",
+                                  hint="raise --atol if the dtype explains it, else report it",
+                                  details=_check_table(check))
+            for name in ms_side["written"]:
+                shutil.move(str(scratch / "export" / name), str(out.path / name))
+                _make_readable(out.path / name)
+        for src in ck.copy_files():
+            out.copy_in(src)
+        files = {p.relative_to(out.path).as_posix(): p.stat().st_size
+                 for p in sorted(out.path.rglob("*")) if p.is_file()}
+        mindir_bytes = sum(size for rel, size in files.items() if rel.endswith(".mindir") or "_variables/" in rel)
+        summary = {
+            "format": "mindir", "model": str(model_dir), "output": str(output), "family": ck.family.name,
+            "mindir": ms_side["graph_file"], "files": files, "mindir_bytes": mindir_bytes,
+            "input_bytes": input_bytes(ck), "parameter_bytes": ms_side["parameter_bytes"],
+            "dtype": dtype, "compute_dtype": Precision(dtype).compute_name,
+            "inputs": {"input_ids": f"{INPUT_DTYPE} [batch, seq]", "attention_mask": f"{INPUT_DTYPE} [batch, seq]"},
+            "outputs": {"logits": "float32 [batch, seq, vocab]"},
+            "quantized": ck.is_quantized, "linear_weights": ms_side["linear_weights"],
+            "mtp_tensors_skipped": ms_side["mtp_tensors_skipped"],
+            "moe": "every expert computed, dense top-k combine" if ck.facts.is_moe else None,
+            "with_past": False, "check": check,
+            "seconds": {**ms_side["seconds"], "load": ran["load_s"], "reference_and_compare": round(reference_s, 3),
+                        "total": round(time.perf_counter() - t0, 3)},
+            "mindspore_in_child_process": _isolate(ck),
+            "peak_rss_bytes": max(worker.peak_rss_bytes(), ms_side["peak_rss_bytes"], ran["peak_rss_bytes"]),
+            "peak_rss_by_step": ({"export (child)": ms_side["peak_rss_bytes"], "check (child)": ran["peak_rss_bytes"],
+                                  "dsconv (reference)": worker.peak_rss_bytes()} if _isolate(ck) else None),
+        }
+        out.write_json(REPORT, summary)
+    return summary
+
+
+def render(summary: dict[str, Any]) -> str:
+    """A few lines for the terminal (the command prints this unless --json)."""
+    c = summary["check"]
+    lines = [f"wrote {summary['output']}/{summary['mindir']} ({summary['mindir_bytes'] / 1e6:.1f} MB, "
+             f"{summary['dtype']} weights, {summary['compute_dtype']} compute) in {summary['seconds']['total']:.1f}s",
+             f"inputs input_ids, attention_mask: {INPUT_DTYPE} [batch, seq] (dynamic); output logits float32",
+             f"checked with mindspore.load + GraphCell against {c['reference']} (real positions):"]
+    lines += ["  " + line for line in _check_table(c).splitlines()]
+    if "max_abs_err_vs_unrounded" in c:
+        lines.append(f"  against the unrounded float32 model: max |err| {c['max_abs_err_vs_unrounded']:.3g} "
+                     f"(what {summary['dtype']} costs)")
+    if summary["quantized"]:
+        lines.append(f"  linear weights: {summary['linear_weights']} (dequantized inside the graph)")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ verify
+def _verify_mindir(directory: Path, manifest: dict) -> list[str]:
+    """`dsconv verify`: the MindIR loads and maps one token to finite logits of the config's vocabulary."""
+    import json
+
+    try:
+        graph_file, _ = worker.mindir_files(directory)
+    except FileNotFoundError as e:
+        return [str(e)]
+    ms = worker.import_mindspore()
+    from mindspore import Tensor, nn
+
+    config = directory / "config.json"
+    vocab = json.loads(config.read_text()).get("vocab_size") if config.is_file() else None
+    with tempfile.TemporaryDirectory(prefix="dsconv-verify-") as scratch, working_dir(Path(scratch)), \
+            worker.graph_mode(ms):
+        try:
+            logits = nn.GraphCell(ms.load(str(graph_file.absolute())))(
+                Tensor(np.zeros((1, 1), np.int64)), Tensor(np.ones((1, 1), np.int64))).asnumpy()
+        except Exception as e:  # MindSpore raises RuntimeError/ValueError subclasses for damaged files
+            return [f"{graph_file.name}: MindSpore cannot run it ({type(e).__name__}: {str(e).splitlines()[0][:200]})"]
+    problems = []
+    if vocab is not None and logits.shape != (1, 1, vocab):
+        problems.append(f"{graph_file.name}: logits shape {list(logits.shape)}, expected [1, 1, {vocab}]")
+    if not np.isfinite(logits).all():
+        problems.append(f"{graph_file.name}: non-finite logits for one token")
+    return problems
+
+
+def _register_verify() -> None:
+    from dsconv.verify import register_check
+
+    register_check(STAGE)(_verify_mindir)
+
+
+_register_verify()
