@@ -24,7 +24,7 @@ STEPS: list[tuple[str, list[str]]] = [
     ("export onnx", ["export"]),
     ("export mindir", ["export", "--format", "mindir"]),
     ("quantize", ["quantize", "--bits", "8"]),
-    ("eval", ["eval"]),
+    ("eval", ["eval", "--samples", "32"]),
     ("shard", ["shard", "--ep", "4", "--tp", "2"]),
     ("atc 910B", ["atc", "--soc", "Ascend910B"]),
     ("atc 310P3", ["atc", "--soc", "Ascend310P3", "--cast-fp16"]),

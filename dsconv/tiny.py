@@ -64,7 +64,9 @@ def build_model(family: str, seed: int = 0, **overrides: Any):
             elif name.endswith(".bias"):
                 p.normal_(0.0, 0.05)  # non-zero biases: a bias mapped to the wrong projection must show
             if name.endswith("mlp.gate.weight") or name.endswith("router.weight"):
-                p.normal_(0.0, 0.5)
+                # spread enough that routing varies by input, small enough that DeepSeek's sigmoid scores do not
+                # saturate at 1.0, where fp16 cannot tell experts apart (real routers are not saturated either)
+                p.normal_(0.0, 0.15 if cfg.model_type == "deepseek_v3" else 0.5)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.05)

@@ -160,3 +160,27 @@ def test_cli_cast_success_records_the_check(tmp_path, capsys):
     assert any(f["rule"] == "fp16-check" and f["status"] == "pass" for f in pre["findings"])
     # the BF16 model's default precision on a chip without BF16 is the profile's fp16 default
     assert prof["decisions"]["precision_mode"]["value"] == "allow_mix_precision"
+
+
+def _figs(errs, tolerance=0.01):
+    import numpy as np
+
+    errs = np.asarray(errs, dtype=float)
+    return {"runs": {"onnxruntime fp16": {"logits": {"rel_err": float(errs.max()), "position_rel_errs": errs}}}}
+
+
+def test_isolated_routing_flip_is_reported_not_failed():
+    """One position of 40 far off, every other within tolerance: what an MoE router flip at an fp16 tie looks like."""
+    from dsconv.atc.cast import _isolated_flips
+
+    flips = _isolated_flips(_figs([0.002] * 39 + [0.3]), 0.01)
+    assert flips is not None and flips["positions"] == 1 and flips["of"] == 40
+    assert flips["rest_max_rel_err"] == 0.002
+
+
+def test_many_positions_off_still_fail():
+    from dsconv.atc.cast import _isolated_flips
+
+    assert _isolated_flips(_figs([0.002] * 30 + [0.3] * 10), 0.01) is None  # 25% of positions: systematic
+    assert _isolated_flips(_figs([0.02] * 40), 0.01) is None  # everything slightly off: a precision loss
+

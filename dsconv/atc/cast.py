@@ -194,11 +194,39 @@ def cast_model(src: Path, dst: Path, target: int = TensorProto.FLOAT16) -> CastR
     return result
 
 
+# Discrete choices made from float scores: fp16 rounding of a near-tie flips the choice (an MoE router picking other
+# experts changes a token's output completely), so the scores feeding them are computed in fp32, as engines keep
+# routers in fp32. The chain is followed back to the MatMul that produced the scores.
+SELECTION_OPS = ("TopK", "ArgMax", "ArgMin")
+SCORE_CHAIN_STOP = ("MatMul", "Gemm")
+
+
+def _selection_chains(g: onnx.GraphProto, types: dict[str, int]) -> set[int]:
+    """ids of the nodes between a selection op's float input and the MatMul that produced it (inclusive)."""
+    producer = {o: n for n in g.node for o in n.output if o}
+    chain: set[int] = set()
+    stack = [i for n in g.node if n.op_type in SELECTION_OPS for i in n.input[:1]]
+    seen: set[str] = set()
+    while stack:
+        name = stack.pop()
+        if name in seen or types.get(name) not in SOURCE_FLOATS or name not in producer:
+            continue
+        seen.add(name)
+        node = producer[name]
+        chain.add(id(node))
+        if node.op_type in SCORE_CHAIN_STOP:
+            continue
+        stack.extend(i for i in node.input if i)
+    return chain
+
+
 def _isolate_fp32_nodes(g: onnx.GraphProto, types: dict[str, int], kept: set[str], opset: int,
                         result: CastResult) -> None:
-    """Run in fp32 (between Casts) the nodes that read a kept-fp32 tensor or whose schema has no float16."""
+    """Run in fp32 (between Casts) the nodes that read a kept-fp32 tensor, whose schema has no float16, or that
+    compute the scores of a selection (router TopK)."""
     new_nodes: list[onnx.NodeProto] = []
     to32: dict[str, str] = {}
+    scores = _selection_chains(g, types)
     for node in g.node:
         if node.op_type in ("Cast", "Constant", "Shape", "Size"):
             new_nodes.append(node)
@@ -206,7 +234,8 @@ def _isolate_fp32_nodes(g: onnx.GraphProto, types: dict[str, int], kept: set[str
         fin = [i for i, n in enumerate(node.input) if n and types.get(n) in SOURCE_FLOATS]
         fout = [i for i, n in enumerate(node.output) if n and types.get(n) in SOURCE_FLOATS]
         reads_kept = any(node.input[i] in kept for i in fin)
-        if not fin and not fout or (not reads_kept and _allows_fp16(node, opset, fin, fout)):
+        if not fin and not fout or (not reads_kept and id(node) not in scores and _allows_fp16(node, opset, fin,
+                                                                                                 fout)):
             new_nodes.append(node)
             continue
         label = node.name or f"{node.op_type}->{node.output[0]}"
@@ -343,6 +372,9 @@ def _compare(ref: dict[str, np.ndarray], got: dict[str, np.ndarray]) -> tuple[di
         err = float(np.max(np.abs(a32[ok] - b32[ok]))) if ok.any() else 0.0
         scale = float(np.max(np.abs(a32[fin]))) if fin.any() else 0.0
         per_output[name] = {"max_abs_err": err, "max_abs_ref": scale, "rel_err": err / max(scale, 1e-6)}
+        if a32.ndim >= 2:  # per position (all axes but the last): tells one flipped token from a systematic loss
+            diff = np.where(ok, np.abs(a32 - b32), 0.0).reshape(-1, a32.shape[-1]).max(axis=1)
+            per_output[name]["position_rel_errs"] = diff / max(scale, 1e-6)
     return per_output, bad_finite
 
 
@@ -357,6 +389,7 @@ def check_fp16(original: Path, fp16: Path, *, tolerance: float = DEFAULT_TOLERAN
     is_bf16 = any(t.data_type == TensorProto.BFLOAT16 for t in head.graph.initializer) or any(
         v.type.tensor_type.elem_type == TensorProto.BFLOAT16 for v in (*head.graph.input, *head.graph.output)) or any(
         a.name == "to" and a.i == TensorProto.BFLOAT16 for n in walk_nodes(head.graph) for a in n.attribute)
+    selection = any(n.op_type in SELECTION_OPS for n in walk_nodes(head.graph))
     del head
     rounded = {k: (v.astype(np.float16).astype(np.float32) if v.dtype == np.float32 else v) for k, v in feeds.items()}
     runs: dict[str, dict[str, np.ndarray]] = {}
@@ -393,6 +426,14 @@ def check_fp16(original: Path, fp16: Path, *, tolerance: float = DEFAULT_TOLERAN
                           "the original is finite", hint="nothing was written; the model overflows fp16: compile "
                           "the original on a SoC with BF16 (Ascend910B) instead", details=details)
     worst = figures["worst_rel_err"]
+    if worst > tolerance and selection:
+        flips = _isolated_flips(figures, tolerance)
+        if flips is not None:
+            figures["routing_flips"] = flips
+            worst = 0.0
+    for per_output in figures["runs"].values():
+        for fig in per_output.values():
+            fig.pop("position_rel_errs", None)
     if worst > tolerance:
         fig = figures["runs"][figures["worst_run"]][figures["worst_output"]]
         raise CheckFailed(f"the FP16 copy of {original.name} differs from the original in onnxruntime "
@@ -404,5 +445,35 @@ def check_fp16(original: Path, fp16: Path, *, tolerance: float = DEFAULT_TOLERAN
     return figures
 
 
+# A model that makes discrete choices (MoE routers) may flip one at an fp16 near-tie: that token then differs wholly,
+# as it does on the device and in PyTorch fp16. Such isolated positions are reported, not failed, when they are few;
+# a precision loss that moves many positions still fails.
+MAX_FLIPPED_POSITIONS = 0.05
+
+
+def _isolated_flips(figures: dict[str, Any], tolerance: float) -> dict[str, Any] | None:
+    """The positions beyond tolerance, when every output and run has at most 5% of them (at least one allowed)."""
+    worst: dict[str, Any] = {"positions": 0, "of": 0, "outputs": {}}
+    for run, per_output in figures["runs"].items():
+        for name, fig in per_output.items():
+            errs = fig.get("position_rel_errs")
+            if fig.get("rel_err", 0.0) <= tolerance:
+                continue
+            if errs is None:
+                return None
+            over = int(np.sum(errs > tolerance))
+            if over > max(1, int(MAX_FLIPPED_POSITIONS * errs.size)):
+                return None
+            others = errs[errs <= tolerance]
+            if others.size and float(others.max()) > tolerance:
+                return None
+            if over >= worst["positions"]:
+                worst.update(positions=over, of=int(errs.size), run=run,
+                             rest_max_rel_err=float(others.max()) if others.size else 0.0)
+            worst["outputs"][name] = over
+    return worst
+
+
 def _details(per_output: dict[str, dict[str, float]]) -> str:
-    return "; ".join(f"{k}: " + ", ".join(f"{kk}={vv:.4g}" for kk, vv in v.items()) for k, v in per_output.items())
+    return "; ".join(f"{k}: " + ", ".join(f"{kk}={vv:.4g}" for kk, vv in v.items() if kk != "position_rel_errs")
+                     for k, v in per_output.items())

@@ -255,10 +255,18 @@ def run_stage(req: AtcRequest) -> AtcOutcome:
                      + "; ATC may still reduce them with --precision_mode, check accuracy on the device")
             if res.fp32_nodes:
                 d.set("fp32_nodes", res.fp32_nodes, "--cast-fp16", "nodes left in fp32 between Casts")
+            flips = res.check.get("routing_flips")
+            if flips:
+                warn(f"[cast-fp16] {flips['positions']} of {flips['of']} positions differ beyond "
+                     f"{req.fp16_tolerance:.2%} ({res.check['worst_rel_err']:.1%}), as when an MoE router flips a "
+                     f"choice at an fp16 near-tie; every other position is within {flips['rest_max_rel_err']:.3%}; "
+                     "check accuracy on the device, or compile in BF16 on Ascend910B")
             findings.append(Finding("fp16-check", PASS,
                                     f"FP16 copy matches the original in onnxruntime within "
                                     f"{req.fp16_tolerance:.2%} (worst {res.check['worst_rel_err']:.3%} on "
-                                    f"{res.check['worst_output']})"))
+                                    f"{res.check['worst_output']}"
+                                    + (f"; {flips['positions']}/{flips['of']} isolated positions beyond it, "
+                                       "routing flips" if flips else "") + ")"))
         out.write_text(f"{soc}/fusion_switch.cfg", switches.render())
         if req.keep_dtype:
             out.write_text(f"{soc}/keep_dtype.cfg", "\n".join(req.keep_dtype) + "\n")

@@ -1,0 +1,271 @@
+"""Export figures.
+
+ONNX: wall time and peak RSS of `export_onnx` (fp32, default opset, check included) on Llama-style models of
+~0.7 GB and ~2.4 GB of fp32 weights (the second crosses the 2 GB external-data threshold) and a Qwen3-MoE, each in
+its own process; goal: peak RSS <= 1.5x the model's fp32 bytes (+ the libraries' fixed ~0.5 GB, reported apart).
+
+Safetensors: FP8 -> BF16 throughput of `export_safetensors` on a synthetic DeepSeek-V3-shaped FP8 checkpoint of
+~3.9 GB in 6 parts (dense 7168 x 18432 MLPs, 100-460 MB tensors, scales in the same layout as the real one),
+against a plain copy of the same bytes through the same reader and writer (ratio goal >= 0.6), with peak RSS
+against the largest tensor.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from benchmarks.common import RESULTS, run_measured, save, scratch
+
+GB = 1e9
+
+BUILD = """
+import json, sys, torch, transformers
+from transformers import AutoModelForCausalLM
+kind, out, cfg = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+cls = {"llama": transformers.LlamaConfig, "qwen3_moe": transformers.Qwen3MoeConfig}[kind]
+torch.manual_seed(0)
+config = cls(**cfg)
+model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+with torch.no_grad():
+    for p in model.parameters():
+        p.normal_(0, 0.02)
+model.save_pretrained(out)
+print(json.dumps({"params": sum(p.numel() for p in model.parameters())}))
+"""
+
+EXPORT = """
+import json, sys, time
+from pathlib import Path
+from dsconv.convert.onnx import export_onnx
+t = time.perf_counter()
+s = export_onnx(Path(sys.argv[1]), Path(sys.argv[2]), progress=False)
+print(json.dumps({"seconds": time.perf_counter() - t, "timings": s["timings"], "files": s["files"],
+                  "weight_bytes": s["memory"]["weight_bytes"],
+                  "estimated_peak_bytes": s["memory"]["estimated_peak_bytes"],
+                  "peak_rss_bytes": s["memory"]["peak_rss_bytes"], "worst": s["check"]["worst"]["max_abs_err"],
+                  "external_data": s["external_data"]}))
+"""
+
+BASELINE = """
+import json
+import torch, transformers, onnx, onnxruntime, numpy
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+from dsconv.convert import peak_rss_bytes, onnx as stage, onnx_check, onnx_graph, hf_model
+print(json.dumps({"peak_rss_bytes": peak_rss_bytes()}))
+"""
+
+MODELS = {
+    "llama-0.7GB": ("llama", dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                                  num_attention_heads=16, num_key_value_heads=16)),
+    "qwen3moe-1.0GB": ("qwen3_moe", dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                                         num_hidden_layers=6, num_attention_heads=16, num_key_value_heads=4,
+                                         head_dim=64, num_experts=16, num_experts_per_tok=4,
+                                         moe_intermediate_size=640)),
+    "llama-2.4GB": ("llama", dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=9,
+                                  num_attention_heads=16, num_key_value_heads=16)),
+}
+
+
+def run_sampled(code: str, *args: str, every: float = 0.02) -> dict:
+    """Like common.run_measured, also sampling the child's anonymous RSS (RssAnon: memory it allocated, without the
+    file pages it maps, which the kernel can drop) every 20 ms; returns the child's JSON plus peak_anon_bytes."""
+    import subprocess
+    import time
+
+    p = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    peak_anon = 0
+    status = Path(f"/proc/{p.pid}/status")
+    while p.poll() is None:
+        try:
+            for line in status.read_text().splitlines():
+                if line.startswith("RssAnon:"):
+                    peak_anon = max(peak_anon, int(line.split()[1]) * 1024)
+        except OSError:
+            pass
+        time.sleep(every)
+    out, err = p.communicate()
+    if p.returncode != 0:
+        raise RuntimeError(f"benchmark child failed ({p.returncode}):\n{err[-3000:]}")
+    result = json.loads(out.strip().splitlines()[-1])
+    result["peak_anon_bytes"] = peak_anon
+    return result
+
+
+def bench_onnx() -> dict:
+    out: dict = {"baseline_rss_bytes": run_measured(BASELINE)["peak_rss_bytes"]}
+    for label, (kind, cfg) in MODELS.items():
+        root = scratch(f"dsconv-onnx-{label}-")
+        try:
+            built = run_measured(BUILD, kind, str(root / "model"), json.dumps(cfg))
+            r = run_sampled(EXPORT, str(root / "model"), str(root / "onnx"))
+            w = r["weight_bytes"]
+            base = out["baseline_rss_bytes"]
+            out[label] = {
+                "params": built["params"], "fp32_weight_bytes": w, "checkpoint_dtype": "bf16",
+                "external_data": r["external_data"], "wall_s": round(r["seconds"], 1), "timings_s": r["timings"],
+                "peak_rss_bytes": r["peak_rss_bytes"], "peak_rss_over_fp32": round(r["peak_rss_bytes"] / w, 3),
+                "peak_rss_minus_libraries_over_fp32": round((r["peak_rss_bytes"] - base) / w, 3),
+                "peak_anon_bytes": r["peak_anon_bytes"], "peak_anon_over_fp32": round(r["peak_anon_bytes"] / w, 3),
+                "estimated_peak_bytes": r["estimated_peak_bytes"], "check_max_abs_err": r["worst"],
+            }
+            o = out[label]
+            print(f"{label}: {w / GB:.2f} GB fp32, {r['seconds']:.1f} s, peak RSS {r['peak_rss_bytes'] / GB:.2f} GB "
+                  f"({o['peak_rss_over_fp32']}x; {o['peak_rss_minus_libraries_over_fp32']}x without the libraries' "
+                  f"{base / GB:.2f} GB), anonymous peak {o['peak_anon_over_fp32']}x, estimate "
+                  f"{r['estimated_peak_bytes'] / GB:.2f} GB", flush=True)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+# ---- FP8 -> BF16 -----------------------------------------------------------------------------------------------
+SYNTH = dict(model_type="deepseek_v3", vocab_size=32000, hidden_size=7168, intermediate_size=18432,
+             moe_intermediate_size=2048, num_hidden_layers=5, first_k_dense_replace=5, n_routed_experts=8,
+             n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, num_attention_heads=128,
+             num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+             v_head_dim=128, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False,
+             torch_dtype="bfloat16", num_nextn_predict_layers=0,
+             quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128]})
+
+
+def write_synthetic_fp8(root: Path) -> dict:
+    """DeepSeek-V3-shaped FP8 checkpoint: one part per layer plus one for embeddings/head, random FP8 codes (NaN
+    codes avoided) and float32 block scales; written part by part so this process holds one part at a time."""
+    import torch
+    from safetensors.torch import save_file
+
+    from dsconv.families import family_for
+
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(SYNTH, indent=2))
+    family = family_for(SYNTH)
+    specs = family.synthesize(SYNTH)
+    facts = family.facts(SYNTH)
+    groups: dict[str, list] = {}
+    for s in specs:
+        layer = family.classify(s.name, facts).layer
+        groups.setdefault("outer" if layer is None else f"layer{layer}", []).append(s)
+    g = torch.Generator().manual_seed(0)
+    names = list(groups)
+    files = [f"model-{i + 1:05d}-of-{len(names):05d}.safetensors" for i in range(len(names))]
+    weight_map, total, largest = {}, 0, 0
+    for fname, key in zip(files, names):
+        part = {}
+        for s in groups[key]:
+            if s.dtype == "F8_E4M3":
+                codes = torch.randint(0, 256, s.shape, generator=g, dtype=torch.uint8)
+                codes[(codes & 0x7F) == 0x7F] = 0x7E
+                t = codes.view(torch.float8_e4m3fn)
+            elif s.dtype == "F32":
+                t = torch.rand(s.shape, generator=g) * 1e-3 + 1e-4
+            else:
+                t = (torch.randn(s.shape, generator=g) * 0.02).to(torch.bfloat16)
+            part[s.name] = t
+            weight_map[s.name] = fname
+            nbytes = t.numel() * t.element_size()
+            total += nbytes
+            largest = max(largest, nbytes)
+        save_file(part, root / fname, metadata={"format": "pt"})
+        del part
+    (root / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    return {"bytes": total, "tensors": len(specs), "parts": len(files), "largest_tensor_bytes": largest,
+            "fp8_tensors": sum(1 for s in specs if s.dtype == "F8_E4M3")}
+
+
+CONVERT = """
+import json, sys, time
+from pathlib import Path
+from dsconv.convert.fp8 import export_safetensors
+t = time.perf_counter()
+s = export_safetensors(Path(sys.argv[1]), Path(sys.argv[2]), dtype="bf16", progress=False,
+                       pipeline=sys.argv[3] == "1")
+print(json.dumps({"seconds": time.perf_counter() - t, "bytes_in": s["bytes_in"], "bytes_out": s["bytes_out"],
+                  "peak_rss_bytes": s["peak_rss_bytes"]}))
+"""
+
+PLAIN_COPY = """
+import json, sys, time
+from pathlib import Path
+from dsconv.checkpoint import Checkpoint
+from dsconv.writer import OutputDir, TensorSpec
+t = time.perf_counter()
+ck = Checkpoint.open(Path(sys.argv[1]))
+n = 0
+with ck, OutputDir(Path(sys.argv[2]), stage="bench-copy", inputs=[ck.root]) as out:
+    for f in ck.files:
+        infos = sorted((i for i in ck.tensors.values() if i.file == f), key=lambda i: i.start)
+        specs = [i.spec for i in infos]
+        ts = out.tensor_set(specs, prefix=f.name[:-len(".safetensors")],
+                            max_shard_size=sum(s.nbytes for s in specs) + 1)
+        for i in infos:
+            x = ck.load(i.name)
+            ts.write(i.name, x)
+            n += x.numel() * x.element_size()
+            del x
+from dsconv.convert import peak_rss_bytes
+print(json.dumps({"seconds": time.perf_counter() - t, "bytes": n, "peak_rss_bytes": peak_rss_bytes()}))
+"""
+
+
+def bench_fp8(repeats: int = 2) -> dict:
+    root = scratch("dsconv-fp8-")
+    try:
+        info = write_synthetic_fp8(root / "fp8")
+        print(f"synthetic FP8 checkpoint: {info['bytes'] / GB:.2f} GB, {info['tensors']} tensors in "
+              f"{info['parts']} parts, largest {info['largest_tensor_bytes'] / 1e6:.0f} MB", flush=True)
+        copies, converts, piped = [], [], []
+        for _ in range(repeats):  # interleaved, best of each: the host is shared and noisy
+            copies.append(run_measured(PLAIN_COPY, str(root / "fp8"), str(root / "copy")))
+            shutil.rmtree(root / "copy")
+            converts.append(run_measured(CONVERT, str(root / "fp8"), str(root / "bf16"), "0"))
+            shutil.rmtree(root / "bf16")
+        piped.append(run_measured(CONVERT, str(root / "fp8"), str(root / "bf16"), "1"))
+        shutil.rmtree(root / "bf16")
+        copy = min(copies, key=lambda r: r["seconds"])
+        conv = min(converts, key=lambda r: r["seconds"])
+        pipe = piped[0]
+        copy_gbs = info["bytes"] / copy["seconds"] / GB
+        conv_gbs = info["bytes"] / conv["seconds"] / GB
+        result = {
+            "checkpoint": info,
+            "plain_copy": {"seconds": round(copy["seconds"], 2), "input_gb_s": round(copy_gbs, 3),
+                           "peak_rss_bytes": copy["peak_rss_bytes"],
+                           "runs_s": [round(r["seconds"], 2) for r in copies]},
+            "fp8_to_bf16": {"seconds": round(conv["seconds"], 2), "input_gb_s": round(conv_gbs, 3),
+                            "output_bytes": conv["bytes_out"], "peak_rss_bytes": conv["peak_rss_bytes"],
+                            "peak_rss_over_largest_tensor":
+                                round(conv["peak_rss_bytes"] / info["largest_tensor_bytes"], 2),
+                            "runs_s": [round(r["seconds"], 2) for r in converts]},
+            "fp8_to_bf16_with_pipeline": {"seconds": round(pipe["seconds"], 2),
+                                          "input_gb_s": round(info["bytes"] / pipe["seconds"] / GB, 3),
+                                          "peak_rss_bytes": pipe["peak_rss_bytes"]},
+            "throughput_ratio_vs_plain_copy": round(conv_gbs / copy_gbs, 3),
+        }
+        print(f"plain copy {copy_gbs:.2f} GB/s, FP8->BF16 {conv_gbs:.2f} GB/s of input "
+              f"(ratio {result['throughput_ratio_vs_plain_copy']}), peak RSS {conv['peak_rss_bytes'] / GB:.2f} GB "
+              f"for a largest tensor of {info['largest_tensor_bytes'] / GB:.2f} GB", flush=True)
+        return result
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main(parts: tuple[str, ...] = ("fp8", "onnx")) -> None:
+    figures = {}
+    if "fp8" in parts:
+        figures["fp8_to_bf16"] = bench_fp8()
+    if "onnx" in parts:
+        figures["onnx"] = bench_onnx()
+    previous = RESULTS / "export.json"
+    if previous.is_file() and set(parts) != {"fp8", "onnx"}:  # a partial run keeps the other half's figures
+        kept = json.loads(previous.read_text())
+        figures = {**{k: v for k, v in kept.items() if k in ("fp8_to_bf16", "onnx")}, **figures}
+    save("export", figures)
+
+
+if __name__ == "__main__":  # python -m benchmarks.bench_export [fp8] [onnx]
+    main(tuple(sys.argv[1:]) or ("fp8", "onnx"))

@@ -1,0 +1,91 @@
+"""`dsconv export`: ONNX (checked against PyTorch), safetensors in another dtype (FP8 -> BF16), or MindIR."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from dsconv import workspace
+from dsconv.cli import cli, emit_json, json_option, model_option, output_option
+from dsconv.convert import checks  # noqa: F401  (registers `dsconv verify` checks for these outputs)
+from dsconv.errors import UserError
+
+STAGE_OF_FORMAT = {"onnx": "export", "safetensors": "safetensors", "mindir": "mindir"}
+
+
+@cli.command()
+@model_option
+@output_option
+@click.option("--format", "fmt", type=click.Choice(["onnx", "safetensors", "mindir"]), default="onnx",
+              show_default=True,
+              help="onnx -> <root>/onnx, safetensors -> <root>/safetensors, mindir -> <root>/mindir.")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
+              help="Weights/compute dtype (default: fp32 for onnx and mindir, bf16 for safetensors).")
+@click.option("--opset", type=int, default=None,
+              help="ONNX opset, 11-18 (default 14, or 16 for bf16; ATC accepts 11-15 everywhere).")
+@click.option("--with-past", is_flag=True,
+              help="KV-cache inputs/outputs (past_key_values.N.key/.value -> present.N.key/.value); DeepSeek-V3 "
+                   "carries the MLA latent cache.")
+@click.option("--position-ids", is_flag=True,
+              help="Add a position_ids input (default: derived from attention_mask inside the graph).")
+@click.option("--atol", type=float, default=None,
+              help="Largest allowed |exported - PyTorch| on logits (default 1e-4 fp32, 5e-2 fp16, 1e-3 bf16, "
+                   "which is checked in fp32 on the bf16 weights).")
+@click.option("--external-data-threshold", default="2GB", show_default=True,
+              help="ONNX weights at or above this size go to model.onnx_data beside model.onnx.")
+@click.option("--allow-pickle", is_flag=True, help="Read .bin/.pt weights (weights-only unpickler).")
+@click.option("--dry-run", is_flag=True, help="Print the plan (memory estimate, parts, dtypes) and write nothing.")
+@click.option("--force", is_flag=True,
+              help="Replace a previous dsconv output at --output; for onnx, also export when the RAM estimate "
+                   "says it will not fit.")
+@json_option
+def export(model: Path | None, output: Path | None, fmt: str, dtype: str | None, opset: int | None,
+           with_past: bool, position_ids: bool, atol: float | None, external_data_threshold: str,
+           allow_pickle: bool, dry_run: bool, force: bool, as_json: bool) -> None:
+    """Export the model: ONNX proven equal to PyTorch in onnxruntime, a safetensors dtype rewrite (FP8 weights
+    dequantized, streamed), or MindIR."""
+    model = workspace.resolve_model(model)
+    output = workspace.resolve_output(STAGE_OF_FORMAT[fmt], output)
+    if fmt == "onnx":
+        from dsconv.convert.onnx import export_onnx, render
+        from dsconv.writer import parse_size
+
+        summary = export_onnx(model, output, dtype=dtype or "fp32", opset=opset, with_past=with_past,
+                              position_ids=position_ids, atol=atol,
+                              external_data_threshold=parse_size(external_data_threshold), force=force,
+                              allow_pickle=allow_pickle, dry_run=dry_run)
+    elif fmt == "safetensors":
+        _refuse(fmt, opset=opset, with_past=with_past, position_ids=position_ids, atol=atol)
+        from dsconv.convert.fp8 import export_safetensors, render
+
+        summary = export_safetensors(model, output, dtype=dtype or "bf16", force=force, allow_pickle=allow_pickle,
+                                     dry_run=dry_run)
+    else:
+        _refuse(fmt, opset=opset, position_ids=position_ids, dry_run=dry_run)
+        try:
+            from dsconv.convert import mindir
+            from dsconv.convert.mindir import export_mindir
+        except ImportError as e:
+            raise UserError(f"MindIR export is unavailable in this build ({e})",
+                            hint="use --format onnx, or install dsconv with the mindir extra") from None
+        summary = export_mindir(model, output, dtype=dtype or "fp32", with_past=with_past, atol=atol, force=force,
+                                allow_pickle=allow_pickle)
+        render = getattr(mindir, "render", _render_generic)
+    if as_json:
+        emit_json(summary)
+    else:
+        click.echo(render(summary))
+
+
+def _refuse(fmt: str, **given) -> None:
+    """Options that mean nothing for `fmt` are an error, not silently ignored."""
+    for name, value in given.items():
+        if value not in (None, False):
+            raise UserError(f"--{name.replace('_', '-')} does not apply to --format {fmt}",
+                            hint="drop it, or choose --format onnx")
+
+
+def _render_generic(summary: dict) -> str:
+    head = f"wrote {summary.get('output', '')}"
+    figures = {k: v for k, v in summary.items() if isinstance(v, (int, float, str)) and k != "output"}
+    return head + "\n" + "\n".join(f"  {k}: {v}" for k, v in figures.items())

@@ -1,0 +1,103 @@
+"""`dsconv quantize`: calibrated INT8/INT4 in the msModelSlim layout (MindIE, vLLM-Ascend)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from dsconv import workspace
+from dsconv.cli import PATH, cli, emit_json, force_option, json_option, model_option, output_option, warn
+from dsconv.errors import UserError
+from dsconv.verify import register_check
+
+
+@cli.command()
+@model_option
+@output_option
+@click.option("--bits", type=click.Choice(["8", "4"]), default=None,
+              help="Weight bits: 8 defaults to --scheme w8a8, 4 to w4a16.")
+@click.option("--scheme", type=click.Choice(["w8a8", "w8a8_dynamic", "w8a16", "w4a16"]), default=None,
+              help="w8a8: int8 weights per channel + static per-tensor int8 activations (input_scale/offset from "
+                   "calibration); w8a8_dynamic: per-token activations at run time; w8a16 / w4a16: weight-only.")
+@click.option("--group-size", type=int, default=None,
+              help="INT4 group length along the input dimension (default 128; 0 = per output channel).")
+@click.option("--method", type=click.Choice(["rtn", "gptq"]), default=None,
+              help="Weight rounding: round-to-nearest, or GPTQ (error compensation with the calibration Hessian). "
+                   "Default: gptq for 4 bits, rtn for 8.")
+@click.option("--act-method", type=click.Choice(["minmax", "percentile", "mse"]), default="minmax", show_default=True,
+              help="Static activation ranges. minmax (default): LLM activation outliers are a few systematic "
+                   "channels that carry information, which percentile/mse clip first; minmax never clips, is exact "
+                   "when streamed, stable with small calibration sets and matches msModelSlim's default. Outliers "
+                   "are handled by --smooth-quant and by falling back the sensitive layers instead.")
+@click.option("--smooth-quant", "smooth_alpha", type=float, default=None, metavar="ALPHA",
+              help="SmoothQuant: move activation outliers into the weights (s = act^ALPHA / w^(1-ALPHA)), folded "
+                   "into the preceding RMSNorm so the graph is unchanged. 0.5 is usual.")
+@click.option("--fallback", type=int, default=None, metavar="N",
+              help="Static W8A8: fall back the N most sensitive units (q/k/v, gate/up, experts of a layer...) to "
+                   "--fallback-to. 0 disables fallback. Default: the threshold below.")
+@click.option("--fallback-threshold", type=float, default=None, metavar="X",
+              help="Static W8A8: fall back units whose measured relative output error exceeds X "
+                   "(default 0.10).")
+@click.option("--fallback-to", type=click.Choice(["w8a8_dynamic", "w8a16"]), default="w8a8_dynamic",
+              show_default=True, help="What a sensitive W8A8 unit becomes.")
+@click.option("--ignore", multiple=True, metavar="REGEX",
+              help="Keep linears whose module name matches REGEX in float (repeatable). Embeddings, norms, routers, "
+                   "lm_head and DeepSeek's MTP layer are kept in float anyway.")
+@click.option("--calib", type=PATH, default=None,
+              help="Calibration set: .jsonl (inputs_pretokenized | text | prompt | question+answer | messages per "
+                   "line) or .json list of strings. Default: the bundled calib_data/qa.jsonl. Round-to-nearest "
+                   "without static activations (w8a16, w8a8_dynamic, w4a16 --method rtn) needs none and skips "
+                   "it; give --calib to record MoE expert load anyway.")
+@click.option("--calib-samples", type=int, default=None, metavar="N", help="Use the first N samples (default: all).")
+@click.option("--seq-len", type=int, default=512, show_default=True, help="Tokens per calibration sample (cut).")
+@click.option("--min-expert-tokens", type=int, default=32, show_default=True,
+              help="MoE: experts routed fewer calibration tokens are reported (and, for static W8A8, get the layer's "
+                   "activation range).")
+@click.option("--all-experts", is_flag=True,
+              help="MoE: run every calibration token through every expert for statistics (none left uncalibrated).")
+@click.option("--layout", type=click.Choice(["msmodelslim", "mindie"]), default="msmodelslim", show_default=True,
+              help="File names: quant_model_weights*.safetensors + quant_model_description.json, or MindIE's older "
+                   "quant_model_weight_<type>.safetensors + quant_model_description_<type>.json.")
+@click.option("--max-shard-size", default="4GB", show_default=True, help="Size cap of each weights part.")
+@click.option("--dry-run", is_flag=True, help="Print the plan from headers (types, sizes) and write nothing.")
+@force_option
+@json_option
+def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: str | None, group_size: int | None,
+             method: str | None, act_method: str, smooth_alpha: float | None, fallback: int | None,
+             fallback_threshold: float | None, fallback_to: str, ignore: tuple[str, ...], calib: Path | None,
+             calib_samples: int | None, seq_len: int, min_expert_tokens: int, all_experts: bool, layout: str,
+             max_shard_size: str, dry_run: bool, force: bool, as_json: bool) -> None:
+    """Quantize a model to INT8/INT4 in the layout Ascend serving engines load, layer by layer."""
+    from dsconv.quant.pipeline import QuantOptions, quantize_model
+    from dsconv.quant.plan import BITS, DEFAULT_SCHEME, SCHEMES
+    from dsconv.quant.report import render, render_plan
+    from dsconv.writer import parse_size
+
+    if scheme is None:
+        if bits is None:
+            raise UserError("give --bits 8|4 (or --scheme)", hint="e.g. `dsconv quantize --bits 8`")
+        scheme = DEFAULT_SCHEME[int(bits)]
+    elif bits is not None and BITS[SCHEMES[scheme]] != int(bits):
+        raise UserError(f"--scheme {scheme} has {BITS[SCHEMES[scheme]]}-bit weights, not --bits {bits}",
+                        hint="drop one of them")
+    if method is None:
+        method = "gptq" if BITS[SCHEMES[scheme]] == 4 else "rtn"
+    model = workspace.resolve_model(model)
+    output = workspace.resolve_output("quantize", output) if not dry_run or output else Path(".")
+    opts = QuantOptions(scheme=scheme, group_size=group_size, method=method, act_method=act_method,
+                        smooth_alpha=smooth_alpha, fallback=fallback, fallback_threshold=fallback_threshold,
+                        fallback_to=fallback_to, ignore=tuple(ignore), calib=calib, calib_samples=calib_samples,
+                        seq_len=seq_len, min_expert_tokens=min_expert_tokens, all_experts=all_experts, layout=layout,
+                        max_shard_size=parse_size(max_shard_size))
+    result = quantize_model(model, output, opts, force=force, progress=not as_json, warn=warn, dry_run=dry_run)
+    if as_json:
+        emit_json(result)
+    else:
+        click.echo(render_plan(result) if dry_run else render(result))
+
+
+@register_check("quantize")
+def _verify_quantize_output(directory: Path, manifest: dict) -> list[str]:
+    from dsconv.quant.formats.msmodelslim import verify_output
+
+    return verify_output(directory)

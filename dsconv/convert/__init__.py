@@ -1,0 +1,52 @@
+"""The export stage: HF checkpoint -> ONNX (checked against PyTorch in onnxruntime), safetensors in another dtype
+(FP8 -> BF16 streamed tensor by tensor), MindIR (convert/mindir.py, its own issue).
+
+Modules, each small and named for what it does:
+  fp8.py          `export_safetensors`: dtype rewrite and FP8 block dequantization, streamed, part layout kept
+  hf_model.py     builds the torch model for tracing with transformers' own loading code (fails on missing tensors)
+  onnx_wrapper.py the traced nn.Module: documented input/output names, KV cache as flat tensors
+  onnx_graph.py   post-export graph work: weights streamed into the file (or external data), integer types
+  onnx_opset.py   opset lowering when the exporter cannot emit the requested opset
+  onnx_check.py   the parity check (PyTorch vs onnxruntime on several shapes; MoE routing variety)
+  onnx.py         `export_onnx`: the stage, from memory estimate to committed output
+  checks.py       `dsconv verify` hooks for the outputs of this stage
+
+Importing this package is cheap (no torch/onnx): the heavy imports happen inside the stage functions.
+"""
+from __future__ import annotations
+
+DTYPES = ("fp32", "fp16", "bf16")
+#: safetensors dtype name of each --dtype choice
+ST_DTYPE = {"fp32": "F32", "fp16": "F16", "bf16": "BF16"}
+#: config.json spelling of each --dtype choice
+CONFIG_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def torch_dtype_of(dtype: str):
+    import torch
+
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+
+
+def human_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far. Linux: VmHWM, which starts afresh at exec (ru_maxrss carries
+    the parent's peak across fork+exec, which misreports children of a big parent); elsewhere ru_maxrss."""
+    import resource
+    import sys
+
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024

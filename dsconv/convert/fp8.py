@@ -1,0 +1,348 @@
+"""`dsconv export --format safetensors`: rewrite a checkpoint in another dtype, FP8 block-scaled weights dequantized.
+
+Plan from headers, then stream. The plan keeps the input's layout: one output part per input part, with the same
+file name and the same tensors in the same order (minus the FP8 `weight_scale_inv` scales, which are folded into
+their weights), and an index of the same name. Each tensor is then read (mmap, one tensor resident), converted and
+written before the next is read, so peak memory stays near the largest tensor whatever the model size.
+
+Per tensor:
+  * FP8 weight (with its `weight_scale_inv`, wherever the index puts it) -> dequantized to the target dtype;
+  * the scale -> dropped;
+  * other floating tensors -> cast to the target dtype, except float32 router tensors (DeepSeek's
+    `e_score_correction_bias`), which stay float32 as transformers keeps them (routing is sensitive to them);
+  * integer and bool tensors -> unchanged.
+config.json loses `quantization_config` and gets the new dtype; tokenizer and generation files are copied.
+
+Fused MoE checkpoints (transformers' `mlp.experts.gate_up_proj`) are written with the per-expert names the reader
+presents (transformers' default "original" layout, which it loads as well); everything else keeps its name.
+
+The FP8 -> BF16 kernel is exact (bit-identical to `fp8.to(float32) * scale` rounded to the target dtype) and runs in
+numpy on 128-row stripes, two threads: the e4m3 bits are moved into float32 position with integer ops (the 2^120
+exponent re-bias is folded into the scale, which also makes subnormals exact), then one float32 multiply and one
+round-to-nearest-even store (ml_dtypes for bfloat16). torch's own float8 cast is ~10x slower on CPU.
+`pipeline=True` writes one tensor on a thread while the next converts (two converted tensors alive instead of one);
+it measured no faster on the shared 2-core host (benchmarks/bench_export.py), so it is off by default.
+"""
+from __future__ import annotations
+
+import json
+import math
+import queue
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dsconv.convert import CONFIG_DTYPE, DTYPES, ST_DTYPE, peak_rss_bytes
+from dsconv.errors import UserError
+from dsconv.families.roles import Role
+
+FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
+FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})
+INDEX_SUFFIX = ".safetensors.index.json"
+STRIPE_ROWS = 128
+_REBIAS = 2.0 ** 120  # e4m3 exponent bias 7 -> float32 bias 127
+_FP8_BITS = np.array(0x87F00000, dtype=np.uint32).view(np.int32)
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    name: str
+    in_dtype: str
+    out_dtype: str
+    shape: tuple[int, ...]
+    action: str  # "dequantize" | "cast" | "keep"
+    scale: str | None = None
+
+
+@dataclass
+class PartPlan:
+    file: str  # output file name (the input part's name)
+    tensors: list[TensorPlan] = field(default_factory=list)
+
+
+@dataclass
+class RewritePlan:
+    dtype: str
+    parts: list[PartPlan]
+    dropped: list[str]  # scales folded into their weights
+    index_name: str | None
+    bytes_in: int
+    bytes_out: int
+
+    @property
+    def tensors(self) -> list[TensorPlan]:
+        return [t for p in self.parts for t in p.tensors]
+
+    def counts(self) -> dict[str, int]:
+        out = {"dequantize": 0, "cast": 0, "keep": 0}
+        for t in self.tensors:
+            out[t.action] += 1
+        return out
+
+
+def plan_rewrite(ck, dtype: str) -> RewritePlan:
+    """What will be written, from headers alone; refuses inputs it cannot rewrite faithfully."""
+    from dsconv.writer import DTYPE_SIZES
+
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
+    if ck.is_quantized:
+        raise UserError(f"{ck.root} is a quantized (msModelSlim layout) output",
+                        hint="--format safetensors rewrites float or FP8 checkpoints; export the original model")
+    target = ST_DTYPE[dtype]
+    scales = set(ck.fp8_scales.values())
+    for name, role in ck.roles.items():
+        if role.param == "weight_scale_inv" and name not in scales:
+            raise UserError(f"tensor {name} ({ck.info(name).file.name}) is a weight_scale_inv without an FP8 weight",
+                            hint="the checkpoint is inconsistent; re-download it")
+    by_file: dict[Path, list] = {}
+    for name in ck.names():
+        info = ck.info(name)
+        by_file.setdefault(info.file, []).append(info)
+    parts: list[PartPlan] = []
+    bytes_in = bytes_out = 0
+    for f in ck.files:
+        infos = sorted(by_file.get(f, []), key=lambda i: i.start)
+        fname = f.name if f.name.endswith(".safetensors") else f.stem + ".safetensors"
+        part = PartPlan(fname)
+        for info in infos:
+            bytes_in += info.nbytes
+            if info.name in scales:
+                continue
+            role = ck.role(info.name)
+            if info.dtype in FP8_DTYPES:
+                if info.name not in ck.fp8_scales:  # the reader already refuses this; keep the guard local
+                    raise UserError(f"FP8 weight {info.name} has no weight_scale_inv",
+                                    hint="a weight without its scale cannot be dequantized")
+                t = TensorPlan(info.name, info.dtype, target, info.shape, "dequantize", ck.fp8_scales[info.name])
+            elif info.dtype in FLOAT_DTYPES:
+                keep_f32 = role.role is Role.ROUTER and info.dtype == "F32"
+                out = info.dtype if keep_f32 else target
+                t = TensorPlan(info.name, info.dtype, out, info.shape, "keep" if out == info.dtype else "cast")
+            else:
+                t = TensorPlan(info.name, info.dtype, info.dtype, info.shape, "keep")
+            bytes_out += math.prod(t.shape) * DTYPE_SIZES[t.out_dtype]
+            part.tensors.append(t)
+        if part.tensors:
+            parts.append(part)
+    indexes = sorted(ck.root.glob("*" + INDEX_SUFFIX))
+    index_name = indexes[0].name if indexes else ("model" + INDEX_SUFFIX if len(parts) > 1 else None)
+    return RewritePlan(dtype, parts, sorted(scales), index_name, bytes_in, bytes_out)
+
+
+# ---- the kernel ----------------------------------------------------------------------------------------------
+def dequantize_fp8(weight, scale_inv, block: tuple[int, int], out_dtype, name: str = "weight", threads: int = 2):
+    """FP8 e4m3 [out, in] x float32 scales [ceil(out/b0), ceil(in/b1)] -> `out_dtype`, exactly as
+    `weight.float() * scale` rounded once. Falls back to the reference loop for e5m2 or huge scales."""
+    import torch
+
+    from dsconv.checkpoint import dequant_fp8_block
+
+    scale = scale_inv.to(torch.float32)
+    if (weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or scale.numel() == 0
+            or float(scale.abs().max()) >= 2.0 ** 7):  # scale * 2^120 must stay finite
+        return dequant_fp8_block(weight, scale, block, out_dtype=out_dtype)
+    rows, cols = weight.shape
+    b0, b1 = block
+    if tuple(scale.shape) != (math.ceil(rows / b0), math.ceil(cols / b1)):
+        raise UserError(f"{name}_scale_inv has shape {list(scale.shape)} for a {list(weight.shape)} weight in "
+                        f"{b0}x{b1} blocks", hint="the scale does not belong to this weight")
+    col_scale = np.repeat((scale.numpy() * np.float32(_REBIAS)).astype(np.float32), b1, axis=1)[:, :cols]
+    out = torch.empty((rows, cols), dtype=out_dtype)
+    out_np = _numpy_view(out)
+    i8 = weight.view(torch.int8).numpy()
+    step = b0 * max(1, STRIPE_ROWS // b0)  # whole block rows per stripe
+    bad = []
+
+    def stripe(r0: int) -> None:
+        x = i8[r0:r0 + step]
+        if np.any((x & 0x7F) == 0x7F):  # e4m3fn NaN codes: the weight is damaged
+            bad.append(r0)
+            return
+        y = x.astype(np.int32)  # sign-extended, so the sign lands in bit 31 after the shift
+        y <<= 20
+        y &= _FP8_BITS  # sign, 4 exponent and 3 mantissa bits in float32 position
+        f = y.view(np.float32)  # = fp8 value / 2^120, exact (subnormals included)
+        for j in range(0, f.shape[0], b0):
+            f[j:j + b0] *= col_scale[(r0 + j) // b0]
+        np.copyto(out_np[r0:r0 + step], f, casting="unsafe")  # one round-to-nearest-even into the target dtype
+
+    starts = range(0, rows, step)
+    if threads > 1 and rows > step:
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(stripe, starts))
+    else:
+        for r0 in starts:
+            stripe(r0)
+    if bad:
+        raise UserError(f"FP8 weight {name} holds NaN codes (rows from {min(bad)})",
+                        hint="the checkpoint is damaged; re-download it")
+    return out
+
+
+def _numpy_view(t):
+    """A numpy view of a float tensor (bfloat16 through ml_dtypes, which onnx already requires); numpy, not torch,
+    does the per-stripe work so that no torch parallel region runs inside the stripe threads."""
+    import torch
+
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def convert_tensor(ck, t: TensorPlan, threads: int = 2):
+    """One planned tensor, read and converted (the only full-size tensors alive are its input and output)."""
+    from dsconv.checkpoint import torch_dtype
+
+    x = ck.load(t.name)
+    if t.action == "dequantize":
+        scale = ck.load(t.scale)
+        return dequantize_fp8(x, scale, ck.facts.fp8_block or (128, 128), torch_dtype(t.out_dtype), t.name, threads)
+    if t.action == "cast":
+        return x.to(torch_dtype(t.out_dtype))
+    return x
+
+
+class _BackgroundWriter:
+    """Writes one tensor on a thread while the caller converts the next. `put` waits until the previous write is
+    done, so at most two converted tensors exist at once (the one being written and the one being made)."""
+
+    def __init__(self) -> None:
+        self._q: queue.Queue = queue.Queue()
+        self._idle = threading.Semaphore(1)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            ts, name, tensor = item
+            del item
+            if self._error is None:
+                try:
+                    ts.write(name, tensor)
+                except BaseException as e:  # re-raised in the caller's thread
+                    self._error = e
+            del tensor
+            self._idle.release()
+
+    def put(self, ts, name: str, tensor) -> None:
+        self._idle.acquire()
+        if self._error is not None:
+            self._idle.release()
+            raise self._error
+        self._q.put((ts, name, tensor))
+
+    def close(self) -> None:
+        self._idle.acquire()
+        self._q.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+def rewrite_into(out, ck, plan: RewritePlan, progress: bool | None = None, pipeline: bool = False) -> None:
+    """Stream every planned tensor into `out` (an open OutputDir), then config, index and the small files."""
+    from tqdm import tqdm
+
+    from dsconv.writer import TensorSpec
+
+    sets = {}
+    for part in plan.parts:
+        specs = [TensorSpec(t.name, t.out_dtype, t.shape) for t in part.tensors]
+        prefix = part.file[: -len(".safetensors")]
+        sets[part.file] = out.tensor_set(specs, prefix=prefix, max_shard_size=sum(s.nbytes for s in specs) + 1)
+    bar = tqdm(total=plan.bytes_out, unit="B", unit_scale=True, desc="safetensors", file=sys.stderr,
+               disable=(not sys.stderr.isatty()) if progress is None else not progress)
+    writer = _BackgroundWriter() if pipeline else None
+    try:
+        for part in plan.parts:
+            ts = sets[part.file]
+            for t in part.tensors:
+                tensor = convert_tensor(ck, t)
+                if writer is not None:
+                    writer.put(ts, t.name, tensor)
+                else:
+                    ts.write(t.name, tensor)
+                bar.update(tensor.numel() * tensor.element_size())
+                del tensor
+    finally:
+        if writer is not None:
+            writer.close()
+        bar.close()
+    if plan.index_name:
+        weight_map = {t.name: p.file for p in plan.parts for t in p.tensors}
+        out.write_json(plan.index_name, {"metadata": {"total_size": plan.bytes_out},
+                                         "weight_map": dict(sorted(weight_map.items()))})
+    out.write_json("config.json", rewritten_config(ck.config, plan.dtype))
+    for f in ck.copy_files():
+        if f.name != "config.json":
+            out.copy_in(f)
+
+
+def rewritten_config(config: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """config.json of the rewritten checkpoint: no quantization_config, the new dtype under the keys present."""
+    new = json.loads(json.dumps(config))
+    new.pop("quantization_config", None)
+    keys = [k for k in ("dtype", "torch_dtype") if k in new] or ["dtype"]
+    for k in keys:
+        new[k] = CONFIG_DTYPE[dtype]
+    return new
+
+
+def export_safetensors(model_dir: Path, output: Path, *, dtype: str = "bf16", force: bool = False,
+                       allow_pickle: bool = False, dry_run: bool = False, progress: bool | None = None,
+                       stage: str = "safetensors", pipeline: bool = False) -> dict[str, Any]:
+    """Rewrite `model_dir` into `output` in `dtype` (FP8 dequantized); returns a JSON-ready summary."""
+    from dsconv.checkpoint import Checkpoint
+    from dsconv.writer import OutputDir
+
+    t0 = time.perf_counter()
+    model_dir, output = Path(model_dir), Path(output)
+    ck = Checkpoint.open(model_dir, allow_pickle=allow_pickle)
+    plan = plan_rewrite(ck, dtype)
+    summary: dict[str, Any] = {
+        "format": "safetensors", "model": str(model_dir), "output": str(output), "dtype": dtype,
+        "parts": [p.file for p in plan.parts], "parts_dropped": len(ck.files) - len(plan.parts),
+        "index": plan.index_name, "tensors": len(plan.tensors),
+        **plan.counts(), "scales_dropped": len(plan.dropped), "bytes_in": plan.bytes_in, "bytes_out": plan.bytes_out,
+        "largest_tensor_bytes": max((ck.info(t.name).nbytes for t in plan.tensors), default=0),
+    }
+    if dry_run:
+        summary["dry_run"] = True
+        return summary
+    with ck, OutputDir(output, stage=stage, inputs=[model_dir], force=force, input_identity=ck.identity(),
+                       options={"dtype": dtype, "format": "safetensors"}) as out:
+        rewrite_into(out, ck, plan, progress=progress, pipeline=pipeline)
+    seconds = time.perf_counter() - t0
+    summary.update(seconds=round(seconds, 3), throughput_in_mb_s=round(plan.bytes_in / seconds / 1e6, 1),
+                   peak_rss_bytes=peak_rss_bytes())
+    return summary
+
+
+def render(summary: dict[str, Any]) -> str:
+    from dsconv.convert import human_bytes as hb
+
+    lines = [f"{'planned' if summary.get('dry_run') else 'wrote'} {summary['output']}: {summary['tensors']} tensors "
+             f"in {len(summary['parts'])} part(s) as {summary['dtype']} "
+             f"({summary['dequantize']} FP8 dequantized, {summary['cast']} cast, {summary['keep']} kept, "
+             f"{summary['scales_dropped']} scales dropped"
+             + (f"; {summary['parts_dropped']} input part(s) held only scales and are gone" if summary['parts_dropped']
+                else "") + ")",
+             f"  {hb(summary['bytes_in'])} in -> {hb(summary['bytes_out'])} out; "
+             f"largest tensor {hb(summary['largest_tensor_bytes'])}"]
+    if "seconds" in summary:
+        lines.append(f"  {summary['seconds']:.1f} s ({summary['throughput_in_mb_s']:.0f} MB/s of input), "
+                     f"peak RSS {hb(summary['peak_rss_bytes'])}")
+    return "\n".join(lines)

@@ -1,0 +1,180 @@
+"""Calibration sets -> token samples: the formats msModelSlim users already have, validated line by line.
+
+Accepted: a `.jsonl` whose lines carry the text under `inputs_pretokenized`, `text`, `prompt`, `question` (+ optional
+`answer`), or `messages` (a chat, rendered with the tokenizer's chat template when it has one); a `.json` list of
+strings (or of such objects). A malformed line is a UserError naming the file and the line; an empty set is an error.
+Each sample is tokenized on its own and truncated to `seq_len` (no packing across samples: every token sees only its
+own sample, as at inference).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsconv.errors import UserError
+
+TEXT_KEYS = ("inputs_pretokenized", "text", "prompt")
+DEFAULT_SEQ_LEN = 512
+
+
+@dataclass
+class CalibSet:
+    """Token ids of every calibration sample (each at most seq_len long), and where they came from."""
+
+    source: str
+    samples: list[list[int]]
+    seq_len: int
+    truncated: int = 0  # samples cut at seq_len
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s) for s in self.samples)
+
+    def describe(self) -> dict[str, Any]:
+        return {"source": self.source, "samples": len(self.samples), "tokens": self.tokens, "seq_len": self.seq_len,
+                "truncated_samples": self.truncated}
+
+
+def bundled_calib_path() -> Path:
+    from dsconv.demo import bundled_calib_path as p
+
+    return p()
+
+
+def _render_messages(messages: Any, tokenizer: Any, where: str) -> str:
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
+            for m in messages):
+        raise UserError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects",
+                        hint="write each turn as {\"role\": \"user\", \"content\": \"...\"}")
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        try:
+            return tokenizer.apply_chat_template(messages, tokenize=False)
+        except Exception as e:  # a template error is about this line's content or the tokenizer
+            raise UserError(f"{where}: the tokenizer's chat template failed on this chat ({type(e).__name__}: {e})",
+                            hint="check the roles and content of the messages") from None
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+
+
+def text_of(row: Any, where: str, tokenizer: Any = None) -> str:
+    """The calibration text one record stands for (a string, or an object with one of the known keys)."""
+    if isinstance(row, str):
+        text = row
+    elif isinstance(row, dict):
+        if "messages" in row:
+            text = _render_messages(row["messages"], tokenizer, where)
+        elif "question" in row:
+            q, a = row["question"], row.get("answer", "")
+            if not isinstance(q, str) or not isinstance(a, str):
+                raise UserError(f"{where}: \"question\" and \"answer\" must be strings")
+            text = f"{q}\n{a}" if a else q
+        else:
+            key = next((k for k in TEXT_KEYS if k in row), None)
+            if key is None:
+                raise UserError(f"{where}: no calibration text (keys: {', '.join(sorted(row)) or 'none'})",
+                                hint="use one of inputs_pretokenized, text, prompt, question (+answer), messages")
+            text = row[key]
+            if not isinstance(text, str):
+                raise UserError(f"{where}: \"{key}\" must be a string, got {type(text).__name__}")
+    else:
+        raise UserError(f"{where}: expected a string or an object, got {type(row).__name__}",
+                        hint="one JSON object per line, e.g. {\"text\": \"...\"}")
+    if not text.strip():
+        raise UserError(f"{where}: empty calibration text", hint="remove the line or give it text")
+    return text
+
+
+def read_texts(path: Path, tokenizer: Any = None) -> list[str]:
+    """Every calibration text of a .jsonl / .json file, in file order; errors name the file and the line."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"calibration file {path} does not exist", hint="pass a .jsonl or .json file with --calib")
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text (byte {e.start})", hint="save the file as UTF-8") from None
+    texts: list[str] = []
+    if path.suffix == ".json":
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{e.lineno}: invalid JSON ({e.msg})",
+                            hint="a .json calibration file is one list of strings") from None
+        if not isinstance(data, list):
+            raise UserError(f"{path}: a .json calibration file must hold a list of strings, got "
+                            f"{type(data).__name__}", hint="use .jsonl for one object per line")
+        for i, row in enumerate(data):
+            texts.append(text_of(row, f"{path}: item {i}", tokenizer))
+    elif path.suffix == ".jsonl":
+        for lineno, line in enumerate(raw.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})",
+                                hint="each line must be one JSON object") from None
+            texts.append(text_of(row, f"{path}:{lineno}", tokenizer))
+    else:
+        raise UserError(f"{path}: unknown calibration format {path.suffix or '(no suffix)'}",
+                        hint="use .jsonl (one object per line) or .json (a list of strings)")
+    if not texts:
+        raise UserError(f"{path}: the calibration set is empty", hint="give at least a few prompts (10-100)")
+    return texts
+
+
+def load_tokenizer(model_dir: Path):
+    """The model's own tokenizer (calibration tokens must be the ones the model was trained on)."""
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((Path(model_dir) / f).is_file() for f in files):
+        raise UserError(f"{model_dir} has no tokenizer files ({', '.join(files)})",
+                        hint="copy the model's tokenizer into the directory: calibration and evaluation need it")
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:  # transformers raises OSError/ValueError/... for a missing or broken tokenizer
+        raise UserError(f"{model_dir}: cannot load the tokenizer ({type(e).__name__})",
+                        hint="calibration needs the model's tokenizer files (tokenizer.json / tokenizer_config.json)"
+                        ) from None
+
+
+def tokenize(texts: list[str], tokenizer: Any, seq_len: int, source: str) -> CalibSet:
+    if seq_len < 2:
+        raise UserError(f"--seq-len {seq_len} is too short", hint="use 256-2048")
+    samples, truncated = [], 0
+    for text in texts:
+        ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+        if len(ids) > seq_len:
+            ids, truncated = ids[:seq_len], truncated + 1
+        if ids:
+            samples.append([int(i) for i in ids])
+    if not samples:
+        raise UserError(f"{source}: the calibration texts tokenize to nothing", hint="check the file's content")
+    return CalibSet(source=source, samples=samples, seq_len=seq_len, truncated=truncated)
+
+
+def load_calib(path: Path | None, tokenizer: Any, samples: int | None = None,
+               seq_len: int = DEFAULT_SEQ_LEN) -> CalibSet:
+    """The calibration set to use: `path` or the bundled qa.jsonl; the first `samples` records (all by default)."""
+    src = Path(path) if path is not None else bundled_calib_path()
+    texts = read_texts(src, tokenizer)
+    if samples is not None:
+        if samples < 1:
+            raise UserError(f"--calib-samples {samples} must be at least 1")
+        texts = texts[:samples]
+    label = str(src) if path is not None else f"bundled {src.name}"
+    return tokenize(texts, tokenizer, seq_len, label)
+
+
+def min_tokens_warning(calib: CalibSet, needs: dict[str, int]) -> str | None:
+    """A warning when the set is too small for what the scheme estimates (ranges, Hessians)."""
+    short = {what: n for what, n in needs.items() if calib.tokens < n}
+    if not short:
+        return None
+    parts = ", ".join(f"{what} wants >= {n}" for what, n in short.items())
+    return (f"calibration has only {calib.tokens} tokens ({len(calib.samples)} samples): {parts}; "
+            "results may be poor - add samples or raise --seq-len")

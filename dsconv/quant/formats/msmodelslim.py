@@ -1,0 +1,227 @@
+"""The msModelSlim layout (reference/msmodelslim_format.md), both ways.
+
+Writing: `emit_linear(P, type, result)` yields exactly the tensors the reference table lists for a linear of that
+type, in a fixed order and with the reference dtypes (int8 weights, int4 packed two per byte along the output
+dimension, float32 scales, int32 quant_bias, deq_scale float32 or - for fp16 models - int64 holding the float32 bit
+pattern). Reading: `read_linear(ck, P)` gets a linear back (both int4 packings accepted by shape), and
+`check_description` checks that the description names every tensor and nothing else, with consistent aux shapes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+
+from dsconv.errors import UserError
+from dsconv.quant.schemes import (deq_scale_as_int64, deq_scale_from_int64, dequant_weight, pack_int4,
+                                  unpack_int4_by_shape)
+
+LAYOUTS = ("msmodelslim", "mindie")
+TYPES = ("FLOAT", "W8A16", "W8A8", "W8A8_DYNAMIC", "W4A16", "W4A8_DYNAMIC")
+GLOBAL_KEYS = ("model_quant_type", "version", "group_size", "kv_quant_type", "kv_cache_type", "fa_quant_type",
+               "reduce_quant_type", "metadata")
+LINEAR_AUX = ("weight_scale", "weight_offset", "input_scale", "input_offset", "deq_scale", "quant_bias")
+
+
+def layout_names(layout: str, model_quant_type: str) -> tuple[str, str]:
+    """(weights file prefix, description file name) of a layout."""
+    if layout == "mindie":
+        t = model_quant_type.lower()
+        return f"quant_model_weight_{t}", f"quant_model_description_{t}.json"
+    return "quant_model_weights", "quant_model_description.json"
+
+
+@dataclass
+class QuantResult:
+    """A quantized linear before it takes its final type: int8 values (unpacked), weight scales, and - for a W8A8
+    candidate - the activation parameters with deq_scale and quant_bias."""
+
+    q: np.ndarray                        # int8 [n, k] (int4 values in -8..7 for 4 bits)
+    scale: np.ndarray                    # float32 [n, 1] or [n, groups]
+    input_scale: np.float32 | None = None
+    input_offset: np.float32 | None = None
+    deq_scale: np.ndarray | None = None  # float32 [n]
+    quant_bias: np.ndarray | None = None  # int32 [n]
+    bias: Any = None                     # original-dtype bias tensor, or None
+
+
+def emit_linear(module: str, qtype: str, res: QuantResult, deq_dtype: str = "F32") -> Iterator[tuple[str, Any]]:
+    """(name, array) pairs of one linear in `qtype`, in plan.linear_specs order."""
+    P = module
+    if qtype == "W4A16":
+        yield P + ".weight", pack_int4(res.q, P)
+        yield P + ".weight_scale", np.ascontiguousarray(res.scale, np.float32)
+        yield P + ".weight_offset", np.zeros(res.scale.shape, np.float32)
+    elif qtype in ("W8A16", "W8A8_DYNAMIC"):
+        yield P + ".weight", res.q
+        yield P + ".weight_scale", np.ascontiguousarray(res.scale, np.float32).reshape(-1, 1)
+        yield P + ".weight_offset", np.zeros((res.scale.shape[0], 1), np.float32)
+    elif qtype == "W8A8":
+        if res.deq_scale is None:
+            raise ValueError(f"{P}: W8A8 without activation parameters")
+        yield P + ".weight", res.q
+        yield P + ".input_scale", np.array([res.input_scale], np.float32)
+        yield P + ".input_offset", np.array([res.input_offset], np.float32)
+        deq = np.ascontiguousarray(res.deq_scale, np.float32)
+        yield P + ".deq_scale", deq_scale_as_int64(deq) if deq_dtype == "I64" else deq
+        yield P + ".quant_bias", np.ascontiguousarray(res.quant_bias, np.int32)
+    else:
+        raise ValueError(f"unknown type {qtype}")
+    if res.bias is not None:
+        yield P + ".bias", res.bias
+
+
+def description_types(desc: dict[str, Any]) -> dict[str, str]:
+    """tensor name -> type, global keys removed."""
+    return {k: v for k, v in desc.items() if k not in GLOBAL_KEYS}
+
+
+# ----------------------------------------------------------------------------------------------- reading
+@dataclass
+class QuantLinear:
+    """A linear as stored: enough to dequantize it or to run it the way the engine does."""
+
+    module: str
+    qtype: str
+    q: np.ndarray                      # int8 [n, k], unpacked
+    weight_scale: np.ndarray | None    # float32 [n, groups]
+    weight_offset: np.ndarray | None
+    input_scale: float | None = None
+    input_offset: float | None = None
+    deq_scale: np.ndarray | None = None  # float32 [n] (int64 bit patterns decoded)
+    quant_bias: np.ndarray | None = None
+    bias: np.ndarray | None = None
+
+    def dequantized(self) -> np.ndarray:
+        """float32 [n, k]: (q - offset) * scale; W8A8 static derives the weight scale from deq_scale / input_scale."""
+        if self.weight_scale is not None:
+            return dequant_weight(self.q, self.weight_scale, self.weight_offset)
+        scale = (self.deq_scale.astype(np.float64) / float(self.input_scale)).astype(np.float32)
+        return dequant_weight(self.q, scale.reshape(-1, 1))
+
+
+def _np(ck: Any, name: str) -> np.ndarray:
+    import torch
+
+    t = ck.load(name)
+    if t.dtype == torch.bfloat16:
+        t = t.float()
+    return t.numpy()
+
+
+def read_linear(ck: Any, module: str, qtype: str) -> QuantLinear:
+    """One quantized linear of a msModelSlim-layout directory opened as a Checkpoint."""
+    P = module
+    have = lambda s: (P + s) in ck  # noqa: E731
+    if not have(".weight"):
+        raise UserError(f"{ck.root}: {P}.weight is missing", hint="the quantized output is incomplete")
+    raw = _np(ck, P + ".weight")
+    if raw.dtype != np.int8:
+        raise UserError(f"{P}.weight is {raw.dtype}, expected int8 for {qtype}")
+    scale = _np(ck, P + ".weight_scale").astype(np.float32) if have(".weight_scale") else None
+    offset = _np(ck, P + ".weight_offset").astype(np.float32) if have(".weight_offset") else None
+    if qtype.startswith("W4"):
+        if scale is None:
+            raise UserError(f"{P}: {qtype} needs weight_scale")
+        n = scale.shape[0]
+        k = raw.shape[1] if raw.shape[0] * 2 == n else raw.shape[1] * 2
+        q = unpack_int4_by_shape(raw, (n, k), P)
+    else:
+        q = raw
+    ql = QuantLinear(P, qtype, q, scale, offset)
+    if have(".bias"):
+        ql.bias = _np(ck, P + ".bias").astype(np.float32)
+    if qtype == "W8A8":
+        for s in (".input_scale", ".input_offset", ".deq_scale", ".quant_bias"):
+            if not have(s):
+                raise UserError(f"{ck.root}: {P}{s} is missing for a W8A8 layer", hint="the output is incomplete")
+        ql.input_scale = float(_np(ck, P + ".input_scale").reshape(-1)[0])
+        ql.input_offset = float(_np(ck, P + ".input_offset").reshape(-1)[0])
+        deq = _np(ck, P + ".deq_scale")
+        ql.deq_scale = deq_scale_from_int64(deq) if deq.dtype == np.int64 else deq.astype(np.float32)
+        ql.quant_bias = _np(ck, P + ".quant_bias").astype(np.int64)
+    elif scale is None:
+        raise UserError(f"{ck.root}: {P}.weight_scale is missing for a {qtype} layer", hint="the output is incomplete")
+    return ql
+
+
+def quantized_modules(desc: dict[str, Any]) -> dict[str, str]:
+    """module P -> type for every quantized linear named in a description."""
+    out = {}
+    for name, t in description_types(desc).items():
+        if name.endswith(".weight") and t != "FLOAT":
+            out[name[: -len(".weight")]] = t
+    return out
+
+
+def check_description(desc: dict[str, Any], tensors: dict[str, tuple[str, tuple[int, ...]]]) -> list[str]:
+    """Problems with a description against the tensors {name: (dtype, shape)} actually stored (empty when sound)."""
+    problems = []
+    for key in ("model_quant_type", "version", "group_size"):
+        if key not in desc:
+            problems.append(f"description lacks the global key {key}")
+    types = description_types(desc)
+    for name, t in types.items():
+        if t not in TYPES:
+            problems.append(f"{name}: unknown type {t!r}")
+        if name not in tensors:
+            problems.append(f"{name}: in the description but not in the weights")
+    for name in tensors:
+        if name not in types:
+            problems.append(f"{name}: in the weights but not in the description")
+    present = {t for t in types.values()}
+    mqt = desc.get("model_quant_type")
+    if mqt is not None and mqt not in present and not (mqt == "FLOAT" and not present - {"FLOAT"}):
+        problems.append(f"model_quant_type {mqt} is not the type of any tensor")
+    g = desc.get("group_size", 0)
+    for P, t in quantized_modules(desc).items():
+        w = tensors.get(P + ".weight")
+        if w is None:
+            continue
+        if w[0] != "I8":
+            problems.append(f"{P}.weight: {t} weight stored as {w[0]}, expected I8")
+        need = {"W8A8": ("input_scale", "input_offset", "deq_scale", "quant_bias")}.get(
+            t, ("weight_scale", "weight_offset"))
+        for aux in need:
+            name = f"{P}.{aux}"
+            if name not in tensors:
+                problems.append(f"{P}: {t} needs {aux}")
+            elif types.get(name) != t:
+                problems.append(f"{name}: type {types.get(name)} differs from its weight's {t}")
+        for aux in LINEAR_AUX:
+            name = f"{P}.{aux}"
+            if aux not in need and name in tensors and types.get(name) != t:
+                problems.append(f"{name}: type {types.get(name)} differs from its weight's {t}")
+        if t == "W8A8" and P + ".deq_scale" in tensors:
+            n = w[1][0]
+            if tensors[P + ".deq_scale"][1] != (n,) or tensors.get(P + ".quant_bias", ("", ()))[1] != (n,):
+                problems.append(f"{P}: deq_scale/quant_bias shapes do not match {n} output channels")
+        if t.startswith("W4") and P + ".weight_scale" in tensors:
+            n, groups = tensors[P + ".weight_scale"][1]
+            rows, cols = w[1]
+            k = cols if rows * 2 == n else cols * 2
+            if rows * 2 != n and rows != n:
+                problems.append(f"{P}.weight: packed shape {[rows, cols]} does not hold {n} rows")
+            elif g and groups * g != k:
+                problems.append(f"{P}.weight_scale: {groups} groups x {g} != input width {k}")
+    return problems
+
+
+def verify_output(directory: Any) -> list[str]:
+    """`dsconv verify` for a quantize output: the layout reads back, and the description matches the weights."""
+    from pathlib import Path
+
+    from dsconv.checkpoint import Checkpoint
+
+    directory = Path(directory)
+    try:
+        ck = Checkpoint.open(directory)
+    except UserError as e:
+        return [e.one_line()]
+    if ck.quant_description is None:
+        return [f"{directory}: no quant_model_description*.json"]
+    if "quantization_config" in ck.config:
+        return ["config.json still carries quantization_config"]
+    tensors = {n: (i.dtype, tuple(i.shape)) for n, i in ck.tensors.items()}
+    return check_description(ck.quant_description, tensors)

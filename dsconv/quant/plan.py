@@ -1,0 +1,230 @@
+"""The quantization plan, from headers alone: which linear gets which type, and every output tensor's name/dtype/shape.
+
+Decisions come from the family's Role table (`ck.role(name)`), never from names: a tensor is a quantized linear when
+its role is quantized by default, its param is `weight`, it is not an MTP tensor (kept in float: the MTP module needs
+its own forward for calibration) and no `--ignore` regex of the user matches its module. Fallback *units* are the
+groups an engine fuses and must keep in one type: (layer, role, category), e.g. q/k/v of a layer, gate/up of a dense
+MLP, all routed experts' gate/up of a layer.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from dsconv.errors import UserError
+from dsconv.families.roles import Category, Role
+from dsconv.quant.schemes import check_group_size
+from dsconv.writer import TensorSpec
+
+# scheme option -> description type
+SCHEMES = {"w8a8": "W8A8", "w8a8_dynamic": "W8A8_DYNAMIC", "w8a16": "W8A16", "w4a16": "W4A16"}
+DEFAULT_SCHEME = {8: "w8a8", 4: "w4a16"}
+BITS = {"W8A8": 8, "W8A8_DYNAMIC": 8, "W8A16": 8, "W4A16": 4}
+STATIC = "W8A8"
+FLOAT = "FLOAT"
+# most aggressive first: fewer weight bits, then static activations, then dynamic, then weight-only
+AGGRESSIVENESS = ("W4A8_DYNAMIC", "W4A16", "W8A8", "W8A8_DYNAMIC", "W8A16", FLOAT)
+FALLBACK_TARGETS = ("w8a8_dynamic", "w8a16")
+DESCRIPTION_VERSION = "1.0.0"
+
+
+def model_quant_type(types: Iterable[str]) -> str:
+    present = set(types)
+    return next((t for t in AGGRESSIVENESS if t in present), FLOAT)
+
+
+@dataclass
+class LinearPlan:
+    """One linear layer P of the checkpoint and the type it gets."""
+
+    module: str               # P: checkpoint name without `.weight`
+    weight: str               # checkpoint tensor name of the weight
+    bias: str | None          # checkpoint tensor name of the bias, if any
+    shape: tuple[int, int]    # [n, k]
+    src_dtype: str            # checkpoint dtype of the weight (BF16, F16, F32, F8_E4M3)
+    role: Role
+    category: Category
+    layer: int | None
+    expert: int | None
+    slot: str | None
+    qtype: str                # planned type (may fall back later for W8A8 units)
+    unit: str                 # fallback unit key
+
+    @property
+    def n(self) -> int:
+        return self.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.shape[1]
+
+    @property
+    def is_expert(self) -> bool:
+        return self.role in (Role.EXPERT_IN, Role.EXPERT_OUT)
+
+
+@dataclass
+class FloatPlan:
+    """A tensor kept in floating point (FP8 weights are written dequantized, in the model dtype)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    role: Role
+    layer: int | None
+    src_dtype: str
+
+
+@dataclass
+class QuantPlan:
+    scheme: str                      # the requested scheme, e.g. "W8A8"
+    group_size: int                  # W4A16 group (0 = per channel); 0 for 8-bit schemes
+    method: str                      # rtn | gptq
+    model_dtype: str                 # BF16 / F16 / F32: decides deq_scale storage
+    linears: dict[str, LinearPlan]   # by module P, checkpoint order
+    floats: dict[str, FloatPlan]     # by tensor name, checkpoint order
+    dropped: list[str]               # FP8 weight_scale_inv auxiliaries (consumed by dequantization)
+    ignored: dict[str, str] = field(default_factory=dict)  # module -> why it stays float
+
+    @property
+    def deq_dtype(self) -> str:
+        return "I64" if self.model_dtype == "F16" else "F32"
+
+    def units(self) -> dict[str, list[LinearPlan]]:
+        out: dict[str, list[LinearPlan]] = {}
+        for lp in self.linears.values():
+            out.setdefault(lp.unit, []).append(lp)
+        return out
+
+    def static_units(self) -> list[str]:
+        return sorted({lp.unit for lp in self.linears.values() if lp.qtype == STATIC}, key=_unit_order)
+
+    def by_layer(self) -> dict[int | None, list[LinearPlan]]:
+        out: dict[int | None, list[LinearPlan]] = {}
+        for lp in self.linears.values():
+            out.setdefault(lp.layer, []).append(lp)
+        return out
+
+
+def _unit_order(unit: str) -> tuple:
+    layer, _, rest = unit.partition(":")
+    return (int(layer) if layer.isdigit() else -1, rest)
+
+
+def unit_of(role: Role, category: Category, layer: int | None) -> str:
+    return f"{'' if layer is None else layer}:{category.value}/{role.value}"
+
+
+def make_plan(ck: Any, scheme: str, group_size: int | None = None, method: str = "rtn",
+              ignore: Iterable[str] = ()) -> QuantPlan:
+    """Decide every tensor's fate from headers; all user errors (bad group size, odd int4 rows) surface here."""
+    qtype = SCHEMES[scheme]
+    bits = BITS[qtype]
+    if bits == 8:
+        if group_size:
+            raise UserError(f"--group-size {group_size} applies to 4-bit schemes only",
+                            hint="8-bit weights are quantized per output channel; drop --group-size")
+        group_size = 0
+    elif group_size is None:
+        group_size = 128
+    patterns = []
+    for p in ignore:
+        try:
+            patterns.append(re.compile(p))
+        except re.error as e:
+            raise UserError(f"--ignore {p!r} is not a valid regular expression ({e})") from None
+    facts = ck.facts
+    model_dtype = facts.dtype if facts.dtype in ("BF16", "F16", "F32") else "BF16"
+    linears: dict[str, LinearPlan] = {}
+    floats: dict[str, FloatPlan] = {}
+    dropped: list[str] = []
+    ignored: dict[str, str] = {}
+    names = ck.names()
+    biases = {}
+    for name in names:
+        r = ck.role(name)
+        if r.param == "bias":
+            biases[r.module] = name
+    for name in names:
+        r = ck.role(name)
+        info = ck.info(name)
+        if r.is_aux:
+            if name in ck.fp8_scales.values():
+                dropped.append(name)
+                continue
+            raise UserError(f"tensor {name} is a quantization auxiliary ({r.param})",
+                            hint="the input is already quantized; quantize the original float checkpoint")
+        if r.param == "weight" and r.role.quantized_by_default and len(info.shape) == 2:
+            reason = None
+            if r.category == Category.MTP:
+                reason = "MTP layer (kept in float)"
+            else:
+                hit = next((p.pattern for p in patterns if p.search(r.module)), None)
+                if hit is not None:
+                    reason = f"--ignore {hit}"
+            if reason is None:
+                n, k = info.shape
+                if bits == 4:
+                    check_group_size(k, group_size, r.module)
+                    if n % 2:
+                        raise UserError(f"layer {r.module}: int4 packing needs an even number of output rows, "
+                                        f"got {n}", hint=f"add --ignore '{re.escape(r.module)}$' to keep it in float")
+                linears[r.module] = LinearPlan(
+                    module=r.module, weight=name, bias=biases.get(r.module), shape=(n, k), src_dtype=info.dtype,
+                    role=r.role, category=r.category, layer=r.layer, expert=r.expert, slot=r.slot, qtype=qtype,
+                    unit=unit_of(r.role, r.category, r.layer))
+                continue
+            ignored[r.module] = reason
+        if r.param == "bias" and r.module in linears:
+            continue  # written with its linear
+        out_dtype = model_dtype if info.dtype.startswith("F8_") else info.dtype
+        floats[name] = FloatPlan(name, out_dtype, tuple(info.shape), r.role, r.layer, info.dtype)
+    # a bias whose linear is quantized was skipped above only if the linear came first; fix the order-independence
+    for module, lp in linears.items():
+        if lp.bias is not None:
+            floats.pop(lp.bias, None)
+    if not linears:
+        raise UserError(f"{ck.root}: no linear layer is left to quantize",
+                        hint="check --ignore: it excludes every quantizable layer")
+    return QuantPlan(scheme=qtype, group_size=group_size, method=method, model_dtype=model_dtype, linears=linears,
+                     floats=floats, dropped=dropped, ignored=ignored)
+
+
+# ------------------------------------------------------------------------------------------- output tensors
+def linear_specs(lp: LinearPlan, qtype: str, plan: QuantPlan, bias_dtype: str | None) -> list[TensorSpec]:
+    """The tensors a linear of type `qtype` has in the output, in a fixed order (msmodelslim_format.md table)."""
+    P, (n, k) = lp.module, lp.shape
+    out: list[TensorSpec] = []
+    if qtype == "W4A16":
+        g = plan.group_size
+        groups = 1 if g == 0 else k // g
+        out += [TensorSpec(P + ".weight", "I8", (n // 2, k)), TensorSpec(P + ".weight_scale", "F32", (n, groups)),
+                TensorSpec(P + ".weight_offset", "F32", (n, groups))]
+    elif qtype in ("W8A16", "W8A8_DYNAMIC"):
+        out += [TensorSpec(P + ".weight", "I8", (n, k)), TensorSpec(P + ".weight_scale", "F32", (n, 1)),
+                TensorSpec(P + ".weight_offset", "F32", (n, 1))]
+    elif qtype == STATIC:
+        out += [TensorSpec(P + ".weight", "I8", (n, k)), TensorSpec(P + ".input_scale", "F32", (1,)),
+                TensorSpec(P + ".input_offset", "F32", (1,)), TensorSpec(P + ".deq_scale", plan.deq_dtype, (n,)),
+                TensorSpec(P + ".quant_bias", "I32", (n,))]
+    else:
+        raise ValueError(f"unknown type {qtype}")
+    if lp.bias is not None:
+        out.append(TensorSpec(P + ".bias", bias_dtype or plan.model_dtype, (n,)))
+    return out
+
+
+def staged_specs(lp: LinearPlan, plan: QuantPlan, bias_dtype: str | None) -> list[TensorSpec]:
+    """What a W8A8 candidate keeps until its unit's fallback decision: every component of every possible type."""
+    P, (n, k) = lp.module, lp.shape
+    out = [TensorSpec(P + ".weight", "I8", (n, k)), TensorSpec(P + ".weight_scale", "F32", (n, 1)),
+           TensorSpec(P + ".input_scale", "F32", (1,)), TensorSpec(P + ".input_offset", "F32", (1,)),
+           TensorSpec(P + ".deq_scale", "F32", (n,)), TensorSpec(P + ".quant_bias", "I32", (n,))]
+    if lp.bias is not None:
+        out.append(TensorSpec(P + ".bias", bias_dtype or plan.model_dtype, (n,)))
+    return out
+
+
+def float_spec(fp: FloatPlan) -> TensorSpec:
+    return TensorSpec(fp.name, fp.dtype, fp.shape)

@@ -1,0 +1,231 @@
+"""Fallback decisions, the calibration report (quant_report.json) and the terminal summary of `dsconv quantize`.
+
+Fallback units are what an engine fuses (q/k/v, gate/up, all experts of a layer): a unit keeps one type. A unit's
+sensitivity is its linears' relative output error under static W8A8 (fake-quantized activations and dequantized
+weights vs float, on calibration rows): the maximum over its members, or for routed experts the token-weighted RMS
+over experts (an expert that saw three tokens must not decide for the 255 others).
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsconv.quant.plan import STATIC, QuantPlan, model_quant_type
+
+REPORT_FILE = "quant_report.json"
+EXPERT_LOAD_FILE = "expert_load.json"
+# Default --fallback-threshold: static W8A8 units whose relative output error exceeds 10% fall back. Measured on a
+# small Llama trained here (benchmarks/bench_quantize.py): the down_proj units (input SiLU(gate) * up, the outliers
+# the reference describes) are the most sensitive at 1.8-4.6%, every other unit is below 1.8%, and static W8A8 as a
+# whole costs +0.11% perplexity - nothing there needs to fall back. 10% is where per-tensor int8 has lost more than
+# three bits to a few outlier channels (the error grows ~2x per lost bit); such a unit costs far more than its share.
+DEFAULT_FALLBACK_THRESHOLD = 0.10
+
+
+@dataclass
+class Decision:
+    types: dict[str, str]                           # module -> final type
+    units: list[dict[str, Any]] = field(default_factory=list)
+    fell_back: list[str] = field(default_factory=list)  # units
+    target: str | None = None
+    policy: str | None = None
+
+
+def unit_errors(plan: QuantPlan, records: dict[str, Any]) -> dict[str, tuple[float | None, int]]:
+    """unit -> (static W8A8 sensitivity, members); None when nothing was measured."""
+    out: dict[str, tuple[float | None, int]] = {}
+    for unit, members in plan.units().items():
+        if members[0].qtype != STATIC:
+            continue
+        errs = [(records[lp.module].errors.get("static"), records[lp.module].tokens or 0, lp.is_expert)
+                for lp in members if lp.module in records]
+        errs = [e for e in errs if e[0] is not None]
+        if not errs:
+            out[unit] = (None, len(members))
+        elif errs[0][2]:  # routed experts: token-weighted RMS
+            tot = sum(t for _, t, _ in errs)
+            if any(math.isinf(e) for e, _, _ in errs):
+                out[unit] = (float("inf"), len(members))
+            elif tot:
+                out[unit] = (math.sqrt(sum(t * e * e for e, t, _ in errs) / tot), len(members))
+            else:
+                out[unit] = (math.sqrt(sum(e * e for e, _, _ in errs) / len(errs)), len(members))
+        else:
+            out[unit] = (max(e for e, _, _ in errs), len(members))
+    return out
+
+
+def decide(plan: QuantPlan, records: dict[str, Any], policy: tuple[str, float] | None, target: str) -> Decision:
+    types = {m: lp.qtype for m, lp in plan.linears.items()}
+    if policy is None:
+        errs = unit_errors(plan, records)
+        units = [{"unit": u, "error": _r(e), "members": n, "fell_back": False} for u, (e, n) in errs.items()]
+        return Decision(types, units)
+    kind, value = policy
+    errs = unit_errors(plan, records)
+    ranked = sorted(errs.items(), key=lambda kv: (-(kv[1][0] if kv[1][0] is not None else -1.0), kv[0]))
+    forced = {u for u, (e, _) in errs.items() if e is not None and math.isinf(e)}
+    if kind == "count":
+        chosen = {u for u, (e, _) in ranked[: int(value)] if e is not None} | forced
+        label = f"worst {int(value)}"
+    else:
+        chosen = {u for u, (e, _) in errs.items() if e is not None and e > value} | forced
+        label = f"error > {value:g}"
+    units = []
+    for u, (e, n) in ranked:
+        units.append({"unit": u, "error": _r(e), "members": n, "fell_back": u in chosen})
+    for lp in plan.linears.values():
+        if lp.unit in chosen:
+            types[lp.module] = target
+    return Decision(types, units, sorted(chosen, key=lambda u: [x["unit"] for x in units].index(u)), target, label)
+
+
+def _r(x: float | None) -> float | None:
+    if x is None:
+        return None
+    return x if math.isinf(x) else round(x, 6)
+
+
+def build_report(ck: Any, plan: QuantPlan, opts: Any, records: dict[str, Any], decision: Decision,
+                 policy: tuple[str, float] | None, cal: Any, calib: Any) -> dict[str, Any]:
+    """quant_report.json: deterministic (no timings), so reruns are comparable byte for byte."""
+    layers: dict[str, dict[str, Any]] = {}
+    for lp in plan.linears.values():
+        rec = records.get(lp.module)
+        key = str(lp.layer) if lp.layer is not None else "-"
+        d = layers.setdefault(key, {"linears": 0, "types": Counter(), "errors": []})
+        d["linears"] += 1
+        d["types"][decision.types[lp.module]] += 1
+        if rec is not None:
+            d["errors"].append(rec.weight_error)
+    per_layer = {}
+    for key, d in layers.items():
+        errs = d.pop("errors")
+        per_layer[key] = {"linears": d["linears"], "types": dict(sorted(d["types"].items())),
+                          "weight_error_mean": round(sum(errs) / len(errs), 6) if errs else None,
+                          "weight_error_max": round(max(errs), 6) if errs else None}
+    linears = {}
+    for m, lp in plan.linears.items():
+        rec = records.get(m)
+        entry = rec.as_dict() if rec is not None else {"planned": lp.qtype}
+        entry["type"] = decision.types[m]
+        linears[m] = entry
+    report: dict[str, Any] = {
+        "scheme": plan.scheme, "method": plan.method, "group_size": plan.group_size,
+        "act_method": opts.act_method if plan.scheme == STATIC else None,
+        "smooth_quant": opts.smooth_alpha, "model_quant_type": model_quant_type(decision.types.values()),
+        "calibration": calib.describe() if calib is not None else None,
+        "fallback": {"policy": decision.policy, "target": decision.target, "units": decision.units,
+                     "fell_back": decision.fell_back},
+        "kept_float": {**plan.ignored, **{fp.name: "role kept in float" for fp in plan.floats.values()
+                                          if fp.role.is_linear and fp.name.endswith(".weight")
+                                          and fp.name[:-7] not in plan.ignored}},
+        "layers": per_layer,
+        "linears": linears,
+    }
+    if cal is not None:
+        report["smoothing"] = cal.smoothing
+        if cal.expert_counts:
+            report["experts"] = expert_coverage(cal.expert_counts, opts.min_expert_tokens, opts.all_experts, records,
+                                                plan)
+    return report
+
+
+def expert_coverage(counts: dict[int, list[int]], min_tokens: int, all_experts: bool, records: dict[str, Any],
+                    plan: QuantPlan) -> dict[str, Any]:
+    under = {str(layer): {str(e): c for e, c in enumerate(cs) if c < min_tokens} for layer, cs in sorted(counts.items())}
+    under = {k: v for k, v in under.items() if v}
+    borrowed = sorted({lp.layer for m, lp in plan.linears.items()
+                       if lp.is_expert and records.get(m) is not None and records[m].range_source == "borrowed"})
+    return {"min_expert_tokens": min_tokens, "all_experts": all_experts,
+            "layers": {str(k): {"routed": sum(v), "experts": len(v), "min": min(v), "max": max(v),
+                                "under_min": sum(1 for c in v if c < min_tokens), "never": sum(1 for c in v if c == 0)}
+                       for k, v in sorted(counts.items())},
+            "under_min": under,
+            "borrowed_range_layers": borrowed}
+
+
+def summary(ck: Any, plan: QuantPlan, opts: Any, report: dict[str, Any], decision: Decision, output: Path,
+            files: list[str], seconds: float, calibration_seconds: float) -> dict[str, Any]:
+    """The --json summary (and what the terminal rendering reads)."""
+    types = Counter(decision.types.values())
+    return {"output": str(output), "model": str(ck.root), "scheme": plan.scheme, "method": plan.method,
+            "model_quant_type": report["model_quant_type"], "group_size": plan.group_size,
+            "linears": dict(sorted(types.items())), "kept_float": len(report["kept_float"]),
+            "calibration": report["calibration"], "fallback": report["fallback"], "layers": report["layers"],
+            "experts": report.get("experts"), "smoothing": report.get("smoothing"),
+            "files": files, "seconds": round(seconds, 2), "calibration_seconds": round(calibration_seconds, 2)}
+
+
+def render(s: dict[str, Any]) -> str:
+    """Terminal summary: per-layer weight error, fallback decisions, expert coverage."""
+    lines = [f"{s['scheme']} ({s['method']}{', group ' + str(s['group_size']) if s['group_size'] else ''}) -> "
+             f"{s['output']}: {', '.join(f'{n} {t}' for t, n in s['linears'].items())}; "
+             f"{s['kept_float']} linear(s) kept in float"]
+    c = s.get("calibration")
+    if c:
+        lines.append(f"calibration: {c['samples']} samples, {c['tokens']} tokens (seq-len {c['seq_len']}) from "
+                     f"{c['source']}")
+    else:
+        lines.append("calibration: none needed (round-to-nearest weights, no static activation ranges)")
+    lines.append("layer  linears  weight error mean / max  types")
+    for key, d in s["layers"].items():
+        mean = d["weight_error_mean"]
+        err = f"{mean * 100:.2f}% / {d['weight_error_max'] * 100:.2f}%" if mean is not None else "-"
+        lines.append(f"{key:>5}  {d['linears']:>7}  {err:>23}  " + ", ".join(f"{t} {n}" for t, n in d["types"].items()))
+    fb = s["fallback"]
+    if fb["units"]:
+        worst = [u for u in fb["units"] if u["error"] is not None][:5]
+        lines.append("static W8A8 sensitivity (relative output error), worst units: " +
+                     ", ".join(f"{u['unit']} {u['error'] * 100:.1f}%" for u in worst))
+    if fb["policy"]:
+        if fb["fell_back"]:
+            lines.append(f"fallback ({fb['policy']}) to {fb['target']}: {len(fb['fell_back'])} unit(s): " +
+                         ", ".join(fb["fell_back"][:12]) + (" ..." if len(fb["fell_back"]) > 12 else ""))
+        else:
+            lines.append(f"fallback ({fb['policy']}): none")
+    sm = s.get("smoothing")
+    if sm:
+        done = [x for x in sm if x["applied"]]
+        lines.append(f"smoothing: {len(done)} norm(s) folded" +
+                     (f"; skipped {len(sm) - len(done)} ({sm[[x['applied'] for x in sm].index(False)]['reason']})"
+                      if len(done) < len(sm) else ""))
+    ex = s.get("experts")
+    if ex:
+        short = ex["under_min"]
+        if short:
+            lines.append(f"experts with < {ex['min_expert_tokens']} calibration tokens: " + "; ".join(
+                f"layer {k}: {len(v)} ({', '.join(f'e{e}={n}' for e, n in list(v.items())[:6])}"
+                f"{' ...' if len(v) > 6 else ''})" for k, v in short.items()))
+            if ex["borrowed_range_layers"]:
+                lines.append("  their static ranges were widened to the layer's (union); --all-experts calibrates "
+                             "every expert on every token")
+        else:
+            lines.append(f"experts: every expert got >= {ex['min_expert_tokens']} calibration tokens")
+        lines.append(f"expert load written to {EXPERT_LOAD_FILE} (for `dsconv shard`)")
+    lines.append(f"done in {s['seconds']:.1f}s")
+    return "\n".join(lines)
+
+
+def plan_summary(ck: Any, plan: QuantPlan, opts: Any, policy: tuple[str, float] | None,
+                 calibrate: bool) -> dict[str, Any]:
+    """--dry-run: the plan from headers (types, sizes), nothing computed or written."""
+    from dsconv.quant.output import final_specs
+
+    types = {m: lp.qtype for m, lp in plan.linears.items()}
+    specs = final_specs(ck, plan, types)
+    return {"dry_run": True, "scheme": plan.scheme, "method": plan.method, "group_size": plan.group_size,
+            "linears": dict(Counter(types.values())), "kept_float": {**plan.ignored},
+            "tensors": len(specs), "output_bytes": sum(s.nbytes for s in specs),
+            "input_bytes": sum(ck.info(n).nbytes for n in ck.names()), "calibration": calibrate,
+            "fallback": None if policy is None else f"{policy[0]} {policy[1]:g} -> {opts.fallback_to}"}
+
+
+def render_plan(p: dict[str, Any]) -> str:
+    return (f"dry run: {p['scheme']} ({p['method']}): {', '.join(f'{n} {t}' for t, n in p['linears'].items())}, "
+            f"{len(p['kept_float'])} linear(s) kept in float by option; {p['tensors']} output tensors, "
+            f"{p['output_bytes'] / 1e9:.3f} GB (input {p['input_bytes'] / 1e9:.3f} GB); calibration "
+            f"{'yes' if p['calibration'] else 'not needed'}; fallback {p['fallback'] or 'none'}")

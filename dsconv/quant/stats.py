@@ -1,0 +1,118 @@
+"""Per-linear calibration state: streaming statistics of a linear's input, and what quantizing it measured.
+
+One `InputStats` serves every linear that reads the same tensor (q/k/v, gate/up): the activation observer, the GPTQ
+Hessian and a small sample of input rows (for measuring output error after quantization) are computed once per input,
+not once per consumer. Memory is O(channels) for the observer, k^2 for a Hessian (only with GPTQ) and
+`sample_tokens x k` for the sample: activations themselves are never stored.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from dsconv.quant.gptq import HessianAccumulator
+from dsconv.quant.observers import MinMaxObserver, make_observer
+from dsconv.quant.schemes import activation_qparams, dequant_weight, fake_quant_activation
+
+HESSIAN_F64_MAX_K = 8192  # wider inputs accumulate in float32 (k^2 x 8 bytes would be 2.7 GB for k = 18432)
+
+
+class InputStats:
+    """Streaming statistics of one linear input [tokens, k]."""
+
+    def __init__(self, k: int, name: str, act_method: str | None, hessian: bool, sample_tokens: int) -> None:
+        self.k = k
+        self.name = name
+        self.observer: MinMaxObserver | None = make_observer(act_method, name=name) if act_method else None
+        self.hessian = HessianAccumulator(k, torch.float64 if k <= HESSIAN_F64_MAX_K else torch.float32) \
+            if hessian else None
+        self.sample_cap = sample_tokens
+        self._sample: list[torch.Tensor] = []
+        self._sampled = 0
+        self.tokens = 0
+
+    def update(self, x: torch.Tensor) -> None:
+        """Fold in rows [t, k] (real tokens only)."""
+        t = x.shape[0]
+        if t == 0:
+            return
+        self.tokens += t
+        if self.observer is not None:
+            self.observer.update(x)
+        if self.hessian is not None:
+            self.hessian.update(x)
+        if self._sampled < self.sample_cap:
+            take = x[: self.sample_cap - self._sampled].detach().to(torch.float32).clone()
+            self._sample.append(take)
+            self._sampled += take.shape[0]
+
+    @property
+    def sample(self) -> torch.Tensor | None:
+        return torch.cat(self._sample) if self._sample else None
+
+    def clip_range(self) -> tuple[float, float] | None:
+        if self.observer is None or self.observer.tokens == 0:
+            return None
+        return self.observer.clip_range()
+
+    def free(self) -> None:
+        self.hessian = None
+        self._sample = []
+
+
+@dataclass
+class LinearRecord:
+    """What quantizing one linear measured (goes to quant_report.json)."""
+
+    module: str
+    planned: str
+    weight_error: float
+    tokens: int | None = None
+    errors: dict[str, float] = field(default_factory=dict)  # output error on calibration rows, by type
+    range_source: str | None = None  # "own" | "borrowed" (under-covered expert: union of the layer's ranges)
+    note: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"planned": self.planned, "weight_error": round(self.weight_error, 6)}
+        if self.tokens is not None:
+            d["tokens"] = self.tokens
+        if self.errors:
+            d["output_error"] = {k: round(v, 6) for k, v in self.errors.items()}
+        if self.range_source:
+            d["range"] = self.range_source
+        if self.note:
+            d["note"] = self.note
+        return d
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    den = float(torch.linalg.vector_norm(b, dtype=torch.float64))
+    num = float(torch.linalg.vector_norm(a - b, dtype=torch.float64))
+    return 0.0 if den == 0.0 and num == 0.0 else (num / den if den else float("inf"))
+
+
+def dynamic_fake_quant(x: torch.Tensor) -> torch.Tensor:
+    """Per-token symmetric int8 (W8A8_DYNAMIC's activations): scale = max|x_t| / 127 per row."""
+    s = x.abs().amax(dim=-1, keepdim=True) / 127.0
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.round(x / s).clamp_(-128, 127) * s
+
+
+def output_errors(x: torch.Tensor, y_ref: torch.Tensor, q: np.ndarray, scale: np.ndarray,
+                  bias: torch.Tensor | None, qparams: tuple[float, float] | None) -> dict[str, float]:
+    """Relative output error on calibration rows x (float outputs y_ref): weight-only, per-token dynamic
+    activations, and - given (input_scale, input_offset) - static per-tensor activations."""
+    w_hat = torch.from_numpy(dequant_weight(q, scale))
+    b = 0 if bias is None else bias
+    out = {"weight_only": _rel(x @ w_hat.T + b, y_ref), "dynamic": _rel(dynamic_fake_quant(x) @ w_hat.T + b, y_ref)}
+    if qparams is not None:
+        xs = fake_quant_activation(x, float(qparams[0]), float(qparams[1]))
+        out["static"] = _rel(xs @ w_hat.T + b, y_ref)
+    return out
+
+
+def range_qparams(lo: float, hi: float) -> tuple[np.float32, np.float32]:
+    return activation_qparams(lo, hi)
