@@ -248,6 +248,27 @@ class Checkpoint:
     def _read(self, info: TensorInfo):
         return self._reader.read(info)
 
+    VIEWABLE = ("BF16", "F16", "F32")
+
+    def view(self, name: str):
+        """Read-only zero-copy view when the tensor lies as-is in a file (not FP8, not pickled), else `load()`.
+
+        Never modify the result; call `release(name)` after use so its pages leave this process."""
+        info = self.info(name)
+        if self._pickled is not None or info.dtype not in self.VIEWABLE or info.numel == 0:
+            return self.load(name, dequantize=True)
+        return self._reader.view(info)
+
+    def prefetch(self, name: str) -> None:
+        """Ask the kernel to read a tensor ahead (the next one in a stream)."""
+        if self._pickled is None:
+            self._reader.advise(self.info(name), getattr(mmap, "MADV_WILLNEED", 3))
+
+    def release(self, name: str) -> None:
+        """Drop a viewed tensor's pages from this process (they stay in the page cache)."""
+        if self._pickled is None:
+            self._reader.advise(self.info(name), getattr(mmap, "MADV_DONTNEED", 4))
+
     def iter_tensors(self, names: list[str] | None = None, dequantize: bool = False) -> Iterator[tuple[str, Any]]:
         for name in names or self.names():
             yield name, self.load(name, dequantize=dequantize)
@@ -294,15 +315,17 @@ class TensorReader:
     def __init__(self) -> None:
         self._maps: dict[Path, mmap.mmap | None] = {}
 
+    def _map(self, path: Path) -> mmap.mmap | None:
+        if path not in self._maps:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        return self._maps[path]
+
     def read(self, info: TensorInfo):
         import torch
 
-        mm = self._maps.get(info.file)
-        if info.file not in self._maps:
-            with open(info.file, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
-            self._maps[info.file] = mm
+        mm = self._map(info.file)
         if info.numel == 0 or mm is None:
             return torch.empty(info.shape, dtype=torch_dtype(info.dtype))
         out = torch.empty(info.nbytes, dtype=torch.uint8)
@@ -320,10 +343,36 @@ class TensorReader:
                 pass
         return out.view(torch_dtype(info.dtype)).reshape(info.shape)
 
+    def view(self, info: TensorInfo):
+        """A zero-copy, read-only tensor over the page cache (for callers that only read, e.g. weight-only
+        quantization, where a copy would cost as much as the work). Call `release(info)` when done with it."""
+        import warnings
+
+        import torch
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "buffer is not writable": views are never written through
+            t = torch.frombuffer(self._map(info.file), dtype=torch_dtype(info.dtype), count=info.numel,
+                                 offset=info.start)
+        return t.reshape(info.shape)
+
+    def advise(self, info: TensorInfo, advice: int) -> None:
+        """madvise a tensor's pages: MADV_WILLNEED to read ahead, MADV_DONTNEED to drop them from this process."""
+        mm = self._map(info.file)
+        lo = info.start - info.start % PAGE
+        try:
+            if mm is not None:
+                mm.madvise(advice, lo, info.end - lo)
+        except (OSError, ValueError, AttributeError):
+            pass
+
     def close(self) -> None:
         for mm in self._maps.values():
             if mm is not None:
-                mm.close()
+                try:
+                    mm.close()
+                except BufferError:  # a view is still alive somewhere: the map goes with it
+                    pass
         self._maps.clear()
 
 

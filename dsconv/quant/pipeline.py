@@ -622,82 +622,9 @@ def _union(a: tuple[float, float] | None, b: tuple[float, float] | None) -> tupl
 
 
 # --------------------------------------------------------------------------------------------- weight-only path
-class MappedViews:
-    """Zero-copy, read-only views of a checkpoint's tensors straight from the page cache, for the weight-only path.
-
-    `Checkpoint.load` copies each tensor into fresh memory (safe for callers that modify it); quantizing only reads,
-    so the copy - which costs as much as the quantization itself - is skipped. The byte ranges are the ones
-    Checkpoint.open validated; after use the pages are dropped from this process (MADV_DONTNEED: they stay in the page
-    cache), so resident memory stays flat; the next tensor is announced (MADV_WILLNEED) for read-ahead.
-    """
-
-    ZERO_COPY = ("BF16", "F16", "F32")
-
-    def __init__(self, ck: Checkpoint) -> None:
-        self.ck = ck
-        self._maps: dict[Path, Any] = {}
-
-    def _map(self, path: Path):
-        import mmap
-
-        mm = self._maps.get(path)
-        if mm is None:
-            with open(path, "rb") as f:
-                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            self._maps[path] = mm
-        return mm
-
-    def can_view(self, name: str) -> bool:
-        info = self.ck.info(name)
-        return (info.dtype in self.ZERO_COPY and info.numel > 0 and info.source == name
-                and getattr(self.ck, "_pickled", None) is None)
-
-    def get(self, name: str) -> torch.Tensor:
-        import warnings
-
-        if not self.can_view(name):
-            return self.ck.load(name, dequantize=True)
-        info = self.ck.info(name)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "buffer is not writable": we never write through it
-            t = torch.frombuffer(self._map(info.file), dtype=torch_dtype(info.dtype), count=info.numel,
-                                 offset=info.start)
-        return t.reshape(info.shape)
-
-    def _advise(self, name: str, advice: int) -> None:
-        import mmap
-
-        if not self.can_view(name):
-            return
-        info = self.ck.info(name)
-        lo = info.start - info.start % mmap.PAGESIZE
-        try:
-            self._map(info.file).madvise(advice, lo, info.end - lo)
-        except (OSError, ValueError, AttributeError):
-            pass
-
-    def prefetch(self, name: str) -> None:
-        import mmap
-
-        self._advise(name, getattr(mmap, "MADV_WILLNEED", 3))
-
-    def release(self, name: str) -> None:
-        import mmap
-
-        self._advise(name, getattr(mmap, "MADV_DONTNEED", 4))
-
-    def close(self) -> None:
-        for mm in self._maps.values():
-            try:
-                mm.close()
-            except BufferError:  # a view is still alive somewhere: the map goes with it
-                pass
-        self._maps.clear()
-
-
 def weight_only(ck: Checkpoint, plan: QuantPlan, qw: QuantWriter, progress: bool = True) -> dict[str, LinearRecord]:
     """Round-to-nearest without activations: tensors stream in output order, quantized straight from the page cache
-    (MappedViews) while the previous tensor is written (pwrite + sha256, both outside the GIL) and the next one is
+    (`Checkpoint.view`) while the previous tensor is written (pwrite + sha256, both outside the GIL) and the next one is
     read ahead by the kernel. At most two tensors' outputs are alive at once."""
     from tqdm import tqdm
 
@@ -705,15 +632,14 @@ def weight_only(ck: Checkpoint, plan: QuantPlan, qw: QuantWriter, progress: bool
     order = [n for n in ck.names() if n in weights or n in plan.floats]
     records: dict[str, LinearRecord] = {}
     total = sum(ck.info(n).nbytes for n in order)
-    views = MappedViews(ck)
     with ThreadPoolExecutor(1) as writer, tqdm(total=total, unit="B", unit_scale=True, desc="quantize",
                                                 disable=None if progress else True, leave=False) as bar:
         pending = None
         done: list[str] = []
         for j, name in enumerate(order):
             if j + 1 < len(order):
-                views.prefetch(order[j + 1])
-            t = views.get(name)
+                ck.prefetch(order[j + 1])
+            t = ck.view(name)
             lp = weights.get(name)
             if lp is None:
                 job = (qw.float, name, t)
@@ -724,7 +650,7 @@ def weight_only(ck: Checkpoint, plan: QuantPlan, qw: QuantWriter, progress: bool
             if pending is not None:
                 pending.result()  # one write in flight: bounded memory, output in order
                 for n in done:
-                    views.release(n)
+                    ck.release(n)
                 done = []
             pending = writer.submit(*job)
             done.append(name)
@@ -733,8 +659,7 @@ def weight_only(ck: Checkpoint, plan: QuantPlan, qw: QuantWriter, progress: bool
         if pending is not None:
             pending.result()
         for n in done:
-            views.release(n)
-    views.close()
+            ck.release(n)
     return records
 
 
