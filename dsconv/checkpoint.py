@@ -403,13 +403,7 @@ def read_config(root: Path) -> dict[str, Any]:
     path = root / "config.json"
     if not path.is_file():
         raise UserError(f"{root} has no config.json", hint="point --model at a HuggingFace model directory")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path} is not valid JSON ({e})", hint="fix or re-download config.json") from None
-    if not isinstance(config, dict):
-        raise UserError(f"{path} is not a JSON object", hint="fix or re-download config.json")
-    return config
+    return _read_json(path, hint="fix or re-download config.json")
 
 
 def _read_quant_description(root: Path) -> dict[str, Any] | None:
@@ -576,11 +570,11 @@ class ConfigOnly:
         return False
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path: Path, hint: str = "pass a HF config.json") -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path} is not valid JSON ({e})", hint="pass a HF config.json") from None
+        raise UserError(f"{path} is not valid JSON ({e})", hint=hint) from None
     if not isinstance(data, dict):
-        raise UserError(f"{path} is not a JSON object", hint="pass a HF config.json")
+        raise UserError(f"{path} is not a JSON object", hint=hint)
     return data

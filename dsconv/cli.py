@@ -28,7 +28,18 @@ def warn(message: str) -> None:
     click.echo(f"warning: {message}", err=True)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+PIPELINE_ORDER = ("init", "inspect", "export", "quantize", "eval", "shard", "atc", "verify", "demo")
+
+
+class PipelineGroup(click.Group):
+    """`dsconv --help` lists the commands in the order a user runs them, not alphabetically."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        known = [c for c in PIPELINE_ORDER if c in self.commands]
+        return known + sorted(c for c in self.commands if c not in known)
+
+
+@click.group(cls=PipelineGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(__version__, prog_name="dsconv")
 def cli() -> None:
     """Convert, quantize and shard HF LLM checkpoints for Ascend NPUs (910B, 310P3).

@@ -7,16 +7,16 @@ as a user types it - `dsconv quantize --bits 8`, no paths - printing a short sum
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import shutil
 import time
-from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import click
+
+from dsconv.process import working_dir
 
 # The pipeline as a user types it in a workspace. A step whose command is not registered is reported and skipped.
 STEPS: list[tuple[str, list[str]]] = [
@@ -54,16 +54,6 @@ def write_demo_model(model_dir: Path, mtp: bool = False, seed: int = 0) -> Path:
     return model_dir
 
 
-@contextmanager
-def chdir(path: Path) -> Iterator[None]:
-    old = Path.cwd()
-    os.chdir(path)
-    try:
-        yield
-    finally:
-        os.chdir(old)
-
-
 def run_demo(directory: Path, mtp: bool = False, force: bool = False,
              echo: Callable[[str], None] = click.echo) -> dict[str, float]:
     """Build the demo workspace in `directory` and run every stage; returns seconds per step."""
@@ -85,7 +75,7 @@ def run_demo(directory: Path, mtp: bool = False, force: bool = False,
         write_demo_model(model_dir, mtp=mtp)
     timings["model"] = time.perf_counter() - t0
     echo(f"== tiny DeepSeek-V3 written to {model_dir} ({timings['model']:.1f}s)")
-    with chdir(directory):
+    with working_dir(directory):
         workspace.init(model_dir, Path("out"), force=True)
         echo(f"== workspace: {directory / workspace.FILENAME} (outputs under {directory / 'out'})")
         shutil.rmtree(directory / "out", ignore_errors=True)  # the demo's own outputs: always fresh

@@ -35,18 +35,4 @@ def human_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size so far. Linux: VmHWM, which starts afresh at exec (ru_maxrss carries
-    the parent's peak across fork+exec, which misreports children of a big parent); elsewhere ru_maxrss."""
-    import resource
-    import sys
-
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+from dsconv.process import peak_rss_bytes  # noqa: E402,F401  (re-exported for the exporters)

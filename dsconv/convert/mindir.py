@@ -40,6 +40,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from dsconv.convert.ms_nets import worker
+from dsconv.process import working_dir
 from dsconv.errors import CheckFailed, UserError
 
 DTYPES = ("fp32", "fp16", "bf16")
@@ -71,16 +72,6 @@ def scratch_dir(parent: Path, prefix: str) -> Iterator[Path]:
         yield scratch
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def working_dir(path: Path) -> Iterator[None]:
-    old = Path.cwd()
-    os.chdir(path)
-    try:
-        yield
-    finally:
-        os.chdir(old)
 
 
 def _make_readable(path: Path) -> None:

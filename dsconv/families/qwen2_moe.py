@@ -26,8 +26,10 @@ def moe_facts(f, c):
     return f
 
 
-def expert_shapes(f, n):
-    for e in range(n):
+def routed_shapes(f):
+    """The router and every routed expert of one MoE layer (Qwen-MoE naming)."""
+    yield "mlp.gate.weight", (f.num_experts, f.hidden_size)
+    for e in range(f.num_experts):
         yield from dense_mlp(f"mlp.experts.{e}", f.hidden_size, f.moe_intermediate_size)
 
 
@@ -50,7 +52,6 @@ class Qwen2Moe(Family):
         if layer not in f.moe_layers:
             yield from super().mlp_shapes(f, layer)
             return
-        yield "mlp.gate.weight", (f.num_experts, f.hidden_size)
-        yield from expert_shapes(f, f.num_experts)
+        yield from routed_shapes(f)
         yield from dense_mlp("mlp.shared_expert", f.hidden_size, f.shared_intermediate_size)
         yield "mlp.shared_expert_gate.weight", (1, f.hidden_size)

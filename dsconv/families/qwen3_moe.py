@@ -1,7 +1,7 @@
 """Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B): Qwen3 attention, softmax top-k experts, no shared expert."""
 from dsconv.families import register
 from dsconv.families.base import Family, expert_rules, llama_rules, router_rule
-from dsconv.families.qwen2_moe import expert_shapes, moe_facts
+from dsconv.families.qwen2_moe import moe_facts, routed_shapes
 from dsconv.families.qwen3 import QK_NORM, qk_norm_shapes
 
 
@@ -24,5 +24,4 @@ class Qwen3Moe(Family):
         if layer not in f.moe_layers:
             yield from super().mlp_shapes(f, layer)
             return
-        yield "mlp.gate.weight", (f.num_experts, f.hidden_size)
-        yield from expert_shapes(f, f.num_experts)
+        yield from routed_shapes(f)

@@ -87,15 +87,20 @@ def text_of(row: Any, where: str, tokenizer: Any = None) -> str:
     return text
 
 
+def read_utf8(path: Path, what: str, hint: str) -> str:
+    """A text file's content, or a one-line error saying it is missing or not UTF-8."""
+    if not path.is_file():
+        raise UserError(f"{what} {path} does not exist", hint=hint)
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text (byte {e.start})", hint="save the file as UTF-8") from None
+
+
 def read_texts(path: Path, tokenizer: Any = None) -> list[str]:
     """Every calibration text of a .jsonl / .json file, in file order; errors name the file and the line."""
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"calibration file {path} does not exist", hint="pass a .jsonl or .json file with --calib")
-    try:
-        raw = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not UTF-8 text (byte {e.start})", hint="save the file as UTF-8") from None
+    raw = read_utf8(path, "calibration file", "pass a .jsonl or .json file with --calib")
     texts: list[str] = []
     if path.suffix == ".json":
         try:

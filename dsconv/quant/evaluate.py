@@ -21,7 +21,7 @@ from torch import nn
 
 from dsconv.checkpoint import Checkpoint
 from dsconv.errors import UserError
-from dsconv.quant.calib import load_tokenizer, read_texts
+from dsconv.quant.calib import load_tokenizer, read_texts, read_utf8
 from dsconv.quant.formats.msmodelslim import QuantLinear, quantized_modules, read_linear
 from dsconv.quant.layers import ExpertLoop, install_forward, load_full_model
 from dsconv.quant.schemes import quantize_activation
@@ -45,12 +45,7 @@ def eval_texts(path: Path | None, tokenizer: Any = None) -> tuple[list[str], str
     path = Path(path)
     if path.suffix in (".jsonl", ".json"):
         return read_texts(path, tokenizer), str(path)
-    if not path.is_file():
-        raise UserError(f"text file {path} does not exist", hint="pass a plain text, .jsonl or .json file with --text")
-    try:
-        raw = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not UTF-8 text (byte {e.start})", hint="save the file as UTF-8") from None
+    raw = read_utf8(path, "text file", "pass a plain text, .jsonl or .json file with --text")
     texts = [p.strip() for p in raw.split("\n\n") if p.strip()]
     if not texts:
         raise UserError(f"{path} is empty", hint="give the evaluation some text")

@@ -74,26 +74,16 @@ class Linear(nn.Cell):
         return ops.dense(x, self.materialize(), self.bias.astype(self.compute))
 
 
-class ExpertWeights(nn.Cell):
-    """One projection of every routed expert, stacked `[E, out, in]` (float, or int8/int4 + scales)."""
+class ExpertWeights(Linear):
+    """One projection of every routed expert, stacked `[E, out, in]` (float, or int8/int4 + scales): the weight of a
+    Linear, materialised for the dense expert computation."""
 
     def __init__(self, weight: Parameter, compute, scale: Parameter | None = None, offset: Parameter | None = None,
                  int4: str = "") -> None:
-        super().__init__()
-        self.weight = weight
-        self.quantized = scale is not None
-        self.weight_scale = scale
-        self.weight_offset = offset
-        self.int4 = int4
-        self.compute = compute
-        self.cast_weight = weight.dtype != compute
+        super().__init__(weight, compute, None, scale, offset, int4)
 
     def construct(self):
-        if self.quantized:
-            return dequantize(self.weight, self.weight_scale, self.weight_offset, self.int4, self.compute)
-        if self.cast_weight:
-            return self.weight.astype(self.compute)
-        return self.weight
+        return self.materialize()
 
 
 class DenseExperts(nn.Cell):

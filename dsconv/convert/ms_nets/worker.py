@@ -159,22 +159,7 @@ def load_and_run(graph_file: Path, cases: list[tuple[str, np.ndarray, np.ndarray
             "peak_rss_bytes": peak_rss_bytes()}
 
 
-def _peak_rss() -> int:
-    """This process's peak resident set size. Linux: VmHWM, which starts afresh at exec (ru_maxrss keeps the
-    high-water mark of the process that forked us, so a child would report at least its parent's size)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
-
-
-peak_rss_bytes = _peak_rss
+from dsconv.process import peak_rss_bytes  # noqa: E402,F401
 
 
 def main(argv: list[str]) -> int:
