@@ -184,3 +184,35 @@ def test_many_positions_off_still_fail():
     assert _isolated_flips(_figs([0.002] * 30 + [0.3] * 10), 0.01) is None  # 25% of positions: systematic
     assert _isolated_flips(_figs([0.02] * 40), 0.01) is None  # everything slightly off: a precision loss
 
+
+
+def test_router_scores_stay_fp32(tmp_path):
+    """The float chain feeding a TopK (MatMul -> Sigmoid -> Add bias), i.e. an MoE router, is computed in fp32 in the
+    FP16 copy; a MatMul that feeds no selection is cast to fp16."""
+    rng = np.random.default_rng(0)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["t", 8])
+    idx = helper.make_tensor_value_info("idx", TensorProto.INT64, ["t", 2])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["t", 8])
+    inits = [numpy_helper.from_array(rng.standard_normal((8, 4)).astype(np.float32), "router_w"),
+             numpy_helper.from_array(rng.standard_normal(4).astype(np.float32), "bias"),
+             numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "proj_w"),
+             numpy_helper.from_array(np.array([2], dtype=np.int64), "k")]
+    nodes = [helper.make_node("MatMul", ["x", "router_w"], ["logits"], name="router_matmul"),
+             helper.make_node("Sigmoid", ["logits"], ["scores"], name="router_sigmoid"),
+             helper.make_node("Add", ["scores", "bias"], ["biased"], name="router_bias"),
+             helper.make_node("TopK", ["biased", "k"], ["vals", "idx"], name="router_topk"),
+             helper.make_node("MatMul", ["x", "proj_w"], ["y"], name="proj")]
+    m = helper.make_model(helper.make_graph(nodes, "g", [x], [idx, y], inits),
+                          opset_imports=[helper.make_opsetid("", 14)])
+    src = tmp_path / "router.onnx"
+    onnx.save(m, src)
+    res = cast_model(src, tmp_path / "router16.onnx")
+    assert {"router_matmul", "router_sigmoid", "router_bias", "router_topk"} <= set(res.fp32_nodes)
+    assert "proj" not in res.fp32_nodes
+    out = onnx.load(tmp_path / "router16.onnx")
+    assert {o.name: o.type.tensor_type.elem_type for o in out.graph.output}["y"] == TensorProto.FLOAT16
+    sess = ort.InferenceSession(str(tmp_path / "router16.onnx"), providers=["CPUExecutionProvider"])
+    ref = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
+    feed = rng.standard_normal((16, 8)).astype(np.float32)
+    assert np.array_equal(sess.run(["idx"], {"x": feed.astype(np.float16)})[0],
+                          ref.run(["idx"], {"x": feed.astype(np.float16).astype(np.float32)})[0])

@@ -202,9 +202,10 @@ SCORE_CHAIN_STOP = ("MatMul", "Gemm")
 
 
 def _selection_chains(g: onnx.GraphProto, types: dict[str, int]) -> set[int]:
-    """ids of the nodes between a selection op's float input and the MatMul that produced it (inclusive)."""
+    """ids of the selection ops and of the nodes between their float input and the MatMul that produced it
+    (inclusive): the comparison itself must see the fp32 scores, not their fp16 rounding."""
     producer = {o: n for n in g.node for o in n.output if o}
-    chain: set[int] = set()
+    chain: set[int] = {id(n) for n in g.node if n.op_type in SELECTION_OPS}
     stack = [i for n in g.node if n.op_type in SELECTION_OPS for i in n.input[:1]]
     seen: set[str] = set()
     while stack:
