@@ -25,7 +25,7 @@ from dsconv.errors import UserError
 from dsconv.families import Family, family_for
 from dsconv.families.base import ModelFacts
 from dsconv.families.roles import TensorRole
-from dsconv.writer import DTYPE_SIZES, TensorSpec
+from dsconv.writer import DTYPE_SIZES, TensorSpec, is_within
 
 MAX_HEADER = 100 * 2**20  # safetensors' own limit
 PAGE = mmap.PAGESIZE
@@ -123,14 +123,6 @@ def read_header(path: Path) -> tuple[int, dict[str, Any]]:
             raise UserError(f"{where}: tensors {n1} and {n2} overlap (bytes {a2}..{b1})",
                             hint="the file is damaged or crafted; do not use it")
     return data_start, header
-
-
-def _inside(path: Path, root: Path) -> bool:
-    try:
-        path.resolve().relative_to(root.resolve())
-        return True
-    except ValueError:
-        return False
 
 
 class Checkpoint:
@@ -438,7 +430,7 @@ def _list_safetensors(root: Path) -> tuple[list[Path], dict[str, TensorInfo]]:
                             hint="fix or re-download the index") from None
         parts: dict[str, tuple[Path, int, dict[str, Any]]] = {}
         for fname in set(weight_map.values()) if all(isinstance(v, str) for v in weight_map.values()) else [None]:
-            if fname is None or os.path.isabs(fname) or not _inside(root / fname, root):
+            if fname is None or os.path.isabs(fname) or not is_within(root / fname, root):
                 bad = next(k for k, v in weight_map.items() if v == fname or not isinstance(v, str))
                 raise UserError(f"{index_path.name}: {bad} points to {weight_map[bad]!r}, outside the model directory",
                                 hint="the index is damaged or crafted; dsconv only reads files inside the model dir")
@@ -457,7 +449,7 @@ def _list_safetensors(root: Path) -> tuple[list[Path], dict[str, TensorInfo]]:
             a, b = e["data_offsets"]
             entries[name] = TensorInfo(name, e["dtype"], tuple(e["shape"]), part, start + a, start + b, name)
         return sorted(headers), entries
-    files = sorted(p for p in root.glob("*.safetensors") if _inside(p, root))
+    files = sorted(p for p in root.glob("*.safetensors") if is_within(p, root))
     for part in files:
         start, h = header(part)
         for name, e in h.items():

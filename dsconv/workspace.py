@@ -19,6 +19,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from dsconv.errors import UserError
+from dsconv.writer import MANIFEST
 
 FILENAME = "dsconv.toml"
 STAGE_DIRS = {"export": "onnx", "safetensors": "safetensors", "mindir": "mindir", "quantize": "quant",
@@ -101,4 +102,4 @@ def previous_output(stage: str) -> Path | None:
     if ws is None:
         return None
     d = ws.stage_dir(stage)
-    return d if (d / "dsconv_manifest.json").is_file() else None
+    return d if (d / MANIFEST).is_file() else None

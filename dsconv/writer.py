@@ -243,7 +243,9 @@ def sha256_file(path: Path, chunk: int = 16 * 2**20) -> str:
     return h.hexdigest()
 
 
-def _is_within(child: Path, parent: Path) -> bool:
+def is_within(child: Path, parent: Path) -> bool:
+    """Whether `child` resolves inside `parent` (symlinks and `..` followed): the guard of every path dsconv
+    reads from an index or writes to."""
     try:
         child.resolve().relative_to(parent.resolve())
         return True
@@ -282,7 +284,7 @@ class OutputDir:
         self._sets: list[tuple[str, TensorSetWriter]] = []
         self._hashes: dict[str, dict[str, Any]] = {}
         for inp in self.inputs:
-            if _is_within(self.final, inp) or _is_within(inp, self.final):
+            if is_within(self.final, inp) or is_within(inp, self.final):
                 raise UserError(f"output {self.final} overlaps input {inp}",
                                 hint="choose an output directory outside the input (inputs are never modified)")
         if self.final.exists():
@@ -386,7 +388,7 @@ def verify_files(directory: Path) -> list[str]:
     problems = []
     for rel, info in manifest.get("files", {}).items():
         path = directory / rel
-        if not _is_within(path, directory):
+        if not is_within(path, directory):
             problems.append(f"{rel}: path escapes the directory")
         elif not path.is_file():
             problems.append(f"{rel}: missing")

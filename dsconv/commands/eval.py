@@ -63,7 +63,9 @@ def output_is_eval(path: Path) -> bool:
     """A previous eval report may be replaced without --force (evaluations are cheap to redo)."""
     import json
 
-    m = Path(path) / "dsconv_manifest.json"
+    from dsconv.writer import MANIFEST
+
+    m = Path(path) / MANIFEST
     try:
         return json.loads(m.read_text()).get("stage") == "eval"
     except (OSError, ValueError):

@@ -28,11 +28,6 @@ def torch_dtype_of(dtype: str):
     return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
 
 
-def human_bytes(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-from dsconv.process import peak_rss_bytes  # noqa: E402,F401  (re-exported for the exporters)
+# shared helpers, re-exported for the exporters
+from dsconv.inspect import human_bytes  # noqa: E402,F401
+from dsconv.process import peak_rss_bytes  # noqa: E402,F401
