@@ -17,7 +17,7 @@ import mmap
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from dsconv.errors import UserError
 from dsconv.families import Family, family_for
 from dsconv.families.base import ModelFacts
 from dsconv.families.roles import TensorRole
-from dsconv.writer import DTYPE_SIZES, TensorSpec, is_within
+from dsconv.tensors import DTYPE_SIZES, FP8_DTYPES, TensorSpec, is_within, safetensors_dtype, torch_dtype
 
 MAX_HEADER = 100 * 2**20  # safetensors' own limit
 PAGE = mmap.PAGESIZE
@@ -37,17 +37,6 @@ QUANT_DESCRIPTIONS = ("quant_model_description.json", "quant_model_description_w
                       "quant_model_description_w8a8_dynamic.json", "quant_model_description_w8a16.json",
                       "quant_model_description_w4a16.json")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
-
-
-def torch_dtype(st_dtype: str):
-    import torch
-
-    return {
-        "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
-        "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32, "F32": torch.float32,
-        "I64": torch.int64, "U64": torch.uint64, "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn,
-        "F8_E5M2": torch.float8_e5m2,
-    }[st_dtype]
 
 
 @dataclass(frozen=True)
@@ -170,7 +159,7 @@ class Checkpoint:
                 raise UserError(f"{bins[0].name} is a pickled checkpoint; dsconv does not unpickle by default",
                                 hint="convert it to safetensors, or pass --allow-pickle if you trust its source")
             pickled = _load_pickled(bins)
-            entries = {name: TensorInfo(name, _dtype_name(t), tuple(t.shape), bins[0], 0, t.numel() *
+            entries = {name: TensorInfo(name, safetensors_dtype(t), tuple(t.shape), bins[0], 0, t.numel() *
                                         t.element_size(), name) for name, t in pickled.items()}
             files = bins
         tensors = _normalise_fused(entries, family, config)
@@ -229,7 +218,7 @@ class Checkpoint:
             t = self._pickled[info.source].clone()
         else:
             t = self._read(info)
-        if dequantize and info.dtype in ("F8_E4M3", "F8_E5M2"):
+        if dequantize and info.dtype in FP8_DTYPES:
             scale_name = self.fp8_scales.get(name)
             if scale_name is None:
                 raise UserError(f"FP8 weight {name} has no weight_scale_inv",
@@ -261,10 +250,6 @@ class Checkpoint:
         if self._pickled is None:
             self._reader.advise(self.info(name), getattr(mmap, "MADV_DONTNEED", 4))
 
-    def iter_tensors(self, names: list[str] | None = None, dequantize: bool = False) -> Iterator[tuple[str, Any]]:
-        for name in names or self.names():
-            yield name, self.load(name, dequantize=dequantize)
-
     def close(self) -> None:
         self._reader.close()
 
@@ -280,7 +265,7 @@ class Checkpoint:
         out = {}
         block = self.facts.fp8_block or (128, 128)
         for name, info in self.tensors.items():
-            if info.dtype not in ("F8_E4M3", "F8_E5M2"):
+            if info.dtype not in FP8_DTYPES:
                 continue
             if self.quant_description is not None:
                 continue  # an int8-style layout stores FP8 differently; not a block-scaled HF checkpoint
@@ -492,12 +477,6 @@ def _normalise_fused(entries: dict[str, TensorInfo], family: Family, config: dic
                 info = replace(info, name=name)
         out[name] = info
     return out
-
-
-def _dtype_name(t) -> str:
-    from dsconv.writer import torch_dtype_name
-
-    return torch_dtype_name(t)
 
 
 def _load_pickled(files: list[Path]) -> dict[str, Any]:

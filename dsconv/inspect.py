@@ -12,7 +12,7 @@ from collections import defaultdict
 from typing import Any
 
 from dsconv.families.roles import Category
-from dsconv.writer import DTYPE_SIZES
+from dsconv.tensors import DTYPE_SIZES, human_bytes
 
 # Bytes per parameter of a quantized linear at each precision, scales included (INT4: group 128, fp32 scale+offset).
 PRECISIONS = {"bf16": None, "int8": 1.0 + 0.0, "int4": 0.5 + 8 / 128}
@@ -103,14 +103,6 @@ def cards_needed(quantizable: int, other: int) -> dict[str, Any]:
                               **{f"cards_x{o}": max(1, math.ceil(b * o / mem)) for o in OVERHEADS}}
         out[soc] = per_soc
     return out
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def human_count(n: float) -> str:

@@ -10,6 +10,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from dsconv.tensors import precision_torch_dtype
+
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")
 MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")
 
@@ -75,11 +77,9 @@ def build_model(family: str, seed: int = 0, **overrides: Any):
 
 def save_model(model, out: Path, fused: bool = False, dtype: str | None = None, tokenizer: Any | None = None) -> Path:
     """`save_pretrained` in the per-expert (default) or fused MoE layout, optionally cast to bf16/fp16."""
-    import torch
-
     out = Path(out)
     if dtype:
-        model = model.to({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype])
+        model = model.to(precision_torch_dtype(dtype))
     model.save_pretrained(out, save_original_format=not fused)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)

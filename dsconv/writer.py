@@ -26,6 +26,7 @@ import numpy as np
 
 from dsconv import __version__
 from dsconv.errors import UserError
+from dsconv.tensors import TensorSpec, is_within, safetensors_dtype
 
 MANIFEST = "dsconv_manifest.json"
 # The rename-when-complete protects against crashes of the process; against power loss, parts are fsynced only when
@@ -33,76 +34,6 @@ MANIFEST = "dsconv_manifest.json"
 # `dsconv verify` re-checks every sha256 either way.
 DURABLE = os.environ.get("DSCONV_FSYNC", "") not in ("", "0")
 DEFAULT_MAX_SHARD_SIZE = 4 * 1000**3  # the official tools' "4GB"
-
-# safetensors dtype name -> item size in bytes
-DTYPE_SIZES: dict[str, int] = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
-}
-
-
-def parse_size(text: str | int) -> int:
-    """'4GB', '500MB', '2GiB', '1000' -> bytes (HF's max_shard_size convention: GB = 10^9, GiB = 2^30)."""
-    if isinstance(text, int):
-        return text
-    s = str(text).strip().upper().replace(" ", "")
-    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
-             "TB": 10**12, "B": 1}
-    for unit, factor in units.items():
-        if s.endswith(unit):
-            number = s[: -len(unit)]
-            break
-    else:
-        number, factor = s, 1
-    try:
-        value = int(float(number) * factor)
-    except ValueError:
-        raise UserError(f"cannot read size {text!r}", hint="write it like 4GB, 500MB or 2GiB") from None
-    if value <= 0:
-        raise UserError(f"size {text!r} must be positive")
-    return value
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """What the writer must know of a tensor before any data: its name, safetensors dtype and shape."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        n = DTYPE_SIZES[self.dtype]
-        for d in self.shape:
-            n *= d
-        return n
-
-
-def torch_dtype_name(t: Any) -> str:
-    """safetensors dtype name of a torch tensor or numpy array."""
-    if isinstance(t, np.ndarray):
-        return _NP_TO_ST[t.dtype.str[1:]]
-    return (_TORCH_TO_ST or _torch_map())[t.dtype]
-
-
-_NP_TO_ST = {"i1": "I8", "u1": "U8", "i2": "I16", "u2": "U16", "f2": "F16", "i4": "I32", "u4": "U32",
-             "f4": "F32", "i8": "I64", "u8": "U64", "f8": "F64", "b1": "BOOL"}
-_TORCH_TO_ST: dict = {}
-
-
-def _torch_map() -> dict:
-    import torch
-
-    _TORCH_TO_ST.update({
-        torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.float16: "F16",
-        torch.bfloat16: "BF16", torch.int32: "I32", torch.float32: "F32", torch.int64: "I64",
-        torch.float64: "F64", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-        torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-    })
-    return _TORCH_TO_ST
-
 
 def _as_bytes(tensor: Any) -> memoryview:
     """A zero-copy byte view of a contiguous torch tensor or numpy array."""
@@ -191,7 +122,7 @@ class TensorSetWriter:
             raise ValueError(f"tensor {name} was not planned for {self.prefix}")
         if name in self._written:
             raise ValueError(f"tensor {name} written twice")
-        dtype = torch_dtype_name(tensor)
+        dtype = safetensors_dtype(tensor)
         shape = tuple(tensor.shape)
         if dtype != spec.dtype or shape != spec.shape:
             raise ValueError(f"tensor {name}: planned {spec.dtype}{list(spec.shape)}, got {dtype}{list(shape)}")
@@ -241,16 +172,6 @@ def sha256_file(path: Path, chunk: int = 16 * 2**20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
-
-
-def is_within(child: Path, parent: Path) -> bool:
-    """Whether `child` resolves inside `parent` (symlinks and `..` followed): the guard of every path dsconv
-    reads from an index or writes to."""
-    try:
-        child.resolve().relative_to(parent.resolve())
-        return True
-    except ValueError:
-        return False
 
 
 def versions() -> dict[str, str]:

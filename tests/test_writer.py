@@ -9,7 +9,8 @@ import torch
 from safetensors import safe_open
 
 from dsconv.errors import UserError
-from dsconv.writer import MANIFEST, OutputDir, TensorSpec, parse_size, sha256_file, verify_files
+from dsconv.tensors import TensorSpec, parse_size
+from dsconv.writer import MANIFEST, OutputDir, sha256_file, verify_files
 
 
 def _tensors():
@@ -25,9 +26,9 @@ def _tensors():
 
 
 def _specs(ts):
-    from dsconv.writer import torch_dtype_name
+    from dsconv.tensors import safetensors_dtype
 
-    return [TensorSpec(n, torch_dtype_name(t), tuple(t.shape)) for n, t in ts.items()]
+    return [TensorSpec(n, safetensors_dtype(t), tuple(t.shape)) for n, t in ts.items()]
 
 
 def _read_all(directory, files):

@@ -15,17 +15,10 @@ from dsconv.atc.graph import ModelInfo, dtype_name
 from dsconv.atc.options import AtcOptions, check_combinations
 from dsconv.atc.profiles import SocProfile
 from dsconv.atc.shapes import ShapePlan
+from dsconv.tensors import human_bytes as human
 
 PROTOBUF_LIMIT = 2 * 1024**3  # protobuf cannot serialize a message of 2 GiB or more
 
-
-def human(nbytes: float) -> str:
-    """1536 -> '1.5 KiB': sizes in findings stay readable from a tiny test model to a 1.3 TB checkpoint."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(nbytes) < 1024 or unit == "TiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes:.2f} TiB"
 # ops whose inputs ATC requires to share one dtype (shared/reference: mixed int32/int64 -> E89999)
 ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Mod", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual",
                "Max", "Min", "Sum", "Mean", "BitShift"}

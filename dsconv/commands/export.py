@@ -49,7 +49,7 @@ def export(model: Path | None, output: Path | None, fmt: str, dtype: str | None,
     output = workspace.resolve_output(STAGE_OF_FORMAT[fmt], output)
     if fmt == "onnx":
         from dsconv.convert.onnx import export_onnx, render
-        from dsconv.writer import parse_size
+        from dsconv.tensors import parse_size
 
         summary = export_onnx(model, output, dtype=dtype or "fp32", opset=opset, with_past=with_past,
                               position_ids=position_ids, atol=atol,

@@ -71,7 +71,7 @@ def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: 
     from dsconv.quant.pipeline import QuantOptions, quantize_model
     from dsconv.quant.plan import BITS, DEFAULT_SCHEME, SCHEMES
     from dsconv.quant.report import render, render_plan
-    from dsconv.writer import parse_size
+    from dsconv.tensors import parse_size
 
     if scheme is None:
         if bits is None:

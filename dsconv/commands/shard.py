@@ -68,7 +68,7 @@ def shard(model: Path | None, config: Path | None, ep, tp, world, nodes, cards_p
 
     A plan that is unbalanced or does not fit exits 3 with the reason per rank and valid layouts for the same world.
     """
-    from dsconv.inspect import human_bytes
+    from dsconv.tensors import human_bytes
     from dsconv.shard import ShardRequest, shard as run_shard
 
     if config is None and model is None:

@@ -15,19 +15,6 @@ Importing this package is cheap (no torch/onnx): the heavy imports happen inside
 """
 from __future__ import annotations
 
-DTYPES = ("fp32", "fp16", "bf16")
-#: safetensors dtype name of each --dtype choice
-ST_DTYPE = {"fp32": "F32", "fp16": "F16", "bf16": "BF16"}
-#: config.json spelling of each --dtype choice
-CONFIG_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+from dsconv.tensors import PRECISIONS
 
-
-def torch_dtype_of(dtype: str):
-    import torch
-
-    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
-
-
-# shared helpers, re-exported for the exporters
-from dsconv.inspect import human_bytes  # noqa: E402,F401
-from dsconv.process import peak_rss_bytes  # noqa: E402,F401
+DTYPES = tuple(PRECISIONS)  # the --dtype choices

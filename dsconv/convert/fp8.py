@@ -38,12 +38,12 @@ from typing import Any
 
 import numpy as np
 
-from dsconv.convert import CONFIG_DTYPE, DTYPES, ST_DTYPE, peak_rss_bytes
+from dsconv.convert import DTYPES
+from dsconv.process import peak_rss_bytes
+from dsconv.tensors import FLOAT_DTYPES, FP8_DTYPES, PRECISIONS, config_dtype_name
 from dsconv.errors import UserError
 from dsconv.families.roles import Role
 
-FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
-FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})
 INDEX_SUFFIX = ".safetensors.index.json"
 STRIPE_ROWS = 128
 _REBIAS = 2.0 ** 120  # e4m3 exponent bias 7 -> float32 bias 127
@@ -88,14 +88,14 @@ class RewritePlan:
 
 def plan_rewrite(ck, dtype: str) -> RewritePlan:
     """What will be written, from headers alone; refuses inputs it cannot rewrite faithfully."""
-    from dsconv.writer import DTYPE_SIZES
+    from dsconv.tensors import DTYPE_SIZES
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
     if ck.is_quantized:
         raise UserError(f"{ck.root} is a quantized (msModelSlim layout) output",
                         hint="--format safetensors rewrites float or FP8 checkpoints; export the original model")
-    target = ST_DTYPE[dtype]
+    target = PRECISIONS[dtype]
     scales = set(ck.fp8_scales.values())
     for name, role in ck.roles.items():
         if role.param == "weight_scale_inv" and name not in scales:
@@ -200,7 +200,7 @@ def _numpy_view(t):
 
 def convert_tensor(ck, t: TensorPlan, threads: int = 2):
     """One planned tensor, read and converted (the only full-size tensors alive are its input and output)."""
-    from dsconv.checkpoint import torch_dtype
+    from dsconv.tensors import torch_dtype
 
     x = ck.load(t.name)
     if t.action == "dequantize":
@@ -256,7 +256,7 @@ def rewrite_into(out, ck, plan: RewritePlan, progress: bool | None = None, pipel
     """Stream every planned tensor into `out` (an open OutputDir), then config, index and the small files."""
     from tqdm import tqdm
 
-    from dsconv.writer import TensorSpec
+    from dsconv.tensors import TensorSpec
 
     sets = {}
     for part in plan.parts:
@@ -297,7 +297,7 @@ def rewritten_config(config: dict[str, Any], dtype: str) -> dict[str, Any]:
     new.pop("quantization_config", None)
     keys = [k for k in ("dtype", "torch_dtype") if k in new] or ["dtype"]
     for k in keys:
-        new[k] = CONFIG_DTYPE[dtype]
+        new[k] = config_dtype_name(dtype)
     return new
 
 
@@ -332,7 +332,7 @@ def export_safetensors(model_dir: Path, output: Path, *, dtype: str = "bf16", fo
 
 
 def render(summary: dict[str, Any]) -> str:
-    from dsconv.convert import human_bytes as hb
+    from dsconv.tensors import human_bytes as hb
 
     lines = [f"{'planned' if summary.get('dry_run') else 'wrote'} {summary['output']}: {summary['tensors']} tensors "
              f"in {len(summary['parts'])} part(s) as {summary['dtype']} "

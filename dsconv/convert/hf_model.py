@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
-from dsconv.convert import torch_dtype_of
+from dsconv.tensors import precision_torch_dtype
 from dsconv.errors import UserError
 
 
@@ -45,7 +45,7 @@ def load_for_export(ck, dtype: str, scratch_parent: Path, allow_pickle: bool = F
     """(model in eval mode, loading report). Raises UserError when transformers would leave weights random."""
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict[str, Any] = dict(dtype=torch_dtype_of(dtype), attn_implementation="eager", trust_remote_code=False,
+    kwargs: dict[str, Any] = dict(dtype=precision_torch_dtype(dtype), attn_implementation="eager", trust_remote_code=False,
                                   output_loading_info=True)
     if ck.facts.is_moe:
         kwargs["experts_implementation"] = "batched_mm"

@@ -42,6 +42,7 @@ import numpy as np
 from dsconv.convert.ms_nets import worker
 from dsconv.process import working_dir
 from dsconv.errors import CheckFailed, UserError
+from dsconv.tensors import precision_torch_dtype
 
 DTYPES = ("fp32", "fp16", "bf16")
 # Default tolerance on max |MindIR logits - PyTorch logits| at real positions, times max(1, max |reference logit|):
@@ -164,7 +165,8 @@ def write_reference_checkpoint(ck, directory: Path) -> Path:
 
     from dsconv.families.roles import Category
     from dsconv.quant.schemes import dequant_weight, unpack_int4_by_shape
-    from dsconv.writer import TensorSetWriter, TensorSpec
+    from dsconv.tensors import TensorSpec
+    from dsconv.writer import TensorSetWriter
 
     directory.mkdir(parents=True, exist_ok=True)
     desc = ck.quant_description or {}
@@ -249,7 +251,7 @@ def round_weights(model, dtype: str) -> None:
     float32 there and here); the compute stays float32."""
     import torch
 
-    target = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    target = precision_torch_dtype(dtype)
     with torch.no_grad():
         for module in model.modules():
             if _is_router(module):

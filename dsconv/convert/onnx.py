@@ -28,7 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dsconv.convert import DTYPES, human_bytes, peak_rss_bytes, torch_dtype_of
+from dsconv.convert import DTYPES
+from dsconv.process import peak_rss_bytes
+from dsconv.tensors import human_bytes, precision_torch_dtype
 from dsconv.errors import CheckFailed, UserError
 
 DEFAULT_OPSET = 14
@@ -45,11 +47,10 @@ RAM_MARGIN = 1.1
 def weight_bytes(ck, dtype: str) -> tuple[int, int]:
     """(bytes of the weights transformers will hold in `dtype`, bytes of those tensors in the checkpoint as stored
     when loading must convert them, else 0); FP8 scales and DeepSeek's MTP layers excluded (transformers skips them)."""
-    from dsconv.convert import ST_DTYPE
     from dsconv.families.roles import Category
-    from dsconv.writer import DTYPE_SIZES
+    from dsconv.tensors import DTYPE_SIZES, PRECISIONS
 
-    size = DTYPE_SIZES[ST_DTYPE[dtype]]
+    size = DTYPE_SIZES[PRECISIONS[dtype]]
     held = stored = 0
     converting = False
     for name, info in ck.tensors.items():
@@ -59,7 +60,7 @@ def weight_bytes(ck, dtype: str) -> tuple[int, int]:
         floating = info.dtype.startswith(("F", "BF"))
         held += math.prod(info.shape) * (size if floating else DTYPE_SIZES[info.dtype])
         stored += info.nbytes
-        converting |= floating and info.dtype != ST_DTYPE[dtype] and not info.dtype.startswith("F8")
+        converting |= floating and info.dtype != PRECISIONS[dtype] and not info.dtype.startswith("F8")
     return held, stored if converting and not ck.fp8_scales else 0
 
 
@@ -155,7 +156,7 @@ def _export(ck, model_dir: Path, output: Path, *, dtype: str, opset: int, with_p
                    input_identity=ck.identity()) as out:
         model, load_report = hf_model.load_for_export(ck, dtype, output.absolute().parent, allow_pickle)
         timings["load"] = time.perf_counter() - t
-        tdtype = torch_dtype_of(dtype)
+        tdtype = precision_torch_dtype(dtype)
         spec = onnx_wrapper.IOSpec(with_past, position_ids,
                                    onnx_wrapper.cache_geometry(model) if with_past else [])
         wrapper = onnx_wrapper.ExportWrapper(model, spec).eval()

@@ -12,11 +12,7 @@ from typing import Any, Iterator
 
 from dsconv.errors import UserError
 from dsconv.families.roles import ALL_PARAMS, Category, Role, TensorRole
-from dsconv.writer import TensorSpec
-
-
-DTYPE_FROM_CONFIG = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float": "F32", "half": "F16",
-                     "fp16": "F16", "bf16": "BF16", "fp32": "F32"}
+from dsconv.tensors import DTYPE_FROM_CONFIG, TensorSpec
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from dsconv.families import register
 from dsconv.families.base import (Family, ModelFacts, Rule, dense_mlp, expert_rules, llama_rules, router_rule,
                                   shared_expert_rules)
 from dsconv.families.roles import Category, Role
-from dsconv.writer import TensorSpec
+from dsconv.tensors import TensorSpec
 
 L = "model.layers.{L}."
 MLA_RULES = {

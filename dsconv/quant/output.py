@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from dsconv.checkpoint import torch_dtype
 from dsconv.quant.formats.msmodelslim import QuantResult, emit_linear, layout_names
 from dsconv.quant.plan import FLOAT, STATIC, QuantPlan, float_spec, linear_specs, model_quant_type, staged_specs
-from dsconv.writer import OutputDir, TensorSetWriter, TensorSpec
+from dsconv.tensors import TensorSpec, torch_dtype
+from dsconv.writer import OutputDir, TensorSetWriter
 
 STAGING = ".dsconv-staging"
 

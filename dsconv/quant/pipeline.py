@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dsconv.checkpoint import Checkpoint, torch_dtype
+from dsconv.checkpoint import Checkpoint
 from dsconv.errors import UserError
 from dsconv.families.roles import Role
 from dsconv.quant import report as rep
@@ -40,6 +40,7 @@ from dsconv.quant.plan import BITS, FALLBACK_TARGETS, SCHEMES, STATIC, LinearPla
 from dsconv.quant.schemes import (activation_qparams, dequant_weight, quantize_weight_per_channel,
                                   quantize_weight_per_group, relative_error, smooth_scales, w8a8_static_params)
 from dsconv.quant.stats import InputStats, LinearRecord, output_errors
+from dsconv.tensors import torch_dtype
 from dsconv.writer import DEFAULT_MAX_SHARD_SIZE, OutputDir
 
 ACT_QUANT = ("W8A8", "W8A8_DYNAMIC")  # types whose activations are quantized: smoothing helps them

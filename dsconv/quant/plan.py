@@ -15,7 +15,7 @@ from typing import Any, Iterable
 from dsconv.errors import UserError
 from dsconv.families.roles import Category, Role
 from dsconv.quant.schemes import check_group_size
-from dsconv.writer import TensorSpec
+from dsconv.tensors import TensorSpec
 
 # scheme option -> description type
 SCHEMES = {"w8a8": "W8A8", "w8a8_dynamic": "W8A8_DYNAMIC", "w8a16": "W8A16", "w4a16": "W4A16"}

@@ -94,7 +94,7 @@ def shard(req: ShardRequest) -> ShardResult:
     from dsconv.atc.profiles import load_profile
     from dsconv.checkpoint import open_input
     from dsconv.shard import balance, chart, memory, plan as P, ranktable
-    from dsconv.writer import parse_size
+    from dsconv.tensors import parse_size
 
     warnings: list[str] = []
     _check_range("--balance-tolerance", req.tolerance, 0.0, 10.0)

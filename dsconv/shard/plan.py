@@ -32,7 +32,7 @@ import numpy as np
 
 from dsconv.errors import UserError
 from dsconv.families.roles import Category, Role, TensorRole
-from dsconv.writer import DTYPE_SIZES
+from dsconv.tensors import DTYPE_SIZES
 
 EXPERT_ROLES = (Role.EXPERT_IN, Role.EXPERT_OUT)
 ATTN_SPLIT_ROLES = (Role.ATTN_IN, Role.ATTN_OUT)

@@ -33,7 +33,8 @@ def write_shards(src: Any, plan: ShardPlan, output: Path, *, head: dict[str, Any
     import torch
     from tqdm import tqdm
 
-    from dsconv.writer import OutputDir, TensorSpec
+    from dsconv.tensors import TensorSpec
+    from dsconv.writer import OutputDir
 
     world = plan.layout.world
     quant = getattr(src, "quant_description", None)
