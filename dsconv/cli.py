@@ -5,38 +5,28 @@ anything else is a bug -> exit 1 with the traceback and a request to report it. 
 """
 from __future__ import annotations
 
-import json
 import sys
 import traceback
-from pathlib import Path
-from typing import Any
 
 import click
 
 from dsconv import __version__
-from dsconv.errors import DsconvError, UserError
-
-PATH = click.Path(path_type=Path)
-
-
-def emit_json(obj: Any) -> None:
-    """Print a --json summary: stdout alone, one object."""
-    click.echo(json.dumps(obj, indent=2, ensure_ascii=False, default=str))
-
-
-def warn(message: str) -> None:
-    click.echo(f"warning: {message}", err=True)
-
-
-PIPELINE_ORDER = ("init", "inspect", "export", "quantize", "eval", "shard", "atc", "verify", "demo")
+from dsconv.commands.atc import atc
+from dsconv.commands.demo import demo
+from dsconv.commands.eval import eval_cmd
+from dsconv.commands.export import export
+from dsconv.commands.quantize import quantize
+from dsconv.commands.shard import shard
+from dsconv.commands.workspace_cmds import init, inspect, verify
+from dsconv.errors import DsconvError
 
 
 class PipelineGroup(click.Group):
-    """`dsconv --help` lists the commands in the order a user runs them, not alphabetically."""
+    """`dsconv --help` lists the commands in the order they were added (the order a user runs them), not
+    alphabetically."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        known = [c for c in PIPELINE_ORDER if c in self.commands]
-        return known + sorted(c for c in self.commands if c not in known)
+        return list(self.commands)
 
 
 @click.group(cls=PipelineGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -49,22 +39,9 @@ def cli() -> None:
     """
 
 
-def model_option(f):
-    return click.option("--model", "-m", type=PATH, default=None,
-                        help="HF model directory (default: the workspace's model from dsconv.toml).")(f)
-
-
-def output_option(f):
-    return click.option("--output", "-o", type=PATH, default=None,
-                        help="Output directory (default: <workspace output>/<stage>).")(f)
-
-
-def json_option(f):
-    return click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object on stdout.")(f)
-
-
-def force_option(f):
-    return click.option("--force", is_flag=True, help="Replace a previous dsconv output at --output.")(f)
+# Every command, in pipeline order (`dsconv --help` lists them so).
+for _command in (init, inspect, export, quantize, eval_cmd, shard, atc, verify, demo):
+    cli.add_command(_command)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -92,7 +69,3 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"dsconv {__version__} hit a bug (exit 1); please report it with the traceback above.", err=True)
         sys.exit(1)
     sys.exit(0)
-
-
-# The commands register themselves on `cli` when their modules import; keep this list in pipeline order.
-from dsconv import commands  # noqa: E402,F401  (registers every command)

@@ -6,16 +6,15 @@ as a user types it - `dsconv quantize --bits 8`, no paths - printing a short sum
 """
 from __future__ import annotations
 
-import json
 import shlex
 import shutil
 import time
-from importlib import resources
 from pathlib import Path
 from typing import Callable
 
 import click
 
+from dsconv.bundled import calib_texts
 from dsconv.process import working_dir
 
 # The pipeline as a user types it in a workspace. A step whose command is not registered is reported and skipped.
@@ -31,19 +30,6 @@ STEPS: list[tuple[str, list[str]]] = [
 ]
 
 
-def bundled_calib_path() -> Path:
-    return Path(str(resources.files("dsconv") / "calib_data" / "qa.jsonl"))
-
-
-def calib_texts() -> list[str]:
-    texts = []
-    for line in bundled_calib_path().read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            row = json.loads(line)
-            texts.append(f"{row['question']}\n{row['answer']}")
-    return texts
-
-
 def write_demo_model(model_dir: Path, mtp: bool = False, seed: int = 0) -> Path:
     from dsconv.tiny import add_mtp_layer, make_tiny, train_tokenizer
 
@@ -54,10 +40,10 @@ def write_demo_model(model_dir: Path, mtp: bool = False, seed: int = 0) -> Path:
     return model_dir
 
 
-def run_demo(directory: Path, mtp: bool = False, force: bool = False,
+def run_demo(directory: Path, cli: click.Group, mtp: bool = False, force: bool = False,
              echo: Callable[[str], None] = click.echo) -> dict[str, float]:
-    """Build the demo workspace in `directory` and run every stage; returns seconds per step."""
-    from dsconv.cli import cli
+    """Build the demo workspace in `directory` and run every stage through `cli`, the `dsconv` click group (passed
+    in: the demo sits beside the CLI and must not import it); returns seconds per step."""
     from dsconv import workspace
 
     directory = directory.absolute()

@@ -38,3 +38,10 @@ class CheckFailed(DsconvError):
     """A check the user asked for failed (parity, balance, fit): exit 3, nothing written."""
 
     exit_code = 3
+
+
+def warn(message: str) -> None:
+    """A warning on stderr (never stdout, which `--json` keeps for one object); any layer may call it."""
+    import click
+
+    click.echo(f"warning: {message}", err=True)

@@ -20,7 +20,7 @@ SMALL = dict(calib_samples=8, seq_len=48)
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from dsconv.demo import calib_texts
+    from dsconv.bundled import calib_texts
     from dsconv.tiny import make_tiny, train_tokenizer
 
     root = tmp_path_factory.mktemp("evalq")

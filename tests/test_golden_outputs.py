@@ -69,13 +69,15 @@ def _tree_hashes(out: Path, root: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def produced(tmp_path_factory, run_cli) -> dict[str, dict[str, str]]:
-    from dsconv.demo import calib_texts, run_demo
+    from dsconv.bundled import calib_texts
+    from dsconv.cli import cli
+    from dsconv.demo import run_demo
     from dsconv.tiny import make_tiny, train_tokenizer
 
     root = base = tmp_path_factory.mktemp("golden")
     result: dict[str, dict[str, str]] = {}
     demo = root / "demo"
-    run_demo(demo, echo=lambda s: None)
+    run_demo(demo, cli, echo=lambda s: None)
     result["demo"] = _tree_hashes(demo / "out", base)
     tok = train_tokenizer(calib_texts(), vocab_size=384)
     for name, family, fused, args in CASES:

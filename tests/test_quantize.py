@@ -24,7 +24,7 @@ FAST = dict(calib_samples=8, seq_len=48)
 
 @pytest.fixture(scope="module")
 def tok():
-    from dsconv.demo import calib_texts
+    from dsconv.bundled import calib_texts
     from dsconv.tiny import train_tokenizer
 
     return train_tokenizer(calib_texts(), vocab_size=384)
@@ -229,7 +229,7 @@ def test_w4a16_packing_and_groups(models, run):
 def test_gptq_beats_rtn_on_output_error(models, run):
     """Same calibration rows, same group size: GPTQ's INT4 output error is below round-to-nearest's on average (its
     weight error is not: it trades weight error for output error), incl. routed experts and MLA projections."""
-    from dsconv.demo import bundled_calib_path
+    from dsconv.bundled import bundled_calib_path
 
     kw = dict(scheme="w4a16", group_size=32, calib_samples=12, seq_len=64, calib=bundled_calib_path())
     out_g, s_g = run(models["ds"], "ds_w4_gptq", method="gptq", **kw)

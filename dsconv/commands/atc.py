@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from dsconv.cli import PATH, cli, emit_json, force_option, json_option, output_option, warn
+from dsconv.commands.options import PATH, emit_json, force_option, json_option, output_option, warn
 from dsconv.errors import UserError
 
 
@@ -32,7 +32,7 @@ def _default_onnx() -> Path:
     return prev / "model.onnx"
 
 
-@cli.command()
+@click.command()
 @click.option("--onnx", "onnx_path", type=PATH, default=None,
               help="ONNX model (default: model.onnx of the workspace's `dsconv export`).")
 @click.option("--soc", default=None, help="Ascend910B (assumes Ascend910B3), Ascend910B1..B4, Ascend910B2C, "

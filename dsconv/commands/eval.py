@@ -6,11 +6,11 @@ from pathlib import Path
 import click
 
 from dsconv import workspace
-from dsconv.cli import PATH, cli, emit_json, force_option, json_option, model_option
+from dsconv.commands.options import PATH, emit_json, force_option, json_option, model_option
 from dsconv.errors import CheckFailed, UserError
 
 
-@cli.command(name="eval")
+@click.command(name="eval")
 @model_option
 @click.option("--quantized", "-q", type=PATH, default=None,
               help="Output of `dsconv quantize` (default: the workspace's quantize output).")

@@ -6,15 +6,13 @@ from pathlib import Path
 import click
 
 from dsconv import workspace
-from dsconv.cli import cli, emit_json, json_option, model_option, output_option
-from dsconv.convert import checks  # noqa: F401  (registers `dsconv verify` checks for these outputs)
-from dsconv.convert import mindir  # noqa: F401,E402  (registers the `dsconv verify` check of MindIR outputs)
+from dsconv.commands.options import emit_json, json_option, model_option, output_option
 from dsconv.errors import UserError
 
 STAGE_OF_FORMAT = {"onnx": "export", "safetensors": "safetensors", "mindir": "mindir"}
 
 
-@cli.command()
+@click.command()
 @model_option
 @output_option
 @click.option("--format", "fmt", type=click.Choice(["onnx", "safetensors", "mindir"]), default="onnx",

@@ -6,12 +6,11 @@ from pathlib import Path
 import click
 
 from dsconv import workspace
-from dsconv.cli import PATH, cli, emit_json, force_option, json_option, model_option, output_option, warn
+from dsconv.commands.options import PATH, emit_json, force_option, json_option, model_option, output_option, warn
 from dsconv.errors import UserError
-from dsconv.verify import register_check
 
 
-@cli.command()
+@click.command()
 @model_option
 @output_option
 @click.option("--bits", type=click.Choice(["8", "4"]), default=None,
@@ -94,10 +93,3 @@ def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: 
         emit_json(result)
     else:
         click.echo(render_plan(result) if dry_run else render(result))
-
-
-@register_check("quantize")
-def _verify_quantize_output(directory: Path, manifest: dict) -> list[str]:
-    from dsconv.quant.formats.msmodelslim import verify_output
-
-    return verify_output(directory)

@@ -5,9 +5,8 @@ from pathlib import Path
 
 import click
 
-import dsconv.shard  # noqa: F401  (registers the `dsconv verify` check of shard outputs)
 from dsconv import workspace
-from dsconv.cli import PATH, cli, emit_json, force_option, json_option, output_option, warn
+from dsconv.commands.options import PATH, emit_json, force_option, json_option, output_option, warn
 
 
 def _pos_int(ctx, param, value):
@@ -16,7 +15,7 @@ def _pos_int(ctx, param, value):
     return value
 
 
-@cli.command()
+@click.command()
 @click.option("--model", "-m", type=PATH, default=None,
               help="HF checkpoint (FP8 included) or `dsconv quantize` output (default: the workspace's quantize "
                    "output if there is one, else its model).")

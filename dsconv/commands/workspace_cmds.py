@@ -6,11 +6,11 @@ from pathlib import Path
 import click
 
 from dsconv import workspace
-from dsconv.cli import PATH, cli, emit_json, json_option
+from dsconv.commands.options import PATH, emit_json, json_option
 from dsconv.errors import CheckFailed, UserError
 
 
-@cli.command()
+@click.command()
 @click.option("--model", "-m", type=PATH, required=True, help="HF model directory this workspace works on.")
 @click.option("--output", "-o", type=PATH, default=Path("dsconv-out"), show_default=True,
               help="Root under which each stage writes its output (<root>/onnx, quant, shard, atc, ...).")
@@ -24,7 +24,7 @@ def init(model: Path, output: Path, force: bool) -> None:
     click.echo(f"wrote {ws.path}: model {ws.model}, outputs under {ws.output}")
 
 
-@cli.command()
+@click.command()
 @click.option("--model", "-m", type=PATH, default=None, help="HF model directory (default: the workspace's).")
 @click.option("--config", "config", type=PATH, default=None, help="A config.json alone: no weights needed.")
 @click.option("--allow-pickle", is_flag=True, help="Read .bin/.pt weights (weights-only unpickler).")
@@ -44,12 +44,12 @@ def inspect(model: Path | None, config: Path | None, allow_pickle: bool, as_json
         click.echo(render(report))
 
 
-@cli.command()
+@click.command()
 @click.argument("directory", type=PATH)
 @json_option
 def verify(directory: Path, as_json: bool) -> None:
     """Re-check a dsconv output: every file's sha256 and size, then the stage's own check."""
-    from dsconv.verify import has_check, verify as run_verify
+    from dsconv.stages import has_check, verify as run_verify
 
     if not directory.is_dir():
         raise UserError(f"{directory} is not a directory", hint="pass a directory dsconv wrote")

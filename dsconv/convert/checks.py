@@ -12,10 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dsconv.verify import register_check
 
-
-@register_check("export")
 def verify_onnx(directory: Path, manifest: dict) -> list[str]:
     import numpy as np
     import onnx
@@ -60,7 +57,6 @@ def verify_onnx(directory: Path, manifest: dict) -> list[str]:
     return problems
 
 
-@register_check("safetensors")
 def verify_safetensors(directory: Path, manifest: dict) -> list[str]:
     from dsconv.checkpoint import Checkpoint
     from dsconv.errors import UserError

@@ -164,7 +164,7 @@ def write_reference_checkpoint(ck, directory: Path) -> Path:
     import torch
 
     from dsconv.families.roles import Category
-    from dsconv.quant.schemes import dequant_weight, unpack_int4_by_shape
+    from dsconv.qformat import dequant_weight, unpack_int4_by_shape
     from dsconv.tensors import TensorSpec
     from dsconv.writer import TensorSetWriter
 
@@ -439,7 +439,7 @@ def render(summary: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ verify
-def _verify_mindir(directory: Path, manifest: dict) -> list[str]:
+def verify_mindir(directory: Path, manifest: dict) -> list[str]:
     """`dsconv verify`: the MindIR loads and maps one token to finite logits of the config's vocabulary."""
     import json
 
@@ -465,12 +465,3 @@ def _verify_mindir(directory: Path, manifest: dict) -> list[str]:
     if not np.isfinite(logits).all():
         problems.append(f"{graph_file.name}: non-finite logits for one token")
     return problems
-
-
-def _register_verify() -> None:
-    from dsconv.verify import register_check
-
-    register_check(STAGE)(_verify_mindir)
-
-
-_register_verify()

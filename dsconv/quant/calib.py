@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsconv.bundled import bundled_calib_path
 from dsconv.errors import UserError
 
 TEXT_KEYS = ("inputs_pretokenized", "text", "prompt")
@@ -36,12 +37,6 @@ class CalibSet:
     def describe(self) -> dict[str, Any]:
         return {"source": self.source, "samples": len(self.samples), "tokens": self.tokens, "seq_len": self.seq_len,
                 "truncated_samples": self.truncated}
-
-
-def bundled_calib_path() -> Path:
-    from dsconv.demo import bundled_calib_path as p
-
-    return p()
 
 
 def _render_messages(messages: Any, tokenizer: Any, where: str) -> str:

@@ -37,7 +37,7 @@ def eval_texts(path: Path | None, tokenizer: Any = None) -> tuple[list[str], str
     if path is None:
         import json
 
-        from dsconv.demo import bundled_calib_path
+        from dsconv.bundled import bundled_calib_path
 
         src = bundled_calib_path()
         texts = [json.loads(line)["answer"] for line in src.read_text(encoding="utf-8").splitlines() if line.strip()]

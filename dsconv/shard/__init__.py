@@ -5,7 +5,7 @@ routed experts (contiguous / by bytes / DeepSeek EPLB) and checks weight bytes p
 HBM (weights + KV + workspace); ranktable.py writes the HCCL rank table and MindIE's parallel settings; write.py
 streams the rank directories; chart.py shows the plan. `shard()` below runs them in that order for the command.
 
-Importing this package is cheap (no torch): it only registers the `dsconv verify` check of shard outputs.
+Importing this package is cheap (no torch).
 """
 from __future__ import annotations
 
@@ -14,14 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from dsconv.errors import CheckFailed, UserError
-from dsconv.verify import register_check
-
-
-@register_check("shard")
-def _verify(directory: Path, manifest: dict) -> list[str]:
-    from dsconv.shard.write import verify_shard
-
-    return verify_shard(directory, manifest)
 
 
 @dataclass

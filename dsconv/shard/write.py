@@ -128,7 +128,7 @@ def _same(a, b) -> bool:
 def verify_shard(directory: Path, manifest: dict[str, Any]) -> list[str]:
     """Every rank holds exactly the plan's tensors, replicas agree, and each original tensor reassembles bit-exactly
     from the ranks (compared to the source when it is still there; said so when it is not)."""
-    from dsconv.cli import warn
+    from dsconv.errors import warn
 
     directory = Path(directory)
     try:

@@ -1,0 +1,125 @@
+"""The stored format of quantized tensors (msModelSlim): int4 packing in both layouts, the int64 deq_scale bit
+pattern, dequantization.
+
+Why here, below the stages: the quantizer WRITES this format, but readers (MindIR export of a quantized directory,
+eval, verify) must READ it without importing the quantizer; so the format math sits beside the reader (layer 1) and
+quant/schemes.py builds on it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dsconv.errors import UserError
+
+
+# int4 packing
+def _check_int4(q: np.ndarray) -> np.ndarray:
+    q = np.asarray(q)
+    if q.dtype != np.int8:
+        raise ValueError(f"int4 packing expects int8 values, got {q.dtype}")
+    if q.size and (q.min() < -8 or q.max() > 7):
+        raise ValueError("int4 packing: values outside -8..7")
+    return q
+
+
+def pack_int4(q: np.ndarray, name: str = "weight") -> np.ndarray:
+    """Pack int4 values ``[n, k]`` into int8 ``[n/2, k]`` along the OUTPUT dimension (the msModelSlim W4 layout):
+    row 2i goes to the low nibble, row 2i+1 to the high nibble. E.g. column (1, -2) -> 0xE1 (int8 -31)."""
+    q = _check_int4(q)
+    if q.ndim != 2 or q.shape[0] % 2:
+        raise UserError(
+            f"layer {name}: int4 packing needs an even number of output rows, got shape {list(q.shape)}",
+            hint="leave this layer in 8 bits or unquantized",
+        )
+    u = q.view(np.uint8)
+    packed = (u[0::2] & np.uint8(0x0F)) | (u[1::2] << np.uint8(4))
+    return packed.view(np.int8)
+
+
+def _nibbles(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(low, high) signed nibbles of int8 bytes: arithmetic shifts sign-extend."""
+    p = np.asarray(packed)
+    if p.dtype == np.uint8:
+        p = p.view(np.int8)
+    if p.dtype != np.int8:
+        raise ValueError(f"packed int4 must be int8, got {p.dtype}")
+    low = np.left_shift(p, 4).astype(np.int8, copy=False) >> np.int8(4)
+    high = p >> np.int8(4)
+    return low, high
+
+
+def unpack_int4(packed: np.ndarray, n: int) -> np.ndarray:
+    """Inverse of :func:`pack_int4`: int8 ``[n/2, k]`` -> int8 ``[n, k]`` in -8..7."""
+    if packed.ndim != 2 or packed.shape[0] * 2 != n:
+        raise UserError(f"packed int4 shape {list(packed.shape)} does not hold {n} output rows")
+    low, high = _nibbles(packed)
+    out = np.empty((n, packed.shape[1]), dtype=np.int8)
+    out[0::2], out[1::2] = low, high
+    return out
+
+
+def pack_int4_along_k(q: np.ndarray, name: str = "weight") -> np.ndarray:
+    """The older per-channel int4 layout ``[n, k/2]``: column 2j in the low nibble, 2j+1 in the high nibble."""
+    q = _check_int4(q)
+    if q.ndim != 2 or q.shape[1] % 2:
+        raise UserError(f"layer {name}: int4 packing along k needs an even input width, got {list(q.shape)}")
+    u = q.view(np.uint8)
+    return ((u[:, 0::2] & np.uint8(0x0F)) | (u[:, 1::2] << np.uint8(4))).view(np.int8)
+
+
+def unpack_int4_along_k(packed: np.ndarray, k: int) -> np.ndarray:
+    """Inverse of :func:`pack_int4_along_k`: int8 ``[n, k/2]`` -> int8 ``[n, k]``."""
+    if packed.ndim != 2 or packed.shape[1] * 2 != k:
+        raise UserError(f"packed int4 shape {list(packed.shape)} does not hold {k} input columns")
+    low, high = _nibbles(packed)
+    out = np.empty((packed.shape[0], k), dtype=np.int8)
+    out[:, 0::2], out[:, 1::2] = low, high
+    return out
+
+
+def unpack_int4_by_shape(packed: np.ndarray, shape: tuple[int, int], name: str = "weight") -> np.ndarray:
+    """Readers accept both int4 layouts: ``[n/2, k]`` (pairs of output rows) or ``[n, k/2]`` (pairs along k)."""
+    n, k = shape
+    if tuple(packed.shape) == (n // 2, k) and n % 2 == 0:
+        return unpack_int4(packed, n)
+    if tuple(packed.shape) == (n, k // 2) and k % 2 == 0:
+        return unpack_int4_along_k(packed, k)
+    raise UserError(
+        f"tensor {name}: packed int4 shape {list(packed.shape)} matches neither [n/2, k] nor [n, k/2] "
+        f"for a [{n}, {k}] layer"
+    )
+
+
+# deq_scale as stored
+def deq_scale_as_int64(deq_scale: np.ndarray) -> np.ndarray:
+    """fp16 models store deq_scale as int64 holding the float32 bit pattern (1.0 -> 1065353216)."""
+    return np.ascontiguousarray(deq_scale, dtype=np.float32).view(np.int32).astype(np.int64)
+
+
+def deq_scale_from_int64(stored: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`deq_scale_as_int64` (for readers and verification)."""
+    s = np.asarray(stored)
+    info = np.iinfo(np.int32)
+    if s.size and (s.min() < info.min or s.max() > info.max):
+        raise UserError("int64 deq_scale holds values outside int32: not a float32 bit pattern")
+    return np.ascontiguousarray(s.astype(np.int32)).view(np.float32)
+
+
+# dequantization
+def dequant_weight(
+    q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None = None, group_size: int = 0
+) -> np.ndarray:
+    """W8A16-style dequantization ``w = (w_q - offset) * scale`` -> float32 ``[n, k]``. A grouped ``scale
+    [n, k/g]`` is broadcast along k; the group size is inferred from the shapes and checked against
+    ``group_size`` when that is non-zero."""
+    n, k = q.shape
+    scale = np.asarray(scale, np.float32).reshape(n, -1)
+    groups = scale.shape[1]
+    if k % groups or (group_size and groups * group_size != k):
+        raise UserError(f"scale shape {list(scale.shape)} does not fit weight {[n, k]} with group {group_size}")
+    g = k // groups
+    w = q.astype(np.float32).reshape(n, groups, g)
+    if offset is not None:
+        w -= np.asarray(offset, np.float32).reshape(n, groups, 1)
+    w *= scale[..., None]
+    return w.reshape(n, k)
