@@ -12,19 +12,13 @@ from collections import defaultdict
 from typing import Any
 
 from dsconv.families.roles import Category
+from dsconv.soc import soc_facts
 from dsconv.tensors import DTYPE_SIZES, human_bytes
 
 # Bytes per parameter of a quantized linear at each precision, scales included (INT4: group 128, fp32 scale+offset).
 PRECISIONS = {"bf16": None, "int8": 1.0 + 0.0, "int4": 0.5 + 8 / 128}
 OVERHEADS = (1.2, 1.3)
 SIZING_SOCS = ("Ascend910B", "Ascend910B4", "Ascend310P3")
-
-
-def soc_memory_bytes(soc: str) -> int:
-    """Device memory of a SoC, from its ATC profile (the one place that states it)."""
-    from dsconv.atc.profiles import load_profile
-
-    return load_profile(soc).device_memory_mb * 2**20
 
 
 def inspect_model(ck: Any) -> dict[str, Any]:
@@ -94,11 +88,12 @@ def weight_bytes(quantizable: int, other: int, precision: str) -> int:
 def cards_needed(quantizable: int, other: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for soc in SIZING_SOCS:
-        mem = soc_memory_bytes(soc)
+        facts = soc_facts(soc)
+        mem = facts.device_memory_mb * 2**20
         per_soc: dict[str, Any] = {"memory_bytes": mem}
         for precision in PRECISIONS:
             b = weight_bytes(quantizable, other, precision)
-            label = "fp16" if soc.startswith("Ascend310P") and precision == "bf16" else precision
+            label = "fp16" if not facts.bf16 and precision == "bf16" else precision  # no BF16: cast to FP16
             per_soc[label] = {"weight_bytes": b, "cards": max(1, math.ceil(b / mem)),
                               **{f"cards_x{o}": max(1, math.ceil(b * o / mem)) for o in OVERHEADS}}
         out[soc] = per_soc

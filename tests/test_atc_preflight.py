@@ -17,7 +17,8 @@ from dsconv.atc.findings import Finding
 from dsconv.atc.graph import read_model
 from dsconv.atc.options import AtcOptions
 from dsconv.atc.preflight import Thresholds, check_mixed_int, check_soc
-from dsconv.atc.profiles import PROFILE_DIR, load_profile
+from dsconv.atc.profiles import load_profile
+from dsconv.soc import PROFILE_DIR
 from dsconv.atc.samples import tiny_lm
 from dsconv.atc.shapes import Role, classify
 from dsconv.atc.stage import AtcRequest, plan

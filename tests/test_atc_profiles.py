@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from dsconv.atc.options import PRECISION_MODES, PRECISION_MODES_V2
-from dsconv.atc.profiles import PROFILE_DIR, available_socs, load_profile, load_profile_file
+from dsconv.atc.profiles import load_profile, load_profile_file
+from dsconv.soc import PROFILE_DIR, available_socs
 from dsconv.errors import UserError
 
 VARIANTS_64GB = ["Ascend910B1", "Ascend910B2", "Ascend910B2C", "Ascend910B3", "Ascend910B4-1"]

@@ -9,15 +9,12 @@ A variant file may `extend` another file (the 910B variants share `_common_910b.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dsconv.errors import UserError
-
-PROFILE_DIR = Path(__file__).resolve().parent.parent / "atc_profiles"
-SCHEMA = 1
+from dsconv.soc import check_types, resolve_extends, resolve_soc
 
 # key -> python type(s); nested tables are checked by their own key tables below
 _PROFILE_KEYS: dict[str, Any] = {
@@ -26,8 +23,6 @@ _PROFILE_KEYS: dict[str, Any] = {
     "dtypes": dict, "precision": dict, "implmode": dict, "gears": dict, "opset": dict, "onnx_ops": list,
     "onnx_ops_min_opset": dict, "onnx_ops_doubtful": dict, "fusion": dict, "log": str,
 }
-_FAMILY_KEYS: dict[str, Any] = {"schema": int, "family": str, "assumes": str, "variants": list, "note": str,
-                                "sources": list}
 _NESTED: dict[str, dict[str, Any]] = {
     "dtypes": {"fp16": bool, "bf16": bool, "int8": bool},
     "precision": {"modes": list, "default": str, "default_bf16_model": (str, type(None)), "modes_v2": list},
@@ -90,69 +85,6 @@ class SocProfile:
         return f"profile {self.path.name}"
 
 
-@dataclass(frozen=True)
-class FamilyFile:
-    family: str
-    assumes: str
-    variants: tuple[str, ...]
-    note: str = ""
-
-
-def _check_types(data: dict[str, Any], table: dict[str, Any], where: str) -> None:
-    for key, value in data.items():
-        if key not in table:
-            raise UserError(f"{where}: unknown key {key!r}",
-                            hint=f"allowed keys are {', '.join(sorted(table))}; fix the spelling or remove it")
-        want = table[key]
-        if isinstance(value, bool) and want in (int, (int, float)):
-            raise UserError(f"{where}: {key} must be a number, not {value!r}")
-        if not isinstance(value, want):
-            names = "/".join(t.__name__ for t in want) if isinstance(want, tuple) else want.__name__
-            raise UserError(f"{where}: {key} must be {names}, got {type(value).__name__}")
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"profile {path} does not exist", hint="pass an existing file to --profile") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}", hint="fix the profile file") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: a profile is a JSON object", hint="see dsconv/atc_profiles/Ascend310P3.json")
-    if data.get("schema", SCHEMA) != SCHEMA:
-        raise UserError(f"{path}: schema {data.get('schema')} is not supported", hint=f"use schema {SCHEMA}")
-    return data
-
-
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """Deep merge for tables, replacement for lists and scalars (a variant replaces a whole gear list)."""
-    out = dict(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def _resolve_extends(path: Path, seen: tuple[Path, ...] = ()) -> tuple[dict[str, Any], tuple[str, ...]]:
-    data = _read_json(path)
-    if "assumes" in data:
-        raise UserError(f"{path} is a family file", hint="point --profile at a variant file such as Ascend910B3.json")
-    _check_types(data, _PROFILE_KEYS, str(path))
-    parent = data.pop("extends", None)
-    if parent is None:
-        return data, (str(path),)
-    cand = path.parent / parent
-    if not cand.is_file():
-        cand = PROFILE_DIR / parent
-    if cand.resolve() in seen:
-        raise UserError(f"{path}: extends {parent} makes a cycle", hint="remove the cycle")
-    base, files = _resolve_extends(cand, seen + (path.resolve(),))
-    return _merge(base, data), (str(path),) + files
-
-
 def _int_list(values: list, where: str) -> tuple[int, ...]:
     if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
         raise UserError(f"{where} must be a non-empty list of positive integers, got {values!r}")
@@ -162,13 +94,13 @@ def _int_list(values: list, where: str) -> tuple[int, ...]:
 def load_profile_file(path: Path, assumed_from: str | None = None) -> SocProfile:
     """Read one variant profile (following `extends`), check every key, return the typed profile."""
     path = Path(path)
-    data, files = _resolve_extends(path)
+    data, files = resolve_extends(path, _PROFILE_KEYS)
     missing = [k for k in _REQUIRED if k not in data]
     if missing:
         raise UserError(f"{path}: missing {', '.join(missing)}", hint="copy a bundled profile and edit it")
     for key, table in _NESTED.items():
         if key in data:
-            _check_types(data[key], table, f"{path}: {key}")
+            check_types(data[key], table, f"{path}: {key}")
     where = str(path)
     prec, impl, gears, opset, fusion = (data[k] for k in ("precision", "implmode", "gears", "opset", "fusion"))
     for k in ("modes", "default", "modes_v2"):
@@ -184,7 +116,7 @@ def load_profile_file(path: Path, assumed_from: str | None = None) -> SocProfile
             if state not in ("on", "off"):
                 raise UserError(f"{where}: fusion.{section}.{name} is {state!r}", hint="use \"on\" or \"off\"")
     qoff = fusion.get("quantized_off", {})
-    _check_types(qoff, {"GraphFusion": list, "UBFusion": list}, f"{where}: fusion.quantized_off")
+    check_types(qoff, {"GraphFusion": list, "UBFusion": list}, f"{where}: fusion.quantized_off")
     if not (opset.get("min", 0) <= opset.get("safe_min", 0) <= opset.get("safe_max", 0) <= opset.get("max", 0)):
         raise UserError(f"{where}: opset must satisfy min <= safe_min <= safe_max <= max")
     ops = data["onnx_ops"]
@@ -237,26 +169,6 @@ def load_profile_file(path: Path, assumed_from: str | None = None) -> SocProfile
     )
 
 
-def _bundled() -> dict[str, Path]:
-    """Canonical SoC name -> bundled file (files starting with '_' are shared bases, not SoCs)."""
-    return {p.stem: p for p in sorted(PROFILE_DIR.glob("*.json")) if not p.name.startswith("_")}
-
-
-def available_socs() -> list[str]:
-    return list(_bundled())
-
-
-def load_family(path: Path) -> FamilyFile:
-    data = _read_json(path)
-    _check_types(data, _FAMILY_KEYS, str(path))
-    for k in ("family", "assumes", "variants"):
-        if k not in data:
-            raise UserError(f"{path}: family file needs {k}")
-    if data["assumes"] not in data["variants"]:
-        raise UserError(f"{path}: assumes {data['assumes']} is not one of its variants")
-    return FamilyFile(data["family"], data["assumes"], tuple(data["variants"]), data.get("note", ""))
-
-
 def load_profile(soc: str | None = None, profile: Path | None = None) -> SocProfile:
     """The profile for `--soc` (a variant or a family) or `--profile FILE`; both given must agree."""
     if profile is not None:
@@ -265,24 +177,8 @@ def load_profile(soc: str | None = None, profile: Path | None = None) -> SocProf
             raise UserError(f"--soc {soc} does not match {profile} (soc_version {prof.soc_version})",
                             hint="drop --soc or point --profile at the matching file")
         return prof
-    if not soc:
-        raise UserError("no --soc given", hint=f"pass --soc {'|'.join(available_socs())} (or --profile FILE)")
-    files = _bundled()
-    canon = {name.lower(): name for name in files}
-    name = canon.get(soc.strip().lower())
-    if name is None:
-        raise UserError(f"no dsconv profile for SoC {soc!r}",
-                        hint=f"use one of {', '.join(files)}, or copy dsconv/atc_profiles/Ascend310P3.json, edit it "
-                             "and pass --profile FILE")
-    data = _read_json(files[name])
-    if "assumes" in data:
-        fam = load_family(files[name])
-        variant = files.get(fam.assumes)
-        if variant is None:
-            raise UserError(f"{files[name]}: assumed variant {fam.assumes} has no profile file")
-        return load_profile_file(variant, assumed_from=fam.family)
-    return load_profile_file(files[name])
-
+    path, assumed_from = resolve_soc(soc)
+    return load_profile_file(path, assumed_from=assumed_from)
 
 @dataclass
 class Decision:

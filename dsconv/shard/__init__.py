@@ -83,9 +83,9 @@ def _check_range(name: str, value: float, lo: float, hi: float | None = None) ->
 
 def shard(req: ShardRequest) -> ShardResult:
     """Plan (and unless --dry-run, write) the shards; a rejected plan comes back with `failure` set (exit 3)."""
-    from dsconv.atc.profiles import load_profile
     from dsconv.checkpoint import open_input
     from dsconv.shard import balance, chart, memory, plan as P, ranktable
+    from dsconv.soc import soc_facts
     from dsconv.tensors import parse_size
 
     warnings: list[str] = []
@@ -125,7 +125,7 @@ def shard(req: ShardRequest) -> ShardResult:
         raise UserError(f"world size {layout.world} but {req.hosts} lists {len(hosts) * len(hosts[0].device_ips)} "
                         "devices", hint="one device per rank")
 
-    profile = load_profile(req.soc)
+    profile = soc_facts(req.soc)
     if profile.assumed_from:
         warnings.append(f"--soc {req.soc}: assuming {profile.soc_version} ({profile.usable_memory_mb // 1024} GiB); "
                         f"pass the exact chip for another memory size")

@@ -1,6 +1,6 @@
 """Does each card fit: weights + KV cache + workspace + communication buffers vs HBM x fraction.
 
-The budget per card is the SoC's usable memory (dsconv/atc_profiles, via `load_profile`) x `--memory-fraction`
+The budget per card is the SoC's usable memory (dsconv/atc_profiles, via `dsconv.soc.soc_facts`) x `--memory-fraction`
 (MindIE's NPU_MEMORY_FRACTION, default 0.8). What goes in it:
 
 * weights: the plan's bytes on that card;
