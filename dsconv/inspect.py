@@ -13,7 +13,7 @@ from typing import Any
 
 from dsconv.families.roles import Category
 from dsconv.soc import soc_facts
-from dsconv.tensors import DTYPE_SIZES, human_bytes
+from dsconv.tensors import human_bytes
 
 # Bytes per parameter of a quantized linear at each precision, scales included (INT4: group 128, fp32 scale+offset).
 PRECISIONS = {"bf16": None, "int8": 1.0 + 0.0, "int4": 0.5 + 8 / 128}

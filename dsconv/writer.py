@@ -18,7 +18,6 @@ import platform
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 

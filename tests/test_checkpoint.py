@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import copy_model, write_raw_safetensors
-from dsconv.checkpoint import Checkpoint, dequant_fp8_block
+from dsconv.checkpoint import Checkpoint
+from dsconv.tensorfile import dequant_fp8_block
 from dsconv.errors import UserError
 from dsconv.tiny import FAMILIES, MOE_FAMILIES, build_model, write_fp8_checkpoint
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dsconv.checkpoint import Checkpoint, ConfigOnly, TensorInfo
+from dsconv.checkpoint import Checkpoint, ConfigOnly
+from dsconv.tensorfile import TensorInfo
 from dsconv.errors import UserError
 from dsconv.shard import plan as P
 from dsconv.shard.memory import FitSettings

@@ -29,7 +29,6 @@ from dsconv.errors import UserError
 from dsconv.writer import MANIFEST, OutputDir, read_manifest
 
 FP16_MODEL = "model_fp16.onnx"
-FILES = ("atc.sh", "fusion_switch.cfg", "profile.json", "preflight.json", "preflight.txt")
 
 
 @dataclass

@@ -142,7 +142,7 @@ def dequantize_fp8(weight, scale_inv, block: tuple[int, int], out_dtype, name: s
     `weight.float() * scale` rounded once. Falls back to the reference loop for e5m2 or huge scales."""
     import torch
 
-    from dsconv.checkpoint import dequant_fp8_block
+    from dsconv.tensorfile import dequant_fp8_block
 
     scale = scale_inv.to(torch.float32)
     if (weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or scale.numel() == 0

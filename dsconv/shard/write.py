@@ -100,7 +100,7 @@ class _RankReader:
     """The tensors of one rank directory, through the foundation's header validation and tensor reader."""
 
     def __init__(self, directory: Path) -> None:
-        from dsconv.checkpoint import TensorReader, read_tensor_infos
+        from dsconv.tensorfile import TensorReader, read_tensor_infos
 
         self.dir = directory
         self.where = {}

@@ -1,0 +1,196 @@
+"""safetensors files at the byte level: validated headers, where each tensor's bytes are, and reading one tensor out
+of a read-only mmap (layer 1: knows files and dtypes, not models).
+
+Why apart from checkpoint.py: stages read their own outputs back (shard verify, quantized directories) with the same
+validation and the same memory behaviour, without a model family; `Checkpoint` (which classifies every tensor through
+its family) builds on this.
+
+Everything read is untrusted: headers are bounded and checked, byte ranges must lie in the file and not overlap.
+"""
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dsconv.errors import UserError
+from dsconv.tensors import DTYPE_SIZES, TensorSpec, torch_dtype
+
+MAX_HEADER = 100 * 2**20  # safetensors' own limit
+PAGE = mmap.PAGESIZE
+READ_CHUNK = 32 * 2**20
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one (logical) tensor's bytes are: file and absolute byte range. No data."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: Path
+    start: int
+    end: int
+    source: str  # the tensor name on disk (differs for experts cut out of a fused tensor)
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def spec(self) -> TensorSpec:
+        return TensorSpec(self.name, self.dtype, self.shape)
+
+
+def read_header(path: Path) -> tuple[int, dict[str, Any]]:
+    """Validated safetensors header of `path`: (data start offset, {name: entry}); reads only the header bytes."""
+    size = path.stat().st_size
+    where = path.name
+    if size < 8:
+        raise UserError(f"{where} is truncated ({size} bytes)", hint="re-download or re-copy the file")
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if n > MAX_HEADER:
+            raise UserError(f"{where}: header claims {n} bytes (limit {MAX_HEADER})",
+                            hint="the file is not safetensors or is damaged")
+        if 8 + n > size:
+            raise UserError(f"{where} is truncated: header of {n} bytes but file is {size} bytes",
+                            hint="re-download or re-copy the file")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise UserError(f"{where}: header is not valid JSON", hint="the file is not safetensors or is damaged") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{where}: header is not a JSON object", hint="the file is not safetensors or is damaged")
+    header.pop("__metadata__", None)
+    data_start = 8 + n
+    data_len = size - data_start
+    spans = []
+    for name, e in header.items():
+        try:
+            dtype, shape, (a, b) = e["dtype"], e["shape"], e["data_offsets"]
+            ok = (dtype in DTYPE_SIZES and isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+                  and isinstance(a, int) and isinstance(b, int) and 0 <= a <= b)
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise UserError(f"{where}: tensor {name} has a malformed header entry",
+                            hint="the file is damaged or not safetensors")
+        if b - a != math.prod(shape) * DTYPE_SIZES[dtype]:
+            raise UserError(f"{where}: tensor {name} spans {b - a} bytes but {dtype}{shape} needs "
+                            f"{math.prod(shape) * DTYPE_SIZES[dtype]}", hint="the file is damaged")
+        if b > data_len:
+            raise UserError(f"{where}: tensor {name} ends at byte {data_start + b}, past the end of the file "
+                            f"({size} bytes)", hint="the file is truncated; re-download or re-copy it")
+        spans.append((a, b, name))
+    spans.sort()
+    for (a1, b1, n1), (a2, b2, n2) in zip(spans, spans[1:]):
+        if a2 < b1:
+            raise UserError(f"{where}: tensors {n1} and {n2} overlap (bytes {a2}..{b1})",
+                            hint="the file is damaged or crafted; do not use it")
+    return data_start, header
+
+
+class TensorReader:
+    """Reads one tensor's byte range out of a read-only mmap into a fresh tensor, dropping the mapped pages as it goes.
+
+    Shared by every reader of safetensors in dsconv (checkpoints, and stages reading their own outputs back), so the
+    memory behaviour is the same everywhere: resident memory is the tensor plus one 32 MiB chunk.
+    """
+
+    def __init__(self) -> None:
+        self._maps: dict[Path, mmap.mmap | None] = {}
+
+    def _map(self, path: Path) -> mmap.mmap | None:
+        if path not in self._maps:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        return self._maps[path]
+
+    def read(self, info: TensorInfo):
+        import torch
+
+        mm = self._map(info.file)
+        if info.numel == 0 or mm is None:
+            return torch.empty(info.shape, dtype=torch_dtype(info.dtype))
+        out = torch.empty(info.nbytes, dtype=torch.uint8)
+        dst = out.numpy()
+        # Copy in chunks, dropping each chunk's pages from this process right after (they stay in the page cache):
+        # resident memory is the tensor plus one chunk, never the mapped tensor and its copy at once.
+        for lo in range(0, info.nbytes, READ_CHUNK):
+            hi = min(info.nbytes, lo + READ_CHUNK)
+            dst[lo:hi] = np.frombuffer(mm, dtype=np.uint8, count=hi - lo, offset=info.start + lo)
+            a = info.start + lo
+            a -= a % PAGE
+            try:
+                mm.madvise(mmap.MADV_DONTNEED, a, info.start + hi - a)
+            except (AttributeError, OSError, ValueError):
+                pass
+        return out.view(torch_dtype(info.dtype)).reshape(info.shape)
+
+    def view(self, info: TensorInfo):
+        """A zero-copy, read-only tensor over the page cache (for callers that only read, e.g. weight-only
+        quantization, where a copy would cost as much as the work). Call `release(info)` when done with it."""
+        import warnings
+
+        import torch
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "buffer is not writable": views are never written through
+            t = torch.frombuffer(self._map(info.file), dtype=torch_dtype(info.dtype), count=info.numel,
+                                 offset=info.start)
+        return t.reshape(info.shape)
+
+    def advise(self, info: TensorInfo, advice: int) -> None:
+        """madvise a tensor's pages: MADV_WILLNEED to read ahead, MADV_DONTNEED to drop them from this process."""
+        mm = self._map(info.file)
+        lo = info.start - info.start % PAGE
+        try:
+            if mm is not None:
+                mm.madvise(advice, lo, info.end - lo)
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def close(self) -> None:
+        for mm in self._maps.values():
+            if mm is not None:
+                try:
+                    mm.close()
+                except BufferError:  # a view is still alive somewhere: the map goes with it
+                    pass
+        self._maps.clear()
+
+
+def read_tensor_infos(path: Path) -> dict[str, TensorInfo]:
+    """The tensors of one safetensors file (validated header), e.g. a stage reading its own output back."""
+    start, header = read_header(path)
+    return {name: TensorInfo(name, e["dtype"], tuple(e["shape"]), path, start + e["data_offsets"][0],
+                             start + e["data_offsets"][1], name) for name, e in header.items()}
+
+
+def dequant_fp8_block(weight, scale_inv, block: tuple[int, int] = (128, 128), out_dtype=None):
+    """FP8 [out, in] x float32 [ceil(out/b0), ceil(in/b1)] -> BF16, one row-block stripe at a time (ragged edges)."""
+    import torch
+
+    out_dtype = out_dtype or torch.bfloat16
+    rows, cols = weight.shape
+    b0, b1 = block
+    out = torch.empty((rows, cols), dtype=out_dtype)
+    col_scale_idx = torch.arange(cols) // b1
+    for i in range(0, rows, b0):
+        stripe = weight[i:i + b0].to(torch.float32)
+        stripe.mul_(scale_inv[i // b0].to(torch.float32)[col_scale_idx])
+        out[i:i + b0] = stripe.to(out_dtype)
+    return out
