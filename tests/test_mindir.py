@@ -313,5 +313,5 @@ def test_cli_in_a_workspace_as_the_demo_runs_it(tiny_model, run_cli, tmp_path):
     assert sorted(p.name for p in ws.iterdir()) == ["dsconv-out", "dsconv.toml"]
     verified = run_cli(["verify", ws / "dsconv-out" / "mindir"])
     assert verified.code == 0, verified.err
-    assert mindir._verify_mindir(ws / "dsconv-out" / "mindir", {}) == []
+    assert mindir.verify_mindir(ws / "dsconv-out" / "mindir", {}) == []
     assert run_cli(["export", "--format", "mindir", "--with-past"], cwd=ws).code == 2
