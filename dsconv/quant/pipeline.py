@@ -31,7 +31,7 @@ from dsconv.errors import UserError
 from dsconv.families.roles import Role
 from dsconv.quant import report as rep
 from dsconv.quant.calib import CalibSet, load_calib, load_tokenizer, min_tokens_warning
-from dsconv.quant.formats.msmodelslim import QuantResult
+from dsconv.quant.formats.msmodelslim import LinearResult
 from dsconv.quant.gptq import gptq_quantize
 from dsconv.quant.layers import SLOTS, ExpertLoop, Skeleton, install_forward
 from dsconv.quant.observers import ACT_METHODS, DEFAULT_ACT_METHOD
@@ -416,7 +416,7 @@ class Calibrator:
     def _finish(self, p: "Pending", qparams: tuple[float, float] | None, range_source: str | None = None) -> None:
         lp, rec = p.lp, p.rec
         rec.range_source = range_source
-        res = QuantResult(q=p.q, scale=p.scale, bias=p.bias)
+        res = LinearResult(q=p.q, scale=p.scale, bias=p.bias)
         if lp.qtype == STATIC:
             try:
                 aux = static_aux(lp, p.q, p.scale, qparams, p.bias)
@@ -646,7 +646,7 @@ def weight_only(ck: Checkpoint, plan: QuantPlan, qw: QuantWriter, progress: bool
             else:
                 q, scale = quantize_weight(lp, t, plan, None, 0.0)
                 records[lp.module] = LinearRecord(lp.module, lp.qtype, _sampled_error(t, q, scale))
-                job = (qw.linear, lp, QuantResult(q=q, scale=scale, bias=ck.load(lp.bias) if lp.bias else None))
+                job = (qw.linear, lp, LinearResult(q=q, scale=scale, bias=ck.load(lp.bias) if lp.bias else None))
             if pending is not None:
                 pending.result()  # one write in flight: bounded memory, output in order
                 for n in done:
