@@ -306,3 +306,16 @@ def test_full_deepseek_alternatives_are_fast_and_valid(full_bf16):
     alts = P.find_alternatives(table, plan.layout, plan.options)
     assert alts and all(a["min_kv_tokens"] > 0 for a in alts)
     assert alts == sorted(alts, key=lambda a: -a["min_kv_tokens"])
+
+
+def test_stage_returns_a_rejected_plan_as_a_result_and_renders_it():
+    """run() never raises for a rejected plan: the command prints the plan first, then raises result.failure."""
+    from dsconv.errors import CheckFailed
+    from dsconv.shard.stage import ShardRequest, render, run
+
+    ok = run(ShardRequest(config=DATA / "deepseek_v3_config.json", ep=8, tp=4))
+    assert ok.failure is None and ok.plan["ok"] and ok.written is None  # --config: plan only
+    assert render(ok) == ok.text and "plan OK" in ok.text
+    bad = run(ShardRequest(config=DATA / "deepseek_v3_config.json", ep=1, tp=1, max_context=10**7))
+    assert isinstance(bad.failure, CheckFailed) and not bad.plan["ok"] and bad.plan["rejections"]
+    assert "rejected" in bad.failure.one_line()
