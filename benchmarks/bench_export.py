@@ -192,7 +192,8 @@ PLAIN_COPY = """
 import json, sys, time
 from pathlib import Path
 from dsconv.checkpoint import Checkpoint
-from dsconv.writer import OutputDir, TensorSpec
+from dsconv.tensors import TensorSpec
+from dsconv.writer import OutputDir
 t = time.perf_counter()
 ck = Checkpoint.open(Path(sys.argv[1]))
 n = 0

@@ -93,9 +93,11 @@ def _bf16(a):
 QUANT_CHILD = """
 import sys, time
 from pathlib import Path
-from dsconv.quant.pipeline import QuantOptions, quantize_model
+from dsconv.quant.options import QuantOptions
+from dsconv.quant.stage import QuantRequest, run
 t = time.perf_counter()
-s = quantize_model(Path(sys.argv[1]), Path(sys.argv[2]), QuantOptions(scheme="w8a16"), force=True, progress=False)
+s = run(QuantRequest(Path(sys.argv[1]), Path(sys.argv[2]), QuantOptions(scheme="w8a16"), force=True,
+                     progress=False)).summary
 RESULT = {"seconds": time.perf_counter() - t, "linears": s["linears"]}
 """
 
@@ -198,8 +200,9 @@ from pathlib import Path
 from dsconv.checkpoint import Checkpoint
 from dsconv.quant.calib import load_calib, load_tokenizer
 from dsconv.quant.layers import load_full_model
+from dsconv.quant.calibration import Calibrator
+from dsconv.quant.options import QuantOptions
 from dsconv.quant.output import QuantWriter
-from dsconv.quant.pipeline import Calibrator, QuantOptions
 from dsconv.quant.plan import make_plan
 from dsconv.writer import OutputDir
 model_dir, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
@@ -250,7 +253,7 @@ def random_llama(out: Path, tok: Any, hidden: int = 1024, layers: int = 6) -> Pa
 
 
 def bench_calibration(work: Path) -> dict[str, Any]:
-    from dsconv.demo import calib_texts
+    from dsconv.bundled import calib_texts
     from dsconv.tiny import train_tokenizer
 
     tok = train_tokenizer(calib_texts(), vocab_size=2048)
@@ -305,7 +308,7 @@ def train_small_llama(out: Path, steps: int, seed: int = 0) -> dict[str, Any]:
     import torch
     import transformers
 
-    from dsconv.demo import calib_texts
+    from dsconv.bundled import calib_texts
     from dsconv.tiny import train_tokenizer
 
     torch.manual_seed(seed)
@@ -356,7 +359,8 @@ def train_small_llama(out: Path, steps: int, seed: int = 0) -> dict[str, Any]:
 
 def bench_targets(work: Path, steps: int) -> dict[str, Any]:
     from dsconv.quant.evaluate import evaluate
-    from dsconv.quant.pipeline import QuantOptions, quantize_model
+    from dsconv.quant.options import QuantOptions
+    from dsconv.quant.stage import QuantRequest, run
 
     model = work / "trained-llama"
     info = train_small_llama(model, steps)
@@ -378,7 +382,7 @@ def bench_targets(work: Path, steps: int) -> dict[str, Any]:
     results: dict[str, Any] = {"model": info}
     for name, opts in runs.items():
         out = work / f"q-{name}"
-        s = quantize_model(model, out, opts, force=True, progress=False)
+        s = run(QuantRequest(model, out, opts, force=True, progress=False)).summary
         e = evaluate(model, out, text=model / "eval.txt", seq_len=256, progress=False)
         results[name] = {"linears": s["linears"], "fell_back": s["fallback"]["fell_back"],
                          "worst_units": [u for u in s["fallback"]["units"] if u["error"] is not None][:4],

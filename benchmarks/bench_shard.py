@@ -42,17 +42,20 @@ import sys, time
 t0 = time.perf_counter()
 from dsconv.checkpoint import Checkpoint, ConfigOnly
 from dsconv.shard import plan as P
+from dsconv.shard.layout import make_layout
 from dsconv.shard.memory import FitSettings
+from dsconv.shard.placement import iter_tensor_ranks
+from dsconv.shard.table import build_table
 from pathlib import Path
 t_import = time.perf_counter() - t0
 t = time.perf_counter()
 src = ConfigOnly.open(Path(sys.argv[1])) if sys.argv[2] == "config" else Checkpoint.open(sys.argv[1])
 t_open = time.perf_counter() - t
 t = time.perf_counter()
-table = P.build_table(src)
+table = build_table(src)
 t_table = time.perf_counter() - t
 t = time.perf_counter()
-lay = P.make_layout(8, 4, is_moe=True)
+lay = make_layout(8, 4, is_moe=True)
 opts = P.ShardOptions(fit=FitSettings("Ascend910B3", 64 * 2**30), num_groups=8)
 plan = P.make_plan(table, lay, opts)
 t_plan = time.perf_counter() - t
@@ -60,7 +63,7 @@ t = time.perf_counter()
 alts = P.find_alternatives(table, lay, opts)
 t_alts = time.perf_counter() - t
 t = time.perf_counter()
-n = sum(1 for _ in P.iter_tensor_ranks(table, plan.ev, plan.owners()))
+n = sum(1 for _ in iter_tensor_ranks(table, plan.ev, plan.owners()))
 t_materialise = time.perf_counter() - t
 print(json.dumps({"tensors": len(table), "kinds": len(table.kinds), "import_s": t_import, "open_s": t_open,
                   "table_s": t_table, "plan_s": t_plan, "alternatives_s": t_alts, "alternatives": len(alts),
@@ -101,7 +104,7 @@ class SpecSource:
     """A headers-only source from (name, dtype, shape) triples (what a W8A8 output of the full model would list)."""
 
     def __init__(self, config: dict, specs: list, quant: dict | None) -> None:
-        from dsconv.checkpoint import TensorInfo
+        from dsconv.tensorfile import TensorInfo
         from dsconv.families import family_for
 
         self.config, self.family = config, family_for(config)
@@ -113,7 +116,7 @@ class SpecSource:
 
 
 def _size(dtype: str) -> int:
-    from dsconv.writer import DTYPE_SIZES
+    from dsconv.tensors import DTYPE_SIZES
 
     return DTYPE_SIZES[dtype]
 
@@ -140,7 +143,9 @@ def w8a8_specs(config: dict) -> list:
 def bench_per_card() -> dict:
     from dsconv.checkpoint import ConfigOnly
     from dsconv.shard import plan as P
+    from dsconv.shard.layout import make_layout
     from dsconv.shard.memory import FitSettings
+    from dsconv.shard.table import build_table
 
     cfg = json.loads(CONFIG.read_text())
     bf16_cfg = {k: v for k, v in cfg.items() if k != "quantization_config"}
@@ -155,8 +160,8 @@ def bench_per_card() -> dict:
         mtp_copies = 2 * 129280 * 7168 * 2 / 4 / GiB  # MTP's own embed_tokens + shared_head.head, split by tp 4
         out = {}
         for label, src in sources.items():
-            table = P.build_table(src)
-            plan = P.make_plan(table, P.make_layout(8, 4, is_moe=True),
+            table = build_table(src)
+            plan = P.make_plan(table, make_layout(8, 4, is_moe=True),
                                P.ShardOptions(fit=FitSettings("Ascend910B3", 64 * GiB), num_groups=8))
             card = plan.rank_bytes.max() / GiB
             experts = (plan.rank_bytes.max() - plan.ev.common_bytes) / GiB
@@ -208,9 +213,9 @@ def write_synthetic(root: Path) -> tuple[int, int]:
 SHARD_CHILD = CHILD_PEAK + """
 import sys, time
 from pathlib import Path
-from dsconv.shard import ShardRequest, shard
+from dsconv.shard.stage import ShardRequest, run
 t = time.perf_counter()
-r = shard(ShardRequest(model=Path(sys.argv[1]), ep=4, tp=2, output=Path(sys.argv[2]), force=True, progress=False))
+r = run(ShardRequest(model=Path(sys.argv[1]), ep=4, tp=2, output=Path(sys.argv[2]), force=True, progress=False))
 wall = time.perf_counter() - t
 assert r.failure is None, r.failure
 print(json.dumps({"shard_s": wall, "bytes_written": r.written["bytes_written"], "peak_rss_bytes": peak_rss_bytes()}))
@@ -219,8 +224,8 @@ print(json.dumps({"shard_s": wall, "bytes_written": r.written["bytes_written"], 
 VERIFY_CHILD = CHILD_PEAK + """
 import sys, time
 from pathlib import Path
-from dsconv.verify import verify
-import dsconv.shard
+from dsconv.stages import verify
+import dsconv.shard.stage
 t = time.perf_counter()
 _, problems = verify(Path(sys.argv[1]))
 print(json.dumps({"verify_s": time.perf_counter() - t, "problems": len(problems), "peak_rss_bytes": peak_rss_bytes()}))
@@ -260,7 +265,7 @@ def bench_write() -> dict:
         v = run_measured(VERIFY_CHILD, str(root / "out"))
         base = run_measured(CHILD_PEAK + """
 import torch, numpy, tqdm, safetensors
-import dsconv.shard, dsconv.shard.write, dsconv.checkpoint, dsconv.writer
+import dsconv.shard.stage, dsconv.shard.write, dsconv.checkpoint, dsconv.writer
 print(json.dumps({"peak_rss_bytes": peak_rss_bytes()}))
 """)
         return {"source_gb": round(total / 1e9, 3), "largest_tensor_mib": round(largest / 2**20, 1),

@@ -12,8 +12,10 @@ import torch
 from dsconv.checkpoint import Checkpoint
 from dsconv.quant.evaluate import EngineLinear, compare, load_original_model, load_quantized_model
 from dsconv.quant.formats.msmodelslim import read_linear
-from dsconv.quant.pipeline import QuantOptions, quantize_model
+from dsconv.quant.options import QuantOptions
 from dsconv.quant.schemes import fake_quant_activation
+from dsconv.quant import stage
+from dsconv.quant.stage import QuantRequest
 
 SMALL = dict(calib_samples=8, seq_len=48)
 
@@ -27,9 +29,10 @@ def setup(tmp_path_factory):
     tok = train_tokenizer(calib_texts(), vocab_size=384)
     ds = make_tiny("deepseek_v3", root / "ds", dtype="bf16", tokenizer=tok)
     qw = make_tiny("qwen2", root / "qwen2", dtype="bf16", tokenizer=tok)
-    outs = {"w8a8": quantize_model(ds, root / "w8a8", QuantOptions(**SMALL, fallback=0), progress=False),
-            "w8a16": quantize_model(ds, root / "w8a16", QuantOptions(scheme="w8a16"), progress=False),
-            "qwen_w8a8": quantize_model(qw, root / "qw8", QuantOptions(**SMALL, fallback=2), progress=False)}
+    runs = {"w8a8": (ds, QuantOptions(**SMALL, fallback=0)), "w8a16": (ds, QuantOptions(scheme="w8a16")),
+            "qwen_w8a8": (qw, QuantOptions(**SMALL, fallback=2))}
+    outs = {name: stage.run(QuantRequest(model, root / name, opts, progress=False)).summary
+            for name, (model, opts) in runs.items()}
     return {"ds": ds, "qwen2": qw, "root": root, **{k: Path(v["output"]) for k, v in outs.items()}}
 
 

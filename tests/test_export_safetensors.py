@@ -169,3 +169,16 @@ def test_pipelined_writer_writes_the_same_bytes(fp8_dir, bf16_out, tmp_path):
     export_safetensors(fp8_dir, tmp_path / "p", dtype="bf16", pipeline=True)
     for f in sorted(out.glob("*.safetensors")):
         assert (tmp_path / "p" / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_stage_dispatches_by_format_and_refuses_foreign_options(fp8_dir, tmp_path):
+    from dsconv.convert.stage import ExportRequest, render, run
+    from dsconv.errors import UserError
+
+    r = run(ExportRequest(model=fp8_dir, output=tmp_path / "o", format="safetensors", dry_run=True))
+    assert r.format == "safetensors" and r.summary["dtype"] == "bf16" and r.summary["dry_run"]  # the format's default
+    assert render(r).startswith(f"planned {tmp_path / 'o'}: ") and not (tmp_path / "o").exists()
+    with pytest.raises(UserError, match="--with-past does not apply to --format safetensors"):
+        run(ExportRequest(model=fp8_dir, output=tmp_path / "o", format="safetensors", with_past=True))
+    with pytest.raises(UserError, match="not an export format"):
+        run(ExportRequest(model=fp8_dir, output=tmp_path / "o", format="gguf"))

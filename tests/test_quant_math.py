@@ -412,3 +412,32 @@ def test_gptq_rejects_bad_group_and_shapes():
         gptq_quantize(np.ones((4, 96), np.float32), np.eye(96, dtype=np.float32), group_size=64, name="layer.x")
     with pytest.raises(UserError, match="Hessian shape"):
         gptq_quantize(np.ones((4, 64), np.float32), np.eye(32, dtype=np.float32))
+
+
+# ------------------------------------------------------------------------------------------------ the layout table
+ST_OF_NUMPY = {np.dtype(np.int8): "I8", np.dtype(np.float32): "F32", np.dtype(np.int32): "I32",
+               np.dtype(np.int64): "I64", np.dtype(np.float16): "F16"}
+
+
+@pytest.mark.parametrize("deq_dtype", ["F32", "I64"])
+@pytest.mark.parametrize("qtype", ["W8A16", "W8A8_DYNAMIC", "W8A8", "W4A16", "W8A8_STAGED"])
+def test_emitted_tensors_are_the_layout_tables(qtype, deq_dtype):
+    """What emit_linear writes is exactly what linear_layout plans (names, order, dtypes, shapes): the header of
+    every output part is planned from the table before the first byte, so any drift would fail the write."""
+    from dsconv.quant.formats.msmodelslim import LinearResult, emit_linear, linear_layout
+
+    rng = np.random.default_rng(0)
+    n, k = 8, 64
+    groups = 2 if qtype == "W4A16" else 1
+    res = LinearResult(q=rng.integers(-8, 8, (n, k)).astype(np.int8),
+                       scale=(rng.random((n, groups)) + 0.1).astype(np.float32),
+                       input_scale=np.float32(0.05), input_offset=np.float32(-3.0),
+                       deq_scale=(rng.random(n) * 1e-3).astype(np.float32),
+                       quant_bias=rng.integers(-100, 100, n).astype(np.int32), bias=np.ones(n, np.float16))
+    planned = linear_layout("m.p", qtype, n, k, groups, deq_dtype, "F16")
+    emitted = list(emit_linear("m.p", qtype, res, deq_dtype))
+    assert [name for name, _ in emitted] == [name for name, _, _ in planned]
+    for (name, arr), (_, dtype, shape) in zip(emitted, planned):
+        assert (ST_OF_NUMPY[arr.dtype], tuple(arr.shape)) == (dtype, shape), name
+    with pytest.raises(ValueError):
+        linear_layout("m.p", "W3A3", n, k)

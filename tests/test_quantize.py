@@ -16,8 +16,10 @@ from dsconv.checkpoint import Checkpoint
 from dsconv.quant.calib import load_calib, load_tokenizer
 from dsconv.quant.formats.msmodelslim import check_description, verify_output
 from dsconv.quant.layers import ExpertLoop, install_forward, load_full_model
-from dsconv.quant.pipeline import QuantOptions, quantize_model
+from dsconv.quant.options import QuantOptions
 from dsconv.quant.schemes import activation_qparams, deq_scale_from_int64
+from dsconv.quant import stage
+from dsconv.quant.stage import QuantRequest
 
 FAST = dict(calib_samples=8, seq_len=48)
 
@@ -55,7 +57,7 @@ def run(tmp_path_factory):
         if name not in cache:
             out = root / name
             opts = QuantOptions(**{**FAST, **kw})
-            cache[name] = (out, quantize_model(model, out, opts, progress=False))
+            cache[name] = (out, stage.run(QuantRequest(model, out, opts, progress=False)).summary)
         return cache[name]
 
     return go
@@ -339,7 +341,7 @@ def test_expert_coverage_and_all_experts(models, run):
 def test_deterministic_bytes(models, run, tmp_path):
     first, _ = run(models["ds"], "ds_w8a8")
     again = tmp_path / "again"
-    quantize_model(models["ds"], again, QuantOptions(**FAST), progress=False)
+    stage.run(QuantRequest(models["ds"], again, QuantOptions(**FAST), progress=False))
     for name in ("quant_model_weights.safetensors", "quant_model_description.json", "quant_report.json",
                  "expert_load.json", "config.json"):
         assert (first / name).read_bytes() == (again / name).read_bytes(), name
@@ -347,7 +349,8 @@ def test_deterministic_bytes(models, run, tmp_path):
 
 def test_split_parts_with_index(models, tmp_path):
     out = tmp_path / "split"
-    quantize_model(models["qwen2"], out, QuantOptions(scheme="w8a16", max_shard_size=20_000), progress=False)
+    stage.run(QuantRequest(models["qwen2"], out, QuantOptions(scheme="w8a16", max_shard_size=20_000),
+                           progress=False))
     parts = sorted(p.name for p in out.glob("quant_model_weights-*.safetensors"))
     assert len(parts) > 1 and parts[0] == f"quant_model_weights-00001-of-{len(parts):05d}.safetensors"
     index = json.loads((out / "quant_model_weights.safetensors.index.json").read_text())
@@ -397,5 +400,5 @@ def test_weight_only_needs_no_tokenizer(tmp_path):
     from dsconv.tiny import make_tiny
 
     m = make_tiny("llama", tmp_path / "m", dtype="bf16")
-    s = quantize_model(m, tmp_path / "o", QuantOptions(scheme="w8a16"), progress=False)
+    s = stage.run(QuantRequest(m, tmp_path / "o", QuantOptions(scheme="w8a16"), progress=False)).summary
     assert s["linears"] == {"W8A16": 14} and math.isfinite(s["layers"]["0"]["weight_error_mean"])

@@ -11,7 +11,10 @@ from dsconv.checkpoint import Checkpoint
 from dsconv.errors import UserError
 from dsconv.shard import balance as B
 from dsconv.shard import plan as P
+from dsconv.shard.layout import make_layout
 from dsconv.shard.memory import FitSettings
+from dsconv.shard.placement import iter_tensor_ranks
+from dsconv.shard.table import build_table
 
 FIT = FitSettings(soc="Ascend910B3", card_bytes=64 * 2**30)
 
@@ -130,12 +133,12 @@ def test_eplb_through_the_plan_on_the_tiny_model(tiny_model):
     ck = Checkpoint.open(tiny_model("deepseek_v3"))
     load = np.ones((2, 16))
     load[:, 3] = 100
-    table = P.build_table(ck)
-    lay = P.make_layout(4, 2, is_moe=True)
+    table = build_table(ck)
+    lay = make_layout(4, 2, is_moe=True)
     plan = P.make_plan(table, lay, P.ShardOptions(placement="eplb", redundant=4, fit=FIT, load=load, num_groups=4))
     assert plan.ok, plan.reasons()
     holders = {}
-    for name, kind, p, ranks in P.iter_tensor_ranks(table, plan.ev, plan.owners()):
+    for name, kind, p, ranks in iter_tensor_ranks(table, plan.ev, plan.owners()):
         holders[name] = ranks
     hot = holders["model.layers.1.mlp.experts.3.up_proj.weight"]
     assert len(hot) >= 4 and len(hot) % 2 == 0  # two or more EP ranks, each of 2 cards (moe_tp 2)

@@ -11,7 +11,10 @@ from dsconv.checkpoint import Checkpoint, ConfigOnly
 from dsconv.tensorfile import TensorInfo
 from dsconv.errors import UserError
 from dsconv.shard import plan as P
+from dsconv.shard.layout import Layout, layout_violations, make_layout
 from dsconv.shard.memory import FitSettings
+from dsconv.shard.placement import iter_tensor_ranks, slice_for_rank, tensor_entry
+from dsconv.shard.table import build_table
 
 DATA = Path(__file__).parent / "data"
 GiB = 2**30
@@ -22,21 +25,21 @@ def fit(**kw) -> FitSettings:
 
 
 def plan_for(src, ep, tp, world=None, nodes=None, cards=None, dp_attention=False, **opts) -> P.ShardPlan:
-    table = P.build_table(src)
-    layout = P.make_layout(ep, tp, world, nodes, cards, dp_attention, src.facts.is_moe)
+    table = build_table(src)
+    layout = make_layout(ep, tp, world, nodes, cards, dp_attention, src.facts.is_moe)
     o = P.ShardOptions(fit=opts.pop("fit", fit()), **opts)
     return P.make_plan(table, layout, o)
 
 
 def entries(plan: P.ShardPlan) -> dict[str, tuple[dict, list[int]]]:
     out = {}
-    for name, kind, p, ranks in P.iter_tensor_ranks(plan.table, plan.ev, plan.owners()):
-        out[name] = (P.tensor_entry(kind, p, ranks, plan.layout.world), ranks)
+    for name, kind, p, ranks in iter_tensor_ranks(plan.table, plan.ev, plan.owners()):
+        out[name] = (tensor_entry(kind, p, ranks, plan.layout.world), ranks)
     return out
 
 
 def rank_slice(entry: dict, rank: int):
-    dim, lo, hi = P.slice_for_rank(entry, rank)
+    dim, lo, hi = slice_for_rank(entry, rank)
     return None if dim is None else (dim, lo, hi)
 
 
@@ -82,15 +85,15 @@ def full_bf16(tmp_path_factory):
 
 # ------------------------------------------------------------------------------------------------ layout options
 def test_world_defaults_to_ep_times_tp_and_fills_nodes_of_eight():
-    lay = P.make_layout(8, 4)
+    lay = make_layout(8, 4)
     assert (lay.world, lay.nodes, lay.cards_per_node, lay.dp, lay.moe_tp) == (32, 4, 8, 8, 4)
-    lay = P.make_layout(4, 2)
+    lay = make_layout(4, 2)
     assert (lay.world, lay.nodes, lay.cards_per_node) == (8, 1, 8)
-    lay = P.make_layout(8, 4, world=None, nodes=2, cards_per_node=16)
+    lay = make_layout(8, 4, world=None, nodes=2, cards_per_node=16)
     assert (lay.world, lay.moe_tp, lay.dp) == (32, 4, 8)
-    lay = P.make_layout(32, 4, world=32)
+    lay = make_layout(32, 4, world=32)
     assert (lay.moe_tp, lay.dp) == (1, 8)
-    assert P.make_layout(None, 4, world=32, expert_tp=2).ep == 16
+    assert make_layout(None, 4, world=32, expert_tp=2).ep == 16
 
 
 @pytest.mark.parametrize("kw, needle", [
@@ -101,21 +104,21 @@ def test_world_defaults_to_ep_times_tp_and_fills_nodes_of_eight():
 ])
 def test_contradicting_options_are_user_errors(kw, needle):
     with pytest.raises(UserError, match=needle.replace("(", r"\(")):
-        P.make_layout(kw.pop("ep"), kw.pop("tp"), **kw)
+        make_layout(kw.pop("ep"), kw.pop("tp"), **kw)
 
 
 def test_ep_on_a_dense_model_is_a_user_error():
     with pytest.raises(UserError, match="no routed experts"):
-        P.make_layout(4, 2, is_moe=False)
+        make_layout(4, 2, is_moe=False)
 
 
 def test_mindie_rules():
-    assert P.layout_violations(P.Layout(32, 4, 8, 4, 8), True) == []
-    bad = P.layout_violations(P.Layout(8, 4, 2, 4, 2), True)  # tp 4 and moe_tp 4 > 2 cards per node
+    assert layout_violations(Layout(32, 4, 8, 4, 8), True) == []
+    bad = layout_violations(Layout(8, 4, 2, 4, 2), True)  # tp 4 and moe_tp 4 > 2 cards per node
     assert any("tp 4 exceeds the 2 cards per node" in b for b in bad)
     assert any("moe_tp 4" in b for b in bad)
-    assert P.layout_violations(P.Layout(8, 8, 1, 4, 2), True) == []  # tp == world is allowed
-    assert any("ep 5 does not divide world size 12" in b for b in P.layout_violations(P.Layout(12, 4, 5, 1, 12), True))
+    assert layout_violations(Layout(8, 8, 1, 4, 2), True) == []  # tp == world is allowed
+    assert any("ep 5 does not divide world size 12" in b for b in layout_violations(Layout(12, 4, 5, 1, 12), True))
 
 
 # ------------------------------------------------------------------------------------------------ split rules
@@ -266,8 +269,8 @@ def test_int4_groups_and_packing_follow_the_split():
 
 
 def test_mindie_rule_rejection_lists_valid_alternatives(llama):
-    table = P.build_table(llama)
-    lay = P.make_layout(None, 4, world=8, nodes=4, cards_per_node=2, is_moe=False)
+    table = build_table(llama)
+    lay = make_layout(None, 4, world=8, nodes=4, cards_per_node=2, is_moe=False)
     plan = P.make_plan(table, lay, P.ShardOptions(fit=fit()))
     assert not plan.ok and "exceeds the 2 cards per node" in reasons(plan)
     alts = P.find_alternatives(table, lay, P.ShardOptions(fit=fit()))
@@ -304,3 +307,16 @@ def test_full_deepseek_alternatives_are_fast_and_valid(full_bf16):
     alts = P.find_alternatives(table, plan.layout, plan.options)
     assert alts and all(a["min_kv_tokens"] > 0 for a in alts)
     assert alts == sorted(alts, key=lambda a: -a["min_kv_tokens"])
+
+
+def test_stage_returns_a_rejected_plan_as_a_result_and_renders_it():
+    """run() never raises for a rejected plan: the command prints the plan first, then raises result.failure."""
+    from dsconv.errors import CheckFailed
+    from dsconv.shard.stage import ShardRequest, render, run
+
+    ok = run(ShardRequest(config=DATA / "deepseek_v3_config.json", ep=8, tp=4))
+    assert ok.failure is None and ok.plan["ok"] and ok.written is None  # --config: plan only
+    assert render(ok) == ok.text and "plan OK" in ok.text
+    bad = run(ShardRequest(config=DATA / "deepseek_v3_config.json", ep=1, tp=1, max_context=10**7))
+    assert isinstance(bad.failure, CheckFailed) and not bad.plan["ok"] and bad.plan["rejections"]
+    assert "rejected" in bad.failure.one_line()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 import onnx
@@ -25,10 +25,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from dsconv.atc.graph import infer_types, walk_nodes
 from dsconv.errors import CheckFailed, UserError
+from dsconv.onnx_data import EMBED_BELOW, ExternalDataWriter, external_location
 
 FP16_MAX = 65504.0
 CHUNK = 1 << 24  # elements per conversion chunk (64 MB of fp32)
-INLINE_BELOW = 1024  # bytes: onnx.save_model's default size_threshold for external data
 SOURCE_FLOATS = {TensorProto.FLOAT, TensorProto.BFLOAT16}  # what the FP16 cast converts
 TO_FP32_SOURCES = {TensorProto.BFLOAT16, TensorProto.FLOAT16}  # what an fp32 reference/emulation converts
 DEFAULT_TOLERANCE = 1e-2
@@ -54,14 +54,14 @@ def _flat_source(t: TensorProto, base: Path) -> np.ndarray:
     """The tensor's values as a flat array, memory-mapped when external (bf16 as ml_dtypes.bfloat16)."""
     np_dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
     count = int(np.prod(t.dims)) if len(t.dims) else 1
-    if t.data_location == TensorProto.EXTERNAL:
-        ext = {e.key: e.value for e in t.external_data}
+    ext = external_location(t)
+    if ext is not None:
         if count == 0:
             return np.zeros(0, np_dtype)
-        path = base / ext["location"]
+        path = base / ext[0]
         if not path.is_file():
             raise UserError(f"external data {path} of tensor {t.name} is missing", hint="copy it next to the model")
-        return np.memmap(path, dtype=np_dtype, mode="r", offset=int(ext.get("offset", 0)), shape=(count,))
+        return np.memmap(path, dtype=np_dtype, mode="r", offset=ext[1], shape=(count,))
     return numpy_helper.to_array(t).reshape(-1)
 
 
@@ -76,13 +76,10 @@ def _finite_absmax(flat: np.ndarray) -> float:
 
 
 class _Sink:
-    """Where converted tensor bytes go: one external data file, or inline raw_data."""
+    """Where converted tensor bytes go: one external data file (packed, as onnx.save writes it), or inline raw_data."""
 
     def __init__(self, dst: Path, external: bool) -> None:
-        self.external = external
-        self.location = dst.name + ".data"
-        self.f: BinaryIO | None = open(dst.parent / self.location, "wb") if external else None
-        self.offset = 0
+        self.writer = ExternalDataWriter(dst.parent / (dst.name + ".data")) if external else None
 
     def put(self, t: TensorProto, chunks, data_type: int, nbytes: int) -> None:
         t.data_type = data_type
@@ -90,24 +87,16 @@ class _Sink:
             t.ClearField(fld)
         t.ClearField("raw_data")
         del t.external_data[:]
-        if self.f is None or nbytes < INLINE_BELOW:  # small tensors inline, as onnx.save does (shape inference
+        if self.writer is None or nbytes < EMBED_BELOW:  # small tensors inline, as onnx.save does (shape inference
             # in onnxruntime cannot read external axes/shape constants)
             t.data_location = TensorProto.DEFAULT
             t.raw_data = b"".join(np.ascontiguousarray(c).tobytes() for c in chunks)
             return
-        start = self.offset
-        for c in chunks:
-            b = np.ascontiguousarray(c).tobytes()
-            self.f.write(b)
-            self.offset += len(b)
-        t.data_location = TensorProto.EXTERNAL
-        for k, v in (("location", self.location), ("offset", str(start)), ("length", str(self.offset - start))):
-            e = t.external_data.add()
-            e.key, e.value = k, v
+        self.writer.write(t, (np.ascontiguousarray(c).reshape(-1).view(np.uint8) for c in chunks))
 
     def close(self) -> None:
-        if self.f is not None:
-            self.f.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 def _chunks(flat: np.ndarray, dtype: Any):

@@ -16,6 +16,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from dsconv.errors import UserError
+from dsconv.onnx_data import external_location
 
 FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
 QUANT_OPS = {"QuantizeLinear", "DequantizeLinear", "MatMulInteger", "ConvInteger", "QLinearMatMul", "QLinearConv",
@@ -122,11 +123,11 @@ def _tensor_info(t: TensorProto) -> TensorInfo:
     for d in t.dims:
         numel *= d
     nbytes = dtype_nbytes(t.data_type, numel)
-    if t.data_location == TensorProto.EXTERNAL:
-        ext = {e.key: e.value for e in t.external_data}
-        length = int(ext["length"]) if "length" in ext else None
+    ext = external_location(t)
+    if ext is not None:
+        location, offset, length = ext
         return TensorInfo(t.name, t.data_type, tuple(t.dims), length if length is not None else nbytes,
-                          ext.get("location"), int(ext.get("offset", 0)), length)
+                          location, offset, length)
     return TensorInfo(t.name, t.data_type, tuple(t.dims), nbytes)
 
 

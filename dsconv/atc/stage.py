@@ -1,4 +1,5 @@
-"""The `atc` stage: profile + model header -> decisions -> preflight -> OUTPUT/<soc>/ files [-> atc run].
+"""The `atc` stage, `run(AtcRequest) -> AtcResult`: profile + model header -> decisions -> preflight ->
+OUTPUT/<soc>/ files [-> atc run].
 
 Plan first, then write: every option is decided (and its source recorded) and every preflight rule run before a byte
 is written; a rule that makes the compile certainly fail stops here with a one-line UserError. OUTPUT may hold
@@ -76,7 +77,9 @@ class AtcPlan:
 
 
 @dataclass
-class AtcOutcome:
+class AtcResult:
+    """What one run wrote (OUTPUT/<soc>/), the --json summary, the preflight findings and the atc run, if any."""
+
     output: Path
     soc_dir: Path
     soc_version: str
@@ -214,7 +217,7 @@ def _script(opts: AtcOptions, onnx: Path, soc: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_stage(req: AtcRequest) -> AtcOutcome:
+def run(req: AtcRequest) -> AtcResult:
     """Plan, preflight, write OUTPUT/<soc>/, optionally run atc. See the module docstring."""
     warn = req.warn or (lambda m: None)
     atc = find_atc(req.atc_bin) if (req.run or req.atc_bin) else None
@@ -308,4 +311,25 @@ def run_stage(req: AtcRequest) -> AtcOutcome:
         "command": f"bash {soc_dir / 'atc.sh'}",
         "atc": run.to_json() if run is not None else None,
     }
-    return AtcOutcome(final, soc_dir, soc, summary, findings, run)
+    return AtcResult(final, soc_dir, soc, summary, findings, run)
+
+
+def render(result: AtcResult) -> str:
+    """The terminal text: where the profile went, its shapes, precision and preflight, and how to compile."""
+    s = result.summary
+    dec = s["decisions"]
+    counts = {k: sum(f.status == k for f in result.findings) for k in (PASS, WARN)}
+    soc_note = f" ({dec['soc_version']['source']})" if "family" in dec["soc_version"]["source"] else ""
+    prec = dec.get("precision_mode") or dec.get("precision_mode_v2")
+    lines = [f"atc profile for {result.soc_version}{soc_note}: {result.soc_dir}",
+             f"  shapes     {s['shapes']['mode']}, {s['shapes']['gears']} gear(s): "
+             f"--input_shape={s['shapes']['input_shape']}",
+             f"  precision  {prec['value']} ({prec['source']})",
+             f"  preflight  {counts[PASS]} passed, {counts[WARN]} warning(s): {result.soc_dir / 'preflight.txt'}",
+             f"  files      {', '.join(s['files'])}"]
+    r = result.run
+    if r is None:
+        lines.append(f"  compile    where CANN is installed: {s['command']}")
+    elif r.returncode == 0:
+        lines.append(f"  compile    atc done in {r.seconds:.1f}s: {result.soc_dir / 'model.om'} (log {r.log})")
+    return "\n".join(lines)

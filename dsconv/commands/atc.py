@@ -71,7 +71,7 @@ def atc(onnx_path: Path | None, soc: str | None, profile_path: Path | None, batc
     Writes OUTPUT/<soc>/: atc.sh (the exact command), fusion_switch.cfg, profile.json (every decision and its
     source), preflight.json and preflight.txt. Rules that make a compile certainly fail stop with exit 2.
     """
-    from dsconv.atc.stage import AtcRequest, run_stage
+    from dsconv.atc.stage import AtcRequest, render, run as run_atc
     from dsconv.workspace import resolve_output
 
     onnx = Path(onnx_path) if onnx_path is not None else _default_onnx()
@@ -87,30 +87,12 @@ def atc(onnx_path: Path | None, soc: str | None, profile_path: Path | None, batc
         log=log_level, run=run, atc_bin=atc_bin, force=force, warn=warn,
         echo=None if as_json else (lambda line: click.echo(line, err=True)),
     )
-    outcome = run_stage(req)
-    s = outcome.summary
+    result = run_atc(req)
     if as_json:
-        emit_json(s)
+        emit_json(result.summary)
     else:
-        dec = s["decisions"]
-        counts = {k: sum(f.status == k for f in outcome.findings) for k in ("pass", "warn")}
-        soc_note = f" ({dec['soc_version']['source']})" if "family" in dec["soc_version"]["source"] else ""
-        prec = dec.get("precision_mode") or dec.get("precision_mode_v2")
-        click.echo(f"atc profile for {outcome.soc_version}{soc_note}: {outcome.soc_dir}")
-        click.echo(f"  shapes     {s['shapes']['mode']}, {s['shapes']['gears']} gear(s): "
-                   f"--input_shape={s['shapes']['input_shape']}")
-        click.echo(f"  precision  {prec['value']} ({prec['source']})")
-        click.echo(f"  preflight  {counts['pass']} passed, {counts['warn']} warning(s): "
-                   f"{outcome.soc_dir / 'preflight.txt'}")
-        click.echo(f"  files      {', '.join(s['files'])}")
-        if outcome.run is None:
-            click.echo(f"  compile    where CANN is installed: {s['command']}")
-    if outcome.run is not None:
-        r = outcome.run
-        if r.returncode != 0:
-            from dsconv.atc.runner import AtcFailed
+        click.echo(render(result))
+    if result.run is not None and result.run.returncode != 0:
+        from dsconv.atc.runner import AtcFailed
 
-            raise AtcFailed(r)
-        if not as_json:
-            click.echo(f"  compile    atc done in {r.seconds:.1f}s: {outcome.soc_dir / 'model.om'} "
-                       f"(log {r.log})")
+        raise AtcFailed(result.run)

@@ -7,7 +7,7 @@ import click
 
 from dsconv import workspace
 from dsconv.commands.options import PATH, emit_json, force_option, json_option, model_option
-from dsconv.errors import CheckFailed, UserError
+from dsconv.errors import UserError
 
 
 @click.command(name="eval")
@@ -32,8 +32,7 @@ def eval_cmd(model: Path | None, quantized: Path | None, text: Path | None, seq_
     The quantized model is rebuilt from the written files (dequantized weights, activations quantized as the engine
     does for W8A8). Both models are held in memory: an evaluation tool for small models.
     """
-    from dsconv.quant.evaluate import evaluate, render
-    from dsconv.writer import OutputDir
+    from dsconv.quant.eval_stage import EvalRequest, run
 
     model = workspace.resolve_model(model)
     if quantized is None:
@@ -43,30 +42,9 @@ def eval_cmd(model: Path | None, quantized: Path | None, text: Path | None, seq_
                             hint="run `dsconv quantize --bits 8` first, or pass --quantized DIR")
     if output is None and workspace.find() is not None:
         output = workspace.resolve_output("eval", None)
-    result = evaluate(model, quantized, text=text, seq_len=seq_len, samples=samples, progress=not as_json)
-    if max_ppl_increase is not None and result["ppl_change_pct"] > max_ppl_increase:
-        raise CheckFailed(f"perplexity rose {result['ppl_change_pct']:.3f}% (limit {max_ppl_increase}%)",
-                          details=render(result))
-    if output is not None:
-        with OutputDir(output, stage="eval", inputs=[model, quantized], force=True if output_is_eval(output)
-                       else force, options={"text": str(text) if text else None, "seq_len": seq_len,
-                                            "samples": samples}) as out:
-            out.write_json("eval_report.json", result)
-        result["report"] = str(Path(output) / "eval_report.json")
+    result = run(EvalRequest(model, quantized, text=text, seq_len=seq_len, samples=samples,
+                             max_ppl_increase=max_ppl_increase, output=output, force=force, progress=not as_json))
     if as_json:
-        emit_json(result)
+        emit_json(result.summary)
     else:
-        click.echo(render(result))
-
-
-def output_is_eval(path: Path) -> bool:
-    """A previous eval report may be replaced without --force (evaluations are cheap to redo)."""
-    import json
-
-    from dsconv.writer import MANIFEST
-
-    m = Path(path) / MANIFEST
-    try:
-        return json.loads(m.read_text()).get("stage") == "eval"
-    except (OSError, ValueError):
-        return False
+        click.echo(result.render())

@@ -7,15 +7,13 @@ import click
 
 from dsconv import workspace
 from dsconv.commands.options import emit_json, json_option, model_option, output_option
-from dsconv.errors import UserError
-
-STAGE_OF_FORMAT = {"onnx": "export", "safetensors": "safetensors", "mindir": "mindir"}
+from dsconv.convert.stage import FORMATS, STAGE_OF_FORMAT, ExportRequest, render, run
 
 
 @click.command()
 @model_option
 @output_option
-@click.option("--format", "fmt", type=click.Choice(["onnx", "safetensors", "mindir"]), default="onnx",
+@click.option("--format", "fmt", type=click.Choice(list(FORMATS)), default="onnx",
               show_default=True,
               help="onnx -> <root>/onnx, safetensors -> <root>/safetensors, mindir -> <root>/mindir.")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
@@ -45,46 +43,10 @@ def export(model: Path | None, output: Path | None, fmt: str, dtype: str | None,
     dequantized, streamed), or MindIR."""
     model = workspace.resolve_model(model)
     output = workspace.resolve_output(STAGE_OF_FORMAT[fmt], output)
-    if fmt == "onnx":
-        from dsconv.convert.onnx import export_onnx, render
-        from dsconv.tensors import parse_size
-
-        summary = export_onnx(model, output, dtype=dtype or "fp32", opset=opset, with_past=with_past,
-                              position_ids=position_ids, atol=atol,
-                              external_data_threshold=parse_size(external_data_threshold), force=force,
-                              allow_pickle=allow_pickle, dry_run=dry_run)
-    elif fmt == "safetensors":
-        _refuse(fmt, opset=opset, with_past=with_past, position_ids=position_ids, atol=atol)
-        from dsconv.convert.fp8 import export_safetensors, render
-
-        summary = export_safetensors(model, output, dtype=dtype or "bf16", force=force, allow_pickle=allow_pickle,
-                                     dry_run=dry_run)
-    else:
-        _refuse(fmt, opset=opset, position_ids=position_ids, dry_run=dry_run)
-        try:
-            from dsconv.convert import mindir
-            from dsconv.convert.mindir import export_mindir
-        except ImportError as e:
-            raise UserError(f"MindIR export is unavailable in this build ({e})",
-                            hint="use --format onnx, or install dsconv with the mindir extra") from None
-        summary = export_mindir(model, output, dtype=dtype or "fp32", with_past=with_past, atol=atol, force=force,
-                                allow_pickle=allow_pickle)
-        render = getattr(mindir, "render", _render_generic)
+    result = run(ExportRequest(model=model, output=output, format=fmt, dtype=dtype, opset=opset, with_past=with_past,
+                               position_ids=position_ids, atol=atol, external_data_threshold=external_data_threshold,
+                               allow_pickle=allow_pickle, dry_run=dry_run, force=force))
     if as_json:
-        emit_json(summary)
+        emit_json(result.summary)
     else:
-        click.echo(render(summary))
-
-
-def _refuse(fmt: str, **given) -> None:
-    """Options that mean nothing for `fmt` are an error, not silently ignored."""
-    for name, value in given.items():
-        if value not in (None, False):
-            raise UserError(f"--{name.replace('_', '-')} does not apply to --format {fmt}",
-                            hint="drop it, or choose --format onnx")
-
-
-def _render_generic(summary: dict) -> str:
-    head = f"wrote {summary.get('output', '')}"
-    figures = {k: v for k, v in summary.items() if isinstance(v, (int, float, str)) and k != "output"}
-    return head + "\n" + "\n".join(f"  {k}: {v}" for k, v in figures.items())
+        click.echo(render(result))

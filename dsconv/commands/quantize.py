@@ -67,9 +67,9 @@ def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: 
              calib_samples: int | None, seq_len: int, min_expert_tokens: int, all_experts: bool, layout: str,
              max_shard_size: str, dry_run: bool, force: bool, as_json: bool) -> None:
     """Quantize a model to INT8/INT4 in the layout Ascend serving engines load, layer by layer."""
-    from dsconv.quant.pipeline import QuantOptions, quantize_model
+    from dsconv.quant.options import QuantOptions
     from dsconv.quant.plan import BITS, DEFAULT_SCHEME, SCHEMES
-    from dsconv.quant.report import render, render_plan
+    from dsconv.quant.stage import QuantRequest, run
     from dsconv.tensors import parse_size
 
     if scheme is None:
@@ -88,8 +88,8 @@ def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: 
                         fallback_to=fallback_to, ignore=tuple(ignore), calib=calib, calib_samples=calib_samples,
                         seq_len=seq_len, min_expert_tokens=min_expert_tokens, all_experts=all_experts, layout=layout,
                         max_shard_size=parse_size(max_shard_size))
-    result = quantize_model(model, output, opts, force=force, progress=not as_json, warn=warn, dry_run=dry_run)
+    result = run(QuantRequest(model, output, opts, force=force, progress=not as_json, dry_run=dry_run, warn=warn))
     if as_json:
-        emit_json(result)
+        emit_json(result.summary)
     else:
-        click.echo(render_plan(result) if dry_run else render(result))
+        click.echo(result.render())

@@ -67,8 +67,7 @@ def shard(model: Path | None, config: Path | None, ep, tp, world, nodes, cards_p
 
     A plan that is unbalanced or does not fit exits 3 with the reason per rank and valid layouts for the same world.
     """
-    from dsconv.tensors import human_bytes
-    from dsconv.shard import ShardRequest, shard as run_shard
+    from dsconv.shard.stage import ShardRequest, render, run
 
     if config is None and model is None:
         model = workspace.previous_output("quantize") or workspace.resolve_model(None)
@@ -78,18 +77,12 @@ def shard(model: Path | None, config: Path | None, ep, tp, world, nodes, cards_p
                        max_context=max_context, batch=batch, kv_bits=int(kv_bits), memory_fraction=memory_fraction,
                        workspace_gb=workspace_gb, hosts=hosts, output=output, force=force,
                        max_shard_size=max_shard_size, dry_run=dry_run, plot=plot)
-    result = run_shard(req)
+    result = run(req)
     for w in result.warnings:
         warn(w)
     if as_json:
         emit_json(result.plan)
     else:
-        click.echo(result.text)
+        click.echo(render(result))
     if result.failure is not None:
         raise result.failure
-    if plot is not None and not as_json:
-        click.echo(f"chart: {plot}")
-    if result.written and not as_json:
-        w = result.written
-        click.echo(f"wrote {w['ranks']} rank directories ({human_bytes(w['bytes_written'])}) and "
-                   f"{', '.join(w['files'])} to {w['output']}")

@@ -30,10 +30,10 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from dsconv.errors import UserError
+from dsconv.onnx_data import EMBED_BELOW, ExternalDataWriter, external_location
 
 EXTERNAL_DATA = "model.onnx_data"
-ALIGN = 4096
-EMBED_BELOW = 1024  # like onnx.save_model: tensors under 1 KiB stay inside model.onnx
+ALIGN = 4096  # onnxruntime maps external tensors at page-aligned offsets
 MAX_EXPORTER_OPSET = 18
 
 _TORCH_TO_ONNX = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16,
@@ -287,8 +287,7 @@ def write_onnx(model: onnx.ModelProto, weights: list[Weight], directory: Path, e
     del graph.initializer[:]
     if external:
         files.append(EXTERNAL_DATA)
-        fd = os.open(directory / EXTERNAL_DATA, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        offset = 0
+        writer = ExternalDataWriter(directory / EXTERNAL_DATA, align=ALIGN)
         try:
             for w in weights:
                 if w.nbytes < EMBED_BELOW:
@@ -296,27 +295,13 @@ def write_onnx(model: onnx.ModelProto, weights: list[Weight], directory: Path, e
                 else:
                     tp, _ = _tensor_proto(w, with_data=False)
                     data = w.data()
-                    view = memoryview(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else memoryview(b"")
-                    pad = -offset % ALIGN
-                    if pad:
-                        os.pwrite(fd, b"\0" * pad, offset)
-                        offset += pad
-                    done = 0
-                    while done < len(view):
-                        done += os.pwrite(fd, view[done:], offset + done)
-                    for key, value in (("location", EXTERNAL_DATA), ("offset", str(offset)),
-                                       ("length", str(len(view)))):
-                        entry = tp.external_data.add()
-                        entry.key, entry.value = key, value
-                    tp.data_location = TensorProto.EXTERNAL
-                    offset += len(view)
-                    del view, data
+                    writer.write(tp, [_bytes_view(data)])
+                    del data
                 graph.initializer.append(tp)
                 if progress:
                     progress(w.nbytes)
-            os.fsync(fd)
         finally:
-            os.close(fd)
+            writer.close(fsync=True)
         onnx_path.write_bytes(model.SerializeToString())
         return files
     with open(onnx_path, "wb") as f:
@@ -342,13 +327,22 @@ def _append_initializer(f, w: Weight) -> None:
     the tensor's memory (protobuf merges it into the graph already written). Wire format: field 7 (graph) of
     ModelProto, field 5 (initializer) of GraphProto, field 9 (raw_data) of TensorProto, all length-delimited."""
     tp, _ = _tensor_proto(w, with_data=False)
-    head = tp.SerializeToString()
-    data = w.data()
-    raw = memoryview(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else memoryview(b"")
-    tensor_len = len(head) + 1 + len(_varint(len(raw))) + len(raw)
-    graph_len = 1 + len(_varint(tensor_len)) + tensor_len
-    f.write(b"\x3a" + _varint(graph_len) + b"\x2a" + _varint(tensor_len) + head + b"\x4a" + _varint(len(raw)))
+    raw = _bytes_view(w.data())
+    f.write(_initializer_frame(tp.SerializeToString(), len(raw)))
     f.write(raw)
+
+
+def _initializer_frame(head: bytes, length: int) -> bytes:
+    """The bytes before a tensor's raw data: ModelProto.graph (7) > GraphProto.initializer (5) > the tensor's
+    serialized fields (`head`, without data) > TensorProto.raw_data (9), each length-delimited."""
+    tensor_len = len(head) + 1 + len(_varint(length)) + length
+    graph_len = 1 + len(_varint(tensor_len)) + tensor_len
+    return b"\x3a" + _varint(graph_len) + b"\x2a" + _varint(tensor_len) + head + b"\x4a" + _varint(length)
+
+
+def _bytes_view(data: torch.Tensor) -> memoryview:
+    """A contiguous tensor's own memory as bytes (no copy)."""
+    return memoryview(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else memoryview(b"")
 
 
 def check_graph(model: onnx.ModelProto) -> None:
@@ -361,13 +355,6 @@ def check_graph(model: onnx.ModelProto) -> None:
 
 
 # ---- bf16 for the check --------------------------------------------------------------------------------------
-def _external(t: TensorProto) -> tuple[str, int, int] | None:
-    if t.data_location != TensorProto.EXTERNAL:
-        return None
-    e = {x.key: x.value for x in t.external_data}
-    return e["location"], int(e.get("offset", 0)), int(e["length"])
-
-
 def _copy_range(src_fd: int, dst, offset: int, length: int, chunk: int = 64 * 2**20) -> None:
     done = 0
     while done < length:
@@ -383,8 +370,8 @@ def pack_external(directory: Path) -> None:
     tensor's bytes are copied in 64 MiB chunks behind a hand-framed initializer (see _append_initializer)."""
     path, data = directory / "model.onnx", directory / EXTERNAL_DATA
     model = onnx.load(str(path), load_external_data=False)
-    moved = [t for t in model.graph.initializer if _external(t)]
-    keep = [t for t in model.graph.initializer if not _external(t)]
+    moved = [t for t in model.graph.initializer if external_location(t)]
+    keep = [t for t in model.graph.initializer if not external_location(t)]
     del model.graph.initializer[:]
     model.graph.initializer.extend(keep)
     tmp = directory / "model.onnx.packing"
@@ -393,15 +380,12 @@ def pack_external(directory: Path) -> None:
         with open(tmp, "wb") as f:
             f.write(model.SerializeToString())
             for t in moved:
-                _, offset, length = _external(t)
+                _, offset, length = external_location(t)
                 head_proto = TensorProto()
                 head_proto.CopyFrom(t)
                 del head_proto.external_data[:]
                 head_proto.data_location = TensorProto.DEFAULT
-                head = head_proto.SerializeToString()
-                tensor_len = len(head) + 1 + len(_varint(length)) + length
-                graph_len = 1 + len(_varint(tensor_len)) + tensor_len
-                f.write(b"\x3a" + _varint(graph_len) + b"\x2a" + _varint(tensor_len) + head + b"\x4a" + _varint(length))
+                f.write(_initializer_frame(head_proto.SerializeToString(), length))
                 _copy_range(fd, f, offset, length)
     finally:
         os.close(fd)
@@ -427,13 +411,11 @@ def widen_bf16(src: Path, dst_dir: Path) -> Path:
         t.data_type = F
 
     dst_dir.mkdir(parents=True, exist_ok=True)
-    twin_data = "model_fp32_twin.onnx_data"
-    out_fd = os.open(dst_dir / twin_data, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     in_fds: dict[str, int] = {}
-    offset = 0
+    writer = ExternalDataWriter(dst_dir / "model_fp32_twin.onnx_data", align=ALIGN)
     try:
         for t in m.graph.initializer:
-            ext = _external(t)
+            ext = external_location(t)
             if ext is None:
                 widen_inline(t)
                 continue
@@ -445,16 +427,10 @@ def widen_bf16(src: Path, dst_dir: Path) -> Path:
             if t.data_type == B:
                 raw = (np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32).tobytes()
                 t.data_type = F
-            offset += -offset % ALIGN
-            os.pwrite(out_fd, raw, offset)
-            del t.external_data[:]
-            for key, value in (("location", twin_data), ("offset", str(offset)), ("length", str(len(raw)))):
-                entry = t.external_data.add()
-                entry.key, entry.value = key, value
-            offset += len(raw)
+            writer.write(t, [raw])
             del raw
     finally:
-        os.close(out_fd)
+        writer.close()
         for fd in in_fds.values():
             os.close(fd)
     for node in m.graph.node:

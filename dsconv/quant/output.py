@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from dsconv.quant.formats.msmodelslim import QuantResult, emit_linear, layout_names
-from dsconv.quant.plan import FLOAT, STATIC, QuantPlan, float_spec, linear_specs, model_quant_type, staged_specs
+from dsconv.quant.formats.msmodelslim import (DESCRIPTION_VERSION, FLOAT, STAGED, LinearResult, emit_linear,
+                                              layout_names)
+from dsconv.quant.plan import STATIC, LinearPlan, QuantPlan, float_spec, linear_specs, model_quant_type
 from dsconv.tensors import TensorSpec, torch_dtype
 from dsconv.writer import OutputDir, TensorSetWriter
 
@@ -43,7 +44,7 @@ def description(plan: QuantPlan, types: dict[str, str], specs: list[TensorSpec])
     owner = {}
     for lp in plan.linears.values():
         owner[lp.module] = types[lp.module]
-    desc: dict[str, Any] = {"model_quant_type": model_quant_type(types.values()), "version": "1.0.0",
+    desc: dict[str, Any] = {"model_quant_type": model_quant_type(types.values()), "version": DESCRIPTION_VERSION,
                             "group_size": plan.group_size if any(t == "W4A16" for t in types.values()) else 0}
     for spec in specs:
         module, _, _ = spec.name.rpartition(".")
@@ -77,7 +78,7 @@ class QuantWriter:
         if not staged:
             self._open_final({m: lp.qtype for m, lp in plan.linears.items()})
 
-    def _bias_dtype(self, lp) -> str | None:
+    def _bias_dtype(self, lp: LinearPlan) -> str | None:
         return self.ck.info(lp.bias).dtype if lp.bias else None
 
     def _open_final(self, types: dict[str, str]) -> None:
@@ -95,8 +96,7 @@ class QuantWriter:
         specs = []
         for lp in linears:
             bias_dtype = self._bias_dtype(lp)
-            specs += staged_specs(lp, self.plan, bias_dtype) if lp.qtype == STATIC else \
-                linear_specs(lp, lp.qtype, self.plan, bias_dtype)
+            specs += linear_specs(lp, STAGED if lp.qtype == STATIC else lp.qtype, self.plan, bias_dtype)
         specs += [float_spec(fp) for fp in floats]
         if not specs:
             return
@@ -117,20 +117,11 @@ class QuantWriter:
                 return ts
         raise RuntimeError(f"{name} has no open staging set")
 
-    def linear(self, lp, res: QuantResult) -> None:
-        if self.staged:
+    def linear(self, lp: LinearPlan, res: LinearResult) -> None:
+        if self.staged:  # a static candidate stages every component its final type may need; others their own
             ts = self._stage_set(lp.weight)
-            if lp.qtype == STATIC:
-                parts = [(lp.module + ".weight", res.q), (lp.module + ".weight_scale", res.scale.reshape(-1, 1)),
-                         (lp.module + ".input_scale", np.array([res.input_scale], np.float32)),
-                         (lp.module + ".input_offset", np.array([res.input_offset], np.float32)),
-                         (lp.module + ".deq_scale", np.ascontiguousarray(res.deq_scale, np.float32)),
-                         (lp.module + ".quant_bias", np.ascontiguousarray(res.quant_bias, np.int32))]
-                if res.bias is not None:
-                    parts.append((lp.module + ".bias", res.bias))
-            else:
-                parts = list(emit_linear(lp.module, lp.qtype, res, self.plan.deq_dtype))
-            for name, arr in parts:
+            for name, arr in emit_linear(lp.module, STAGED if lp.qtype == STATIC else lp.qtype, res,
+                                         self.plan.deq_dtype):
                 ts.write(name, arr)
             return
         for name, arr in emit_linear(lp.module, self.types[lp.module], res, self.plan.deq_dtype):
@@ -186,11 +177,11 @@ class QuantWriter:
             if param != "weight":
                 continue  # written with its weight (which comes first in linear_specs order)
             P = lp.module
-            res = QuantResult(q=get(P + ".weight").numpy(), scale=get(P + ".weight_scale").numpy(),
-                              input_scale=np.float32(get(P + ".input_scale").item()),
-                              input_offset=np.float32(get(P + ".input_offset").item()),
-                              deq_scale=get(P + ".deq_scale").numpy(), quant_bias=get(P + ".quant_bias").numpy(),
-                              bias=get(P + ".bias") if lp.bias else None)
+            res = LinearResult(q=get(P + ".weight").numpy(), scale=get(P + ".weight_scale").numpy(),
+                               input_scale=np.float32(get(P + ".input_scale").item()),
+                               input_offset=np.float32(get(P + ".input_offset").item()),
+                               deq_scale=get(P + ".deq_scale").numpy(), quant_bias=get(P + ".quant_bias").numpy(),
+                               bias=get(P + ".bias") if lp.bias else None)
             for name, arr in emit_linear(P, self.types[P], res, self.plan.deq_dtype):
                 self.ts.write(name, arr)
                 self.written.add(name)

@@ -14,6 +14,7 @@ from typing import Any, Iterable
 
 from dsconv.errors import UserError
 from dsconv.families.roles import Category, Role
+from dsconv.quant.formats.msmodelslim import FLOAT, linear_layout
 from dsconv.quant.schemes import check_group_size
 from dsconv.tensors import TensorSpec
 
@@ -22,11 +23,10 @@ SCHEMES = {"w8a8": "W8A8", "w8a8_dynamic": "W8A8_DYNAMIC", "w8a16": "W8A16", "w4
 DEFAULT_SCHEME = {8: "w8a8", 4: "w4a16"}
 BITS = {"W8A8": 8, "W8A8_DYNAMIC": 8, "W8A16": 8, "W4A16": 4}
 STATIC = "W8A8"
-FLOAT = "FLOAT"
 # most aggressive first: fewer weight bits, then static activations, then dynamic, then weight-only
 AGGRESSIVENESS = ("W4A8_DYNAMIC", "W4A16", "W8A8", "W8A8_DYNAMIC", "W8A16", FLOAT)
 FALLBACK_TARGETS = ("w8a8_dynamic", "w8a16")
-DESCRIPTION_VERSION = "1.0.0"
+ACT_QUANT = ("W8A8", "W8A8_DYNAMIC")  # types whose activations are quantized: smoothing helps them
 
 
 def model_quant_type(types: Iterable[str]) -> str:
@@ -97,19 +97,11 @@ class QuantPlan:
             out.setdefault(lp.unit, []).append(lp)
         return out
 
-    def static_units(self) -> list[str]:
-        return sorted({lp.unit for lp in self.linears.values() if lp.qtype == STATIC}, key=_unit_order)
-
     def by_layer(self) -> dict[int | None, list[LinearPlan]]:
         out: dict[int | None, list[LinearPlan]] = {}
         for lp in self.linears.values():
             out.setdefault(lp.layer, []).append(lp)
         return out
-
-
-def _unit_order(unit: str) -> tuple:
-    layer, _, rest = unit.partition(":")
-    return (int(layer) if layer.isdigit() else -1, rest)
 
 
 def unit_of(role: Role, category: Category, layer: int | None) -> str:
@@ -193,37 +185,11 @@ def make_plan(ck: Any, scheme: str, group_size: int | None = None, method: str =
 
 # ------------------------------------------------------------------------------------------- output tensors
 def linear_specs(lp: LinearPlan, qtype: str, plan: QuantPlan, bias_dtype: str | None) -> list[TensorSpec]:
-    """The tensors a linear of type `qtype` has in the output, in a fixed order (msmodelslim_format.md table)."""
-    P, (n, k) = lp.module, lp.shape
-    out: list[TensorSpec] = []
-    if qtype == "W4A16":
-        g = plan.group_size
-        groups = 1 if g == 0 else k // g
-        out += [TensorSpec(P + ".weight", "I8", (n // 2, k)), TensorSpec(P + ".weight_scale", "F32", (n, groups)),
-                TensorSpec(P + ".weight_offset", "F32", (n, groups))]
-    elif qtype in ("W8A16", "W8A8_DYNAMIC"):
-        out += [TensorSpec(P + ".weight", "I8", (n, k)), TensorSpec(P + ".weight_scale", "F32", (n, 1)),
-                TensorSpec(P + ".weight_offset", "F32", (n, 1))]
-    elif qtype == STATIC:
-        out += [TensorSpec(P + ".weight", "I8", (n, k)), TensorSpec(P + ".input_scale", "F32", (1,)),
-                TensorSpec(P + ".input_offset", "F32", (1,)), TensorSpec(P + ".deq_scale", plan.deq_dtype, (n,)),
-                TensorSpec(P + ".quant_bias", "I32", (n,))]
-    else:
-        raise ValueError(f"unknown type {qtype}")
-    if lp.bias is not None:
-        out.append(TensorSpec(P + ".bias", bias_dtype or plan.model_dtype, (n,)))
-    return out
-
-
-def staged_specs(lp: LinearPlan, plan: QuantPlan, bias_dtype: str | None) -> list[TensorSpec]:
-    """What a W8A8 candidate keeps until its unit's fallback decision: every component of every possible type."""
-    P, (n, k) = lp.module, lp.shape
-    out = [TensorSpec(P + ".weight", "I8", (n, k)), TensorSpec(P + ".weight_scale", "F32", (n, 1)),
-           TensorSpec(P + ".input_scale", "F32", (1,)), TensorSpec(P + ".input_offset", "F32", (1,)),
-           TensorSpec(P + ".deq_scale", "F32", (n,)), TensorSpec(P + ".quant_bias", "I32", (n,))]
-    if lp.bias is not None:
-        out.append(TensorSpec(P + ".bias", bias_dtype or plan.model_dtype, (n,)))
-    return out
+    """The tensors a linear of type `qtype` (or STAGED) has in the output, in the layout table's order."""
+    n, k = lp.shape
+    groups = 1 if plan.group_size == 0 else k // plan.group_size
+    bias = (bias_dtype or plan.model_dtype) if lp.bias is not None else None
+    return [TensorSpec(*t) for t in linear_layout(lp.module, qtype, n, k, groups, plan.deq_dtype, bias)]
 
 
 def float_spec(fp: FloatPlan) -> TensorSpec:

@@ -15,7 +15,7 @@ import torch
 
 from dsconv.quant.gptq import HessianAccumulator
 from dsconv.quant.observers import MinMaxObserver, make_observer
-from dsconv.quant.schemes import activation_qparams, dequant_weight, fake_quant_activation
+from dsconv.quant.schemes import dequant_weight, fake_quant_activation
 
 HESSIAN_F64_MAX_K = 8192  # wider inputs accumulate in float32 (k^2 x 8 bytes would be 2.7 GB for k = 18432)
 
@@ -112,7 +112,3 @@ def output_errors(x: torch.Tensor, y_ref: torch.Tensor, q: np.ndarray, scale: np
         xs = fake_quant_activation(x, float(qparams[0]), float(qparams[1]))
         out["static"] = _rel(xs @ w_hat.T + b, y_ref)
     return out
-
-
-def range_qparams(lo: float, hi: float) -> tuple[np.float32, np.float32]:
-    return activation_qparams(lo, hi)

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dsconv.shard.plan import ShardPlan, is_first_holder, iter_tensor_ranks, slice_for_rank, tensor_entry
+from dsconv.shard.placement import is_first_holder, iter_tensor_ranks, slice_for_rank, tensor_entry
+from dsconv.shard.plan import ShardPlan
 
 SLICE_RULE = ("a rank holds tensor T when ranks is 'all' or lists it; mode 'whole': the full tensor; mode 'split': "
               "piece (rank % group) // rep of `parts` equal pieces along `dim`; mode 'first': the full tensor on "

@@ -1,10 +1,12 @@
 """The msModelSlim layout (reference/msmodelslim_format.md), both ways.
 
-Writing: `emit_linear(P, type, result)` yields exactly the tensors the reference table lists for a linear of that
-type, in a fixed order and with the reference dtypes (int8 weights, int4 packed two per byte along the output
+`LAYOUT` is the reference table as data: for each type, the tensors a linear `P` has (suffix, dtype, shape rule), in
+a fixed order. Everything that lists a linear's tensors is generated from it: the output specs (`linear_layout`),
+the staging of a static-W8A8 candidate (`STAGED`), the arrays written (`emit_linear`) and the description check
+(`check_description`). Writing uses the reference dtypes (int8 weights, int4 packed two per byte along the output
 dimension, float32 scales, int32 quant_bias, deq_scale float32 or - for fp16 models - int64 holding the float32 bit
-pattern). Reading: `read_linear(ck, P)` gets a linear back (both int4 packings accepted by shape), and
-`check_description` checks that the description names every tensor and nothing else, with consistent aux shapes.
+pattern). Reading: `read_linear(ck, P)` gets a linear back (both int4 packings accepted by shape).
+A FLOAT linear is not in the table: it is an ordinary tensor, written as it is (in the model dtype for FP8 input).
 """
 from __future__ import annotations
 
@@ -18,10 +20,61 @@ from dsconv.quant.schemes import (deq_scale_as_int64, deq_scale_from_int64, dequ
                                   unpack_int4_by_shape)
 
 LAYOUTS = ("msmodelslim", "mindie")
-TYPES = ("FLOAT", "W8A16", "W8A8", "W8A8_DYNAMIC", "W4A16", "W4A8_DYNAMIC")
+FLOAT = "FLOAT"
 GLOBAL_KEYS = ("model_quant_type", "version", "group_size", "kv_quant_type", "kv_cache_type", "fa_quant_type",
                "reduce_quant_type", "metadata")
-LINEAR_AUX = ("weight_scale", "weight_offset", "input_scale", "input_offset", "deq_scale", "quant_bias")
+DESCRIPTION_VERSION = "1.0.0"
+
+# ---------------------------------------------------------------------------------------------- the layout table
+# A shape rule's symbols: n output rows, k input columns, groups = k / group_size (1 per channel), "n/2" int4 rows
+# packed in pairs. Dtype DEQ is float32, or int64 bit patterns for fp16 models (QuantPlan.deq_dtype).
+Component = tuple[str, str, tuple[Any, ...]]
+DEQ = "DEQ"
+_W8_WEIGHT_ONLY: tuple[Component, ...] = (
+    ("weight", "I8", ("n", "k")), ("weight_scale", "F32", ("n", 1)), ("weight_offset", "F32", ("n", 1)))
+_W4: tuple[Component, ...] = (
+    ("weight", "I8", ("n/2", "k")), ("weight_scale", "F32", ("n", "groups")), ("weight_offset", "F32", ("n", "groups")))
+LAYOUT: dict[str, tuple[Component, ...]] = {
+    "W8A16": _W8_WEIGHT_ONLY,
+    "W8A8_DYNAMIC": _W8_WEIGHT_ONLY,
+    "W8A8": (("weight", "I8", ("n", "k")), ("input_scale", "F32", (1,)), ("input_offset", "F32", (1,)),
+             ("deq_scale", DEQ, ("n",)), ("quant_bias", "I32", ("n",))),
+    "W4A16": _W4,
+    "W4A8_DYNAMIC": _W4,  # read and checked, never written
+}
+# appended to every type when the linear has a bias, in the bias's own dtype
+BIAS: Component = ("bias", "BIAS", ("n",))
+# A static-W8A8 candidate waiting for its unit's fallback decision keeps what W8A8 and both fallback types need
+# (weight_offset is zeros, deq_scale stays float32 until the final type is known).
+STAGED = "W8A8_STAGED"
+STAGED_COMPONENTS: tuple[Component, ...] = (
+    ("weight", "I8", ("n", "k")), ("weight_scale", "F32", ("n", 1)), ("input_scale", "F32", (1,)),
+    ("input_offset", "F32", (1,)), ("deq_scale", "F32", ("n",)), ("quant_bias", "I32", ("n",)))
+TYPES = (FLOAT, *LAYOUT)
+LINEAR_AUX = tuple(dict.fromkeys(s for comps in LAYOUT.values() for s, _, _ in comps if s != "weight"))
+
+
+def components(qtype: str) -> tuple[Component, ...]:
+    if qtype == STAGED:
+        return STAGED_COMPONENTS
+    try:
+        return LAYOUT[qtype]
+    except KeyError:
+        raise ValueError(f"unknown type {qtype}") from None
+
+
+def _shape(rule: tuple[Any, ...], n: int, k: int, groups: int) -> tuple[int, ...]:
+    dims = {"n": n, "k": k, "n/2": n // 2, "groups": groups}
+    return tuple(dims[d] if isinstance(d, str) else d for d in rule)
+
+
+def linear_layout(module: str, qtype: str, n: int, k: int, groups: int = 1, deq_dtype: str = "F32",
+                  bias_dtype: str | None = None) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype, shape) of every tensor a linear of `qtype` has in the output, in order; the bias last when
+    `bias_dtype` is given."""
+    comps = components(qtype) + ((BIAS,) if bias_dtype is not None else ())
+    dtypes = {DEQ: deq_dtype, "BIAS": bias_dtype}
+    return [(f"{module}.{s}", dtypes.get(dt, dt), _shape(rule, n, k, groups)) for s, dt, rule in comps]
 
 
 def layout_names(layout: str, model_quant_type: str) -> tuple[str, str]:
@@ -33,7 +86,7 @@ def layout_names(layout: str, model_quant_type: str) -> tuple[str, str]:
 
 
 @dataclass
-class QuantResult:
+class LinearResult:
     """A quantized linear before it takes its final type: int8 values (unpacked), weight scales, and - for a W8A8
     candidate - the activation parameters with deq_scale and quant_bias."""
 
@@ -46,30 +99,31 @@ class QuantResult:
     bias: Any = None                     # original-dtype bias tensor, or None
 
 
-def emit_linear(module: str, qtype: str, res: QuantResult, deq_dtype: str = "F32") -> Iterator[tuple[str, Any]]:
-    """(name, array) pairs of one linear in `qtype`, in plan.linear_specs order."""
-    P = module
-    if qtype == "W4A16":
-        yield P + ".weight", pack_int4(res.q, P)
-        yield P + ".weight_scale", np.ascontiguousarray(res.scale, np.float32)
-        yield P + ".weight_offset", np.zeros(res.scale.shape, np.float32)
-    elif qtype in ("W8A16", "W8A8_DYNAMIC"):
-        yield P + ".weight", res.q
-        yield P + ".weight_scale", np.ascontiguousarray(res.scale, np.float32).reshape(-1, 1)
-        yield P + ".weight_offset", np.zeros((res.scale.shape[0], 1), np.float32)
-    elif qtype == "W8A8":
+def _array(module: str, suffix: str, dtype: str, rule: tuple[Any, ...], res: LinearResult) -> Any:
+    """One component's array, made from the result in the table's dtype and shape."""
+    n, k = res.q.shape
+    shape = _shape(rule, n, k, res.scale.size // n)
+    if suffix == "weight":
+        return pack_int4(res.q, module) if rule[0] == "n/2" else res.q
+    if suffix == "weight_offset":
+        return np.zeros(shape, np.float32)
+    if suffix == "deq_scale":
         if res.deq_scale is None:
-            raise ValueError(f"{P}: W8A8 without activation parameters")
-        yield P + ".weight", res.q
-        yield P + ".input_scale", np.array([res.input_scale], np.float32)
-        yield P + ".input_offset", np.array([res.input_offset], np.float32)
-        deq = np.ascontiguousarray(res.deq_scale, np.float32)
-        yield P + ".deq_scale", deq_scale_as_int64(deq) if deq_dtype == "I64" else deq
-        yield P + ".quant_bias", np.ascontiguousarray(res.quant_bias, np.int32)
-    else:
-        raise ValueError(f"unknown type {qtype}")
+            raise ValueError(f"{module}: W8A8 without activation parameters")
+        deq = np.ascontiguousarray(res.deq_scale, np.float32).reshape(shape)
+        return deq_scale_as_int64(deq) if dtype == "I64" else deq
+    source = {"weight_scale": (res.scale, np.float32), "input_scale": (res.input_scale, np.float32),
+              "input_offset": (res.input_offset, np.float32), "quant_bias": (res.quant_bias, np.int32)}
+    value, np_dtype = source[suffix]
+    return np.ascontiguousarray(np.asarray(value, np_dtype).reshape(shape))
+
+
+def emit_linear(module: str, qtype: str, res: LinearResult, deq_dtype: str = "F32") -> Iterator[tuple[str, Any]]:
+    """(name, array) pairs of one linear in `qtype` (or STAGED), in `linear_layout` order."""
+    for suffix, dtype, rule in components(qtype):
+        yield f"{module}.{suffix}", _array(module, suffix, deq_dtype if dtype == DEQ else dtype, rule, res)
     if res.bias is not None:
-        yield P + ".bias", res.bias
+        yield f"{module}.bias", res.bias
 
 
 def description_types(desc: dict[str, Any]) -> dict[str, str]:
@@ -133,7 +187,7 @@ def read_linear(ck: Any, module: str, qtype: str) -> QuantLinear:
     if have(".bias"):
         ql.bias = _np(ck, P + ".bias").astype(np.float32)
     if qtype == "W8A8":
-        for s in (".input_scale", ".input_offset", ".deq_scale", ".quant_bias"):
+        for s in (f".{suffix}" for suffix, _, _ in LAYOUT["W8A8"] if suffix != "weight"):
             if not have(s):
                 raise UserError(f"{ck.root}: {P}{s} is missing for a W8A8 layer", hint="the output is incomplete")
         ql.input_scale = float(_np(ck, P + ".input_scale").reshape(-1)[0])
@@ -150,7 +204,7 @@ def quantized_modules(desc: dict[str, Any]) -> dict[str, str]:
     """module P -> type for every quantized linear named in a description."""
     out = {}
     for name, t in description_types(desc).items():
-        if name.endswith(".weight") and t != "FLOAT":
+        if name.endswith(".weight") and t != FLOAT:
             out[name[: -len(".weight")]] = t
     return out
 
@@ -172,7 +226,7 @@ def check_description(desc: dict[str, Any], tensors: dict[str, tuple[str, tuple[
             problems.append(f"{name}: in the weights but not in the description")
     present = {t for t in types.values()}
     mqt = desc.get("model_quant_type")
-    if mqt is not None and mqt not in present and not (mqt == "FLOAT" and not present - {"FLOAT"}):
+    if mqt is not None and mqt not in present and not (mqt == FLOAT and not present - {FLOAT}):
         problems.append(f"model_quant_type {mqt} is not the type of any tensor")
     g = desc.get("group_size", 0)
     for P, t in quantized_modules(desc).items():
@@ -181,8 +235,8 @@ def check_description(desc: dict[str, Any], tensors: dict[str, tuple[str, tuple[
             continue
         if w[0] != "I8":
             problems.append(f"{P}.weight: {t} weight stored as {w[0]}, expected I8")
-        need = {"W8A8": ("input_scale", "input_offset", "deq_scale", "quant_bias")}.get(
-            t, ("weight_scale", "weight_offset"))
+        # an unknown type (reported above) is checked as a weight-only one
+        need = tuple(s for s, _, _ in LAYOUT.get(t, _W8_WEIGHT_ONLY) if s != "weight")
         for aux in need:
             name = f"{P}.{aux}"
             if name not in tensors:

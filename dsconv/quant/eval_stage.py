@@ -1,0 +1,65 @@
+"""The eval stage: `run(EvalRequest) -> EvalResult` - measure a quantized output against its original, check the
+perplexity limit, and write eval_report.json."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dsconv.errors import CheckFailed
+from dsconv.quant.evaluate import DEFAULT_SEQ_LEN, evaluate, render
+from dsconv.writer import MANIFEST, OutputDir
+
+REPORT_FILE = "eval_report.json"
+
+
+@dataclass
+class EvalRequest:
+    """What `dsconv eval` was asked: the original model, the quantized output, the text and the limit."""
+
+    model: Path
+    quantized: Path
+    text: Path | None = None
+    seq_len: int = DEFAULT_SEQ_LEN
+    samples: int | None = None
+    max_ppl_increase: float | None = None   # percent; exceeding it fails the run (exit 3)
+    output: Path | None = None              # directory for eval_report.json; None writes nothing
+    force: bool = False
+    progress: bool = True
+
+
+@dataclass
+class EvalResult:
+    """The metrics (the --json output); `report` names the written eval_report.json, if any."""
+
+    summary: dict[str, Any]
+
+    def render(self) -> str:
+        return render(self.summary)
+
+
+def output_is_eval(path: Path) -> bool:
+    """A previous eval report may be replaced without --force (evaluations are cheap to redo)."""
+    m = Path(path) / MANIFEST
+    try:
+        return json.loads(m.read_text()).get("stage") == "eval"
+    except (OSError, ValueError):
+        return False
+
+
+def run(req: EvalRequest) -> EvalResult:
+    """Run `dsconv eval`."""
+    result = evaluate(req.model, req.quantized, text=req.text, seq_len=req.seq_len, samples=req.samples,
+                      progress=req.progress)
+    if req.max_ppl_increase is not None and result["ppl_change_pct"] > req.max_ppl_increase:
+        raise CheckFailed(f"perplexity rose {result['ppl_change_pct']:.3f}% (limit {req.max_ppl_increase}%)",
+                          details=render(result))
+    if req.output is not None:
+        with OutputDir(req.output, stage="eval", inputs=[req.model, req.quantized],
+                       force=True if output_is_eval(req.output) else req.force,
+                       options={"text": str(req.text) if req.text else None, "seq_len": req.seq_len,
+                                "samples": req.samples}) as out:
+            out.write_json(REPORT_FILE, result)
+        result["report"] = str(Path(req.output) / REPORT_FILE)
+    return EvalResult(result)

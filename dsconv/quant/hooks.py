@@ -1,0 +1,131 @@
+"""Forward hooks of the calibration pass: which rows of a padded batch are real, the statistics of each distinct
+linear input (shared by every linear that reads it), the routed tokens of a MoE layer, and which modules consume
+each norm's output (for SmoothQuant). Inputs are recognised by data identity, never by module names."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from dsconv.quant.plan import LinearPlan
+from dsconv.quant.stats import InputStats
+
+
+def storage_key(x: torch.Tensor) -> tuple[int, int, int]:
+    """Identity of a tensor's data (views of one tensor share it): how consumers of one input are recognised."""
+    return (x.untyped_storage().data_ptr(), x.storage_offset(), x.numel())
+
+
+class RowMask:
+    """The real (non-padding) rows of the current batch, flattened [B * L]; None when there is no padding."""
+
+    def __init__(self) -> None:
+        self.rows: torch.Tensor | None = None
+        self.count = 0
+
+    def set(self, mask: torch.Tensor) -> None:
+        flat = mask.reshape(-1)
+        self.count = flat.numel()
+        self.rows = None if bool(flat.all()) else flat
+
+    def apply(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] != self.count:
+            raise RuntimeError(f"{what}: {x2.shape[0]} input rows do not match the batch's {self.count} tokens")
+        return x2 if self.rows is None else x2[self.rows]
+
+
+class LinearHooks:
+    """Forward pre-hooks on the layer's quantized nn.Linear modules: statistics of each distinct input, shared by
+    every linear that reads it."""
+
+    def __init__(self, targets: dict[nn.Module, LinearPlan], make_stats: Callable[[LinearPlan], InputStats],
+                 rows: RowMask) -> None:
+        self.targets = targets
+        self.make_stats = make_stats
+        self.rows = rows
+        self.group: dict[nn.Module, InputStats] = {}
+        self._batch: dict[tuple, tuple[torch.Tensor, InputStats]] = {}
+        self.handles = [m.register_forward_pre_hook(self._pre) for m in targets]
+
+    def _pre(self, mod: nn.Module, args: tuple) -> None:
+        x = args[0]
+        key = storage_key(x) + (x.shape[-1],)
+        hit = self._batch.get(key)
+        if hit is not None:  # same input as an earlier linear of this batch: already counted
+            self.group.setdefault(mod, hit[1])
+            return
+        st = self.group.get(mod)
+        if st is None:
+            st = self.group[mod] = self.make_stats(self.targets[mod])
+        st.update(self.rows.apply(x.detach(), self.targets[mod].module).float())
+        self._batch[key] = (x, st)  # holding x keeps its storage from being reused within the batch
+
+    def end_batch(self) -> None:
+        self._batch = {}
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self._batch = {}
+
+
+class ExpertRecorder:
+    """Stands in for the experts during the layer's forward: keeps the routed tokens (real ones only) and their
+    routing, returns zeros; the experts run afterwards on all calibration tokens at once (then their outputs are
+    added to the residual stream - the MoE output enters it linearly in every supported family)."""
+
+    def __init__(self, rows: RowMask) -> None:
+        self.rows = rows
+        self.flat_index: torch.Tensor | None = None
+        self.parts: list[tuple[torch.Tensor, ...]] = []
+
+    def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        keep = self.rows.rows
+        pos = self.flat_index if keep is None else self.flat_index[keep]
+        sel = (lambda t: t) if keep is None else (lambda t: t[keep])
+        self.parts.append((sel(hidden).detach().clone(), sel(top_k_index).clone(), sel(top_k_weights).detach()
+                           .clone(), pos.clone()))
+        return torch.zeros_like(hidden)
+
+    def take(self) -> tuple[torch.Tensor, ...]:
+        out = tuple(torch.cat(p) for p in zip(*self.parts))
+        self.parts = []
+        return out
+
+
+class FlowProbe:
+    """Which modules consume each norm's output (by data identity, not by name), and each norm's per-channel
+    max |output| over real tokens: what SmoothQuant needs before the statistics pass."""
+
+    def __init__(self, norms: list[nn.Module], consumers: list[nn.Module], rows: RowMask) -> None:
+        self.rows = rows
+        self.record = True
+        self.absmax: dict[nn.Module, torch.Tensor] = {}
+        self.consumers: dict[nn.Module, list[nn.Module]] = {n: [] for n in norms}
+        self._out: dict[tuple, tuple[torch.Tensor, nn.Module]] = {}
+        self.handles = [n.register_forward_hook(self._norm) for n in norms]
+        self.handles += [c.register_forward_pre_hook(self._consumer) for c in consumers]
+
+    def _norm(self, mod: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        a = self.rows.apply(out.detach(), "norm").abs().amax(dim=0).float()
+        prev = self.absmax.get(mod)
+        self.absmax[mod] = a if prev is None else torch.maximum(prev, a)
+        if self.record:
+            self._out[storage_key(out)] = (out, mod)
+
+    def _consumer(self, mod: nn.Module, args: tuple) -> None:
+        if not self.record or not args:
+            return
+        hit = self._out.get(storage_key(args[0]))
+        if hit is not None and mod not in self.consumers[hit[1]]:
+            self.consumers[hit[1]].append(mod)
+
+    def end_batch(self) -> None:
+        self.record = False
+        self._out = {}
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()

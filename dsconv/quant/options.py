@@ -1,0 +1,81 @@
+"""The options of `dsconv quantize` and the rules between them (checked against the plan before any work)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from dsconv.errors import UserError
+from dsconv.quant import report as rep
+from dsconv.quant.observers import ACT_METHODS, DEFAULT_ACT_METHOD
+from dsconv.quant.plan import ACT_QUANT, FALLBACK_TARGETS, STATIC, QuantPlan
+from dsconv.writer import DEFAULT_MAX_SHARD_SIZE
+
+
+@dataclass
+class QuantOptions:
+    scheme: str = "w8a8"
+    group_size: int | None = None
+    method: str = "rtn"
+    act_method: str = DEFAULT_ACT_METHOD
+    smooth_alpha: float | None = None
+    fallback: int | None = None
+    fallback_threshold: float | None = None
+    fallback_to: str = "w8a8_dynamic"
+    ignore: tuple[str, ...] = ()
+    calib: Path | None = None
+    calib_samples: int | None = None
+    seq_len: int = 512
+    min_expert_tokens: int = 32
+    all_experts: bool = False
+    layout: str = "msmodelslim"
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+    damp: float = 0.01
+    batch_tokens: int = 4096   # padded tokens per forward batch
+    sample_tokens: int = 128   # calibration rows kept per linear input to measure output error (fallbacks, report)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["calib"] = str(self.calib) if self.calib else None
+        d["ignore"] = list(self.ignore)
+        return d
+
+
+def fallback_policy(opts: QuantOptions, plan: QuantPlan) -> tuple[str, float] | None:
+    """('count', N) | ('threshold', X) for static W8A8; None when no type depends on measurements."""
+    if opts.fallback is not None and opts.fallback < 0:
+        raise UserError(f"--fallback {opts.fallback} must be >= 0")
+    if opts.fallback_threshold is not None and opts.fallback_threshold < 0:
+        raise UserError(f"--fallback-threshold {opts.fallback_threshold} must be >= 0")
+    if plan.scheme != STATIC:
+        if opts.fallback or opts.fallback_threshold is not None:
+            raise UserError(f"--fallback/--fallback-threshold apply to static w8a8, not {plan.scheme.lower()}",
+                            hint="drop them, or use --scheme w8a8")
+        return None
+    if opts.fallback is not None and opts.fallback_threshold is not None:
+        raise UserError("--fallback N and --fallback-threshold X are alternatives", hint="give one of them")
+    if opts.fallback is not None:
+        return None if opts.fallback == 0 else ("count", float(opts.fallback))
+    return ("threshold", rep.DEFAULT_FALLBACK_THRESHOLD if opts.fallback_threshold is None
+            else opts.fallback_threshold)
+
+
+def check_options(opts: QuantOptions, plan: QuantPlan) -> None:
+    if opts.act_method not in ACT_METHODS:
+        raise UserError(f"unknown --act-method {opts.act_method}", hint=f"choose one of {', '.join(ACT_METHODS)}")
+    if opts.fallback_to not in FALLBACK_TARGETS:
+        raise UserError(f"--fallback-to {opts.fallback_to} is not a fallback type",
+                        hint=f"choose {' or '.join(FALLBACK_TARGETS)}")
+    if opts.smooth_alpha is not None and plan.scheme not in ACT_QUANT:
+        raise UserError(f"--smooth-quant applies to schemes with quantized activations, not {plan.scheme.lower()}",
+                        hint="use it with --scheme w8a8 or w8a8_dynamic")
+    if opts.method not in ("rtn", "gptq"):
+        raise UserError(f"unknown --method {opts.method}", hint="use rtn or gptq")
+    if opts.min_expert_tokens < 0:
+        raise UserError("--min-expert-tokens must be >= 0")
+
+
+def needs_calibration(opts: QuantOptions, plan: QuantPlan) -> bool:
+    """Weight-only round-to-nearest needs no activations; an explicit --calib still runs (for expert load)."""
+    return (plan.scheme == STATIC or opts.method == "gptq" or opts.smooth_alpha is not None
+            or opts.calib is not None)

@@ -1,0 +1,109 @@
+"""The quantize stage: `run(QuantRequest) -> QuantResult`.
+
+One plan from headers, then one of two paths writing the msModelSlim layout through the one writer: weight-only
+round-to-nearest streams tensor by tensor (`streaming`), everything else calibrates layer by layer (`calibration`).
+Fallback decisions, the description, config and reports are written last, all inside one transactional output.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from dsconv.checkpoint import Checkpoint
+from dsconv.errors import UserError
+from dsconv.quant import report as rep
+from dsconv.quant.calib import load_calib, load_tokenizer, min_tokens_warning
+from dsconv.quant.calibration import Calibrator
+from dsconv.quant.options import QuantOptions, check_options, fallback_policy, needs_calibration
+from dsconv.quant.output import QuantWriter
+from dsconv.quant.plan import SCHEMES, STATIC, make_plan
+from dsconv.quant.streaming import weight_only
+from dsconv.writer import OutputDir
+
+
+@dataclass
+class QuantRequest:
+    """What `dsconv quantize` was asked: the model, where to write, the options, and how to run."""
+
+    model: Path
+    output: Path
+    options: QuantOptions = field(default_factory=QuantOptions)
+    force: bool = False
+    progress: bool = True
+    dry_run: bool = False                                    # plan from headers only; nothing written
+    warn: Callable[[str], None] = lambda message: None       # non-fatal notices (e.g. little calibration text)
+
+
+@dataclass
+class QuantResult:
+    """The summary of a run (the --json output), or of the plan alone for a dry run."""
+
+    summary: dict[str, Any]
+    dry_run: bool = False
+
+    def render(self) -> str:
+        return rep.render_plan(self.summary) if self.dry_run else rep.render(self.summary)
+
+
+def run(req: QuantRequest) -> QuantResult:
+    """Run `dsconv quantize`."""
+    t0 = time.perf_counter()
+    opts, model_dir, output = req.options, req.model, req.output
+    if opts.scheme not in SCHEMES:
+        raise UserError(f"unknown scheme {opts.scheme}", hint=f"choose one of {', '.join(SCHEMES)}")
+    ck = Checkpoint.open(model_dir)
+    if ck.is_quantized:
+        raise UserError(f"{model_dir} is already quantized (it has a quant_model_description)",
+                        hint="quantize the original float checkpoint")
+    plan = make_plan(ck, opts.scheme, opts.group_size, opts.method, opts.ignore)
+    check_options(opts, plan)
+    policy = fallback_policy(opts, plan)
+    calibrate = needs_calibration(opts, plan)
+    if req.dry_run:
+        return QuantResult(rep.plan_summary(ck, plan, opts, policy, calibrate), dry_run=True)
+    calib = None
+    if calibrate:
+        calib = load_calib(opts.calib, load_tokenizer(ck.root), opts.calib_samples, opts.seq_len)
+        needs = {}
+        if plan.scheme == STATIC:
+            needs["static activation ranges"] = 512
+        if plan.method == "gptq":
+            needs["GPTQ Hessians"] = max(lp.k for lp in plan.linears.values())
+        w = min_tokens_warning(calib, needs)
+        if w:
+            req.warn(w)
+    with OutputDir(output, stage="quantize", inputs=[model_dir], force=req.force, options=opts.as_dict(),
+                   input_identity=ck.identity()) as out:
+        qw = QuantWriter(out, ck, plan, opts.layout, opts.max_shard_size, staged=policy is not None)
+        cal = None
+        t_cal = time.perf_counter()
+        if calib is not None:
+            cal = Calibrator(ck, plan, opts, calib, qw, req.progress)
+            cal.run()
+            records = cal.records
+        else:
+            records = weight_only(ck, plan, qw, req.progress)
+        t_cal = time.perf_counter() - t_cal
+        decision = rep.decide(plan, records, policy, SCHEMES[opts.fallback_to])
+        desc = qw.finish(decision.types)
+        out.write_json(qw.description_name, desc)
+        config = {k: v for k, v in ck.config.items() if k != "quantization_config"}
+        if ck.facts.fp8_block:  # weights arrive dequantized: the unquantized ones are written in the model dtype
+            config["torch_dtype"] = config.get("torch_dtype") or "bfloat16"
+        for f in ck.copy_files():
+            if f.name != "config.json":
+                out.copy_in(f)
+        out.write_text("config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        report = rep.build_report(ck, plan, opts, records, decision, policy, cal, calib)
+        out.write_json(rep.REPORT_FILE, report)
+        if cal is not None and cal.expert_counts:
+            out.write_json(rep.EXPERT_LOAD_FILE, {"layers": {str(k): v for k, v in sorted(cal.expert_counts.items())}})
+        files = sorted(p.relative_to(out.path).as_posix() for p in out.path.rglob("*") if p.is_file())
+    result = rep.summary(ck, plan, opts, report, decision, output, files + ["dsconv_manifest.json"],
+                         seconds=time.perf_counter() - t0, calibration_seconds=t_cal)
+    if cal is not None:
+        result["timings"] = {k: round(v, 3) for k, v in cal.timings.items()}
+    return QuantResult(result)
