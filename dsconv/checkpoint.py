@@ -275,15 +275,16 @@ def _list_safetensors(root: Path) -> tuple[list[Path], dict[str, TensorInfo]]:
 
 
 def _normalise_fused(entries: dict[str, TensorInfo], family: Family, config: dict[str, Any]) -> dict[str, TensorInfo]:
-    """Present transformers' fused experts (`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) as the
+    """Present transformers' fused experts (the family's `fused_params`: gate+up [E, 2I, H], down [E, H, I]) as the
     per-expert tensors of the original layout; each is a contiguous byte range of the fused tensor, so no copy."""
     fused = "." + family.fused_experts + "."
-    if not any(fused + "gate_up_proj" in n or n.endswith(fused + "down_proj") for n in entries):
+    params = family.fused_params  # {"gate_up_proj": ("gate", "up"), "down_proj": ("down",)}
+    if not any(n.endswith(fused + p) for n in entries for p in params):
         return entries
     out: dict[str, TensorInfo] = {}
     for name, info in entries.items():
         prefix, _, param = name.rpartition(".")
-        if prefix.endswith(fused[1:-1]) and param in ("gate_up_proj", "down_proj"):
+        if prefix.endswith(fused[1:-1]) and param in params:
             layer_prefix = prefix[: -len(family.fused_experts)]
             if len(info.shape) != 3:
                 raise UserError(f"{name} has shape {list(info.shape)}; fused experts are 3-D [experts, out, in]",
@@ -291,7 +292,8 @@ def _normalise_fused(entries: dict[str, TensorInfo], family: Family, config: dic
             n_exp, rows, cols = info.shape
             item = DTYPE_SIZES[info.dtype]
             per_expert = rows * cols * item
-            slots = [("gate", 0, rows // 2), ("up", rows // 2, rows)] if param == "gate_up_proj" else [("down", 0, rows)]
+            part = rows // len(params[param])
+            slots = [(slot, k * part, (k + 1) * part) for k, slot in enumerate(params[param])]
             for e in range(n_exp):
                 for slot, r0, r1 in slots:
                     new = layer_prefix + family.expert_modules[slot].replace("{E}", str(e)) + ".weight"

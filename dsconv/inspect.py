@@ -28,7 +28,8 @@ def inspect_model(ck: Any) -> dict[str, Any]:
     dtypes: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "bytes": 0})
     total_bytes = elements = parameters = main_parameters = 0
     quantizable = other = 0  # parameters by whether the default quantization touches them
-    tied_dup = facts.tie_word_embeddings and "lm_head.weight" in ck.tensors and "model.embed_tokens.weight" in ck.tensors
+    head, embed = ck.family.tensor("lm_head"), ck.family.tensor("embed")
+    tied_dup = facts.tie_word_embeddings and head in ck.tensors and embed in ck.tensors
     for name, info in ck.tensors.items():
         r = ck.roles[name]
         numel = math.prod(info.shape)
@@ -40,7 +41,7 @@ def inspect_model(ck: Any) -> dict[str, Any]:
         d["bytes"] += info.nbytes
         total_bytes += info.nbytes
         elements += numel
-        if r.is_aux or (tied_dup and name == "lm_head.weight"):
+        if r.is_aux or (tied_dup and name == head):
             continue
         if info.dtype == "I8" and ck.is_quantized and _packed_int4(ck, name):
             numel *= 2  # two int4 values per byte

@@ -11,39 +11,25 @@ from pathlib import Path
 from typing import Any
 
 from dsconv.tensors import precision_torch_dtype
+from dsconv.families import families
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")
-MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")
+ROUTER_BIAS = next(f.row("router.bias").param for f in families() if f.has("router.bias"))
+#: every registered family has a tiny model (its `tiny` config keys); MoE ones have a router row
+FAMILIES = tuple(f.name for f in families())
+MOE_FAMILIES = tuple(f.name for f in families() if f.has("router"))
+#: the small widths every tiny model shares; each family's `tiny` adds or overrides its own keys
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=512, rms_norm_eps=1e-6)
 
 
 def tiny_config(family: str, vocab_size: int = 320, **overrides: Any):
     """A transformers config of `family` with a few layers and small widths (RoPE and MoE routing intact)."""
-    import transformers
+    from dsconv.families.facts import hf_config
 
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
-    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
-    if family == "llama":
-        cfg = transformers.LlamaConfig(**common)
-    elif family == "qwen2":
-        cfg = transformers.Qwen2Config(**common)
-    elif family == "qwen3":
-        cfg = transformers.Qwen3Config(**common, head_dim=16)
-    elif family == "qwen2_moe":
-        cfg = transformers.Qwen2MoeConfig(**common, **moe, shared_expert_intermediate_size=48)
-    elif family == "qwen3_moe":
-        cfg = transformers.Qwen3MoeConfig(**common, **moe, head_dim=16)
-    elif family == "mixtral":
-        cfg = transformers.MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2)
-    elif family == "deepseek_v3":
-        d = dict(common, num_hidden_layers=3, num_key_value_heads=4)
-        cfg = transformers.DeepseekV3Config(
-            **d, first_k_dense_replace=1, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4,
-            moe_intermediate_size=32, n_group=4, topk_group=2, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8,
-            qk_nope_head_dim=16, v_head_dim=16, routed_scaling_factor=2.5, norm_topk_prob=True,
-            num_nextn_predict_layers=0)
-    else:
+    fam = next((f for f in families() if f.name == family), None)
+    if fam is None:
         raise ValueError(f"unknown tiny family {family}")
+    cfg = hf_config({"model_type": fam.model_types[0], "vocab_size": vocab_size, **COMMON, **fam.tiny})
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
@@ -70,7 +56,7 @@ def build_model(family: str, seed: int = 0, **overrides: Any):
                 # saturate at 1.0, where fp16 cannot tell experts apart (real routers are not saturated either)
                 p.normal_(0.0, 0.15 if cfg.model_type == "deepseek_v3" else 0.5)
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith(ROUTER_BIAS):  # DeepSeek's routing bias: a buffer in transformers
                 b.normal_(0.0, 0.05)
     return model
 

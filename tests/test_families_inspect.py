@@ -146,3 +146,22 @@ def test_config_missing_key_is_user_error(run_cli, tmp_path):
 def test_family_registry_covers_the_issue():
     for t in ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3"):
         assert family_for({"model_type": t}).model_types
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_table_is_consistent(family):
+    """Every row of a family's table names its layer/expert placeholders, a known presence rule and shape formulas
+    the facts can evaluate; `tensor(key)` gives back the row's template filled in (what the MindSpore builder asks)."""
+    from dsconv.families import families
+    from dsconv.families.base import PRESENT
+    from dsconv.tiny import tiny_config
+
+    fam = next(f for f in families() if f.name == family)
+    facts = fam.facts(tiny_config(family).to_dict())
+    for row in fam.table:
+        assert row.when is None or row.when in PRESENT, row
+        assert row.per_layer or not row.per_expert, row
+        assert all(d > 0 for d in row.dims(facts) if row.when in (None, "untied")), row
+        assert fam.tensor(row.key, 3, 5) == row.name.replace("{L}", "3").replace("{E}", "5")
+        assert fam.classify(fam.tensor(row.key, 0, 0), facts).role is row.role
+    assert {"embed", "norm.input", "norm.post", "norm.final", "lm_head", "attn.o"} <= {r.key for r in fam.table}

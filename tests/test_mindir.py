@@ -171,6 +171,23 @@ def test_every_family_matches_pytorch(export, family):
         assert "experts_hit" not in check
 
 
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_parameters_carry_the_checkpoint_names(export, family):
+    """Cells do not prefix their parameters: each MindIR parameter is named as the checkpoint tensor the family table
+    gave it (routed experts: one stack per projection), so ms_nets restates no name."""
+    import mindspore as ms
+
+    from dsconv.checkpoint import Checkpoint
+
+    model, out, s = export(family)
+    names = {p.name.split(":")[-1] for p in ms.load_mindir(str(out / s["mindir"])).graph.parameter}
+    with Checkpoint.open(model) as ck:
+        dense = {n for n, r in ck.roles.items() if r.expert is None}
+        stacks = {ck.family.module(f"expert.{slot}", layer, "all") for slot in ("gate", "up", "down")
+                  for layer in ck.facts.moe_layers}
+    assert names == dense | stacks
+
+
 def test_render_summary(export):
     _, out, s = export("deepseek_v3", "bf16")
     text = mindir.render(s)

@@ -4,7 +4,7 @@
 Modules, each small and named for what it does:
   stage.py        `run(ExportRequest) -> ExportResult`: the stage, dispatching on the format, and its text
   fp8.py          `export_safetensors`: dtype rewrite and FP8 block dequantization, streamed, part layout kept
-  hf_model.py     builds the torch model for tracing with transformers' own loading code (fails on missing tensors)
+  hf_model.py     the torch model for tracing (dsconv.model.torch_builder) and the MoE routing recorder
   onnx_wrapper.py the traced nn.Module: documented input/output names, KV cache as flat tensors
   onnx_graph.py   post-export graph work: weights streamed into the file (or external data), integer types
   onnx_opset.py   opset lowering when the exporter cannot emit the requested opset

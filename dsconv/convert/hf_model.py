@@ -1,19 +1,16 @@
-"""The torch model the exporter traces, built with transformers' own loading code, and the MoE routing recorder.
+"""The torch model the exporter traces (dsconv.model.torch_builder: transformers' own module, weights from the
+reader), and the MoE routing recorder.
 
-Why from_pretrained: it is the code users run, so the exported graph is the model they know (fused experts, tied
-embeddings, fp32 routers, rope scaling). MoE models load with `experts_implementation="batched_mm"`: `grouped_mm`
-(the default) cannot be exported and `eager` bakes the experts hit during tracing into the graph
-(reference/toolchain_notes.md). Attention is `eager` (plain matmul + softmax, exportable at any opset).
-
-FP8 checkpoints: transformers' FP8 loader needs `accelerate` and a GPU, so the checkpoint is first rewritten with
-`dsconv export --format safetensors`'s streaming path into a scratch directory in the export dtype (exact for fp32),
-and that is loaded. Loading must see every tensor: a missing or mis-shaped one is an error, never left random.
+Why transformers' module: it is the code users run, so the exported graph is the model they know (fused experts,
+tied embeddings, fp32 routers, rope scaling); tests/test_torch_builder.py proves it equal to `from_pretrained`'s.
+MoE models are built with `experts_implementation="batched_mm"`: `grouped_mm` (the default) cannot be exported and
+`eager` bakes the experts hit during tracing into the graph (reference/toolchain_notes.md). Attention is `eager`
+(plain matmul + softmax, exportable at any opset). FP8 checkpoints are dequantized by the reader as each tensor is
+copied in (exact in float32); a missing or mis-shaped tensor is an error, never left random.
 """
 from __future__ import annotations
 
 import contextlib
-import shutil
-from pathlib import Path
 from typing import Any, Iterator
 
 from dsconv.tensors import precision_torch_dtype
@@ -41,68 +38,36 @@ def quiet_transformers() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def load_for_export(ck, dtype: str, scratch_parent: Path, allow_pickle: bool = False) -> tuple[Any, dict[str, Any]]:
-    """(model in eval mode, loading report). Raises UserError when transformers would leave weights random."""
-    from transformers import AutoModelForCausalLM
+def load_for_export(ck, dtype: str) -> tuple[Any, dict[str, Any]]:
+    """(model in eval mode, loading report), built by the one torch builder from the open Checkpoint."""
+    from dsconv.model import torch_builder
 
-    kwargs: dict[str, Any] = dict(dtype=precision_torch_dtype(dtype), attn_implementation="eager", trust_remote_code=False,
-                                  output_loading_info=True)
-    if ck.facts.is_moe:
-        kwargs["experts_implementation"] = "batched_mm"
     if ck.is_quantized:
         raise UserError(f"{ck.root} is a quantized (msModelSlim layout) output",
                         hint="export the float checkpoint; ATC takes quantization through its own options")
-    report: dict[str, Any] = {"source": str(ck.root), "fp8_dequantized": False}
-    scratch = None
-    src = ck.root
-    try:
-        if ck.fp8_scales:
-            from dsconv.convert.fp8 import export_safetensors
-
-            scratch_parent.mkdir(parents=True, exist_ok=True)
-            scratch = scratch_parent / f".{ck.root.name}.dsconv-fp8-{dtype}"
-            export_safetensors(ck.root, scratch, dtype=dtype, force=True, allow_pickle=allow_pickle,
-                               stage="export-scratch")
-            src = scratch
-            report["fp8_dequantized"] = True
-        with quiet_transformers():
-            model, info = AutoModelForCausalLM.from_pretrained(src, **kwargs)
-    finally:
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)  # mapped pages stay valid until the model drops them
-    missing = sorted(info.get("missing_keys") or [])
-    mismatched = sorted(info.get("mismatched_keys") or [])
-    if missing:
-        raise UserError(f"{ck.root}: {len(missing)} weight(s) the model needs are not in the checkpoint, e.g. "
-                        f"{missing[0]}", hint="the checkpoint is incomplete; transformers would initialise them "
-                                              "randomly, so nothing is exported")
-    if mismatched:
-        first = mismatched[0]
-        raise UserError(f"{ck.root}: {len(mismatched)} weight(s) have the wrong shape for config.json, e.g. {first}",
-                        hint="config.json does not describe these weights")
-    report["unused_tensors"] = sorted(info.get("unexpected_keys") or [])
-    model.eval()
+    experts = "batched_mm" if ck.facts.is_moe else None
+    with quiet_transformers():
+        model, unused = torch_builder.build(ck, precision_torch_dtype(dtype), attn="eager", experts=experts)
+    report: dict[str, Any] = {"source": str(ck.root), "fp8_dequantized": bool(ck.fp8_scales),
+                              "unused_tensors": unused}
     if ck.facts.is_moe and model.config._experts_implementation != "batched_mm":
         raise RuntimeError(f"MoE experts loaded as {model.config._experts_implementation!r}, not batched_mm")
     return model, report
 
 
-def experts_modules(model) -> list[tuple[str, Any]]:
-    """transformers' fused expert blocks (a 3-D `gate_up_proj`), in layer order."""
-    out = []
-    for name, module in model.named_modules():
-        p = getattr(module, "gate_up_proj", None)
-        if p is not None and getattr(p, "dim", lambda: 0)() == 3:
-            out.append((name, module))
-    return out
+def experts_modules(model, family) -> list[tuple[str, Any]]:
+    """transformers' fused expert blocks (the family's 3-D `fused_params`), in layer order."""
+    from dsconv.model.torch_builder import is_fused_experts
+
+    return [(name, module) for name, module in model.named_modules() if is_fused_experts(module, family)]
 
 
 class ExpertHits:
     """Records which (expert block, expert) pairs each forward pass routes to, from the experts' `top_k_index`
     argument (every transformers MoE calls `experts(hidden_states, top_k_index, top_k_weights)`)."""
 
-    def __init__(self, model) -> None:
-        self.blocks = experts_modules(model)
+    def __init__(self, model, family) -> None:
+        self.blocks = experts_modules(model, family)
         self.current: set[tuple[int, int]] = set()
         self._handles: list[Any] = []
 

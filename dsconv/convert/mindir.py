@@ -2,7 +2,7 @@
 equal to the PyTorch model before anything is written.
 
 No ONNX -> MindIR converter exists on PyPI, so dsconv writes the network in MindSpore (dsconv/convert/ms_nets: one
-module per architecture on shared blocks), streams the weights into it one tensor at a time, and exports it with
+builder driven by the family table, on shared blocks), streams the weights into it one tensor at a time, and exports it with
 `mindspore.export`. The exported graph:
 
 * inputs  `input_ids` int64 [batch, seq] and `attention_mask` int64 [batch, seq] (1 = token, 0 = padding), both
@@ -151,82 +151,42 @@ def _run_child(step: str, scratch: Path, request: dict[str, Any]) -> dict[str, A
 
 
 # ------------------------------------------------------------------------------------------------ check
-def _plain_safetensors(ck) -> bool:
-    return (not ck.is_quantized and not ck.fp8_scales and all(f.suffix == ".safetensors" for f in ck.files)
-            and "quantization_config" not in ck.config)
-
-
-def write_reference_checkpoint(ck, directory: Path) -> Path:
-    """A float32 HF checkpoint of what `ck` means (FP8 and int8/int4 weights dequantized; auxiliaries and MTP
-    layers dropped), streamed tensor by tensor through the project's writer, for transformers to load."""
-    import json
-
+def reference_loader(ck):
+    """Loads what `ck` means in float32 for the torch builder: FP8 dequantized by the reader, weight-only int8/int4
+    weights dequantized with their scales (auxiliaries are then simply not asked for)."""
     import torch
 
-    from dsconv.families.roles import Category
     from dsconv.qformat import dequant_weight, unpack_int4_by_shape
-    from dsconv.tensors import TensorSpec
-    from dsconv.writer import TensorSetWriter
 
-    directory.mkdir(parents=True, exist_ok=True)
     desc = ck.quant_description or {}
-    scales = set(ck.fp8_scales.values())
-    names = [n for n, r in ck.roles.items() if not r.is_aux and n not in scales and r.category != Category.MTP]
 
-    def logical_shape(name: str) -> tuple[int, ...]:
+    def load(name: str, dtype) -> "torch.Tensor":
         info = ck.info(name)
-        if info.dtype != "I8" or not str(desc.get(name, desc.get("model_quant_type", ""))).startswith("W4"):
-            return tuple(info.shape)
+        if info.dtype != "I8":
+            return ck.load(name, dequantize=True).to(dtype)
         prefix = name[: -len(".weight")]
-        n = ck.info(prefix + ".weight_scale").shape[0]
-        rows, cols = info.shape
-        return (n, cols) if rows * 2 == n else (rows, cols * 2)
+        scale = ck.load(prefix + ".weight_scale").float().numpy()
+        q = ck.load(name).numpy()
+        if str(desc.get(name, desc.get("model_quant_type", ""))).startswith("W4"):  # two int4 per byte
+            rows, cols = q.shape
+            n = scale.shape[0]
+            q = unpack_int4_by_shape(q, (n, cols) if rows * 2 == n else (rows, cols * 2), name)
+        offset = ck.load(prefix + ".weight_offset").float().numpy() if prefix + ".weight_offset" in ck else None
+        return torch.from_numpy(dequant_weight(q, scale, offset)).to(dtype)
 
-    specs = [TensorSpec(n, "F32", logical_shape(n)) for n in names]
-    writer = TensorSetWriter(directory, specs, "model", max_shard_size=2**62)
-    try:
-        for spec in specs:
-            info = ck.info(spec.name)
-            if info.dtype == "I8":
-                prefix = spec.name[: -len(".weight")]
-                q = ck.load(spec.name).numpy()
-                if tuple(q.shape) != spec.shape:
-                    q = unpack_int4_by_shape(q, spec.shape, spec.name)
-                scale = ck.load(prefix + ".weight_scale").float().numpy()
-                offset = (ck.load(prefix + ".weight_offset").float().numpy()
-                          if prefix + ".weight_offset" in ck else None)
-                w = torch.from_numpy(dequant_weight(q, scale, offset))
-            else:
-                w = ck.load(spec.name, dequantize=True).float()
-            writer.write(spec.name, w.contiguous())
-        writer.close()
-    except BaseException:
-        writer.abort()
-        raise
-    config = dict(ck.config)
-    config.pop("quantization_config", None)
-    config["dtype"] = "float32"
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-    return directory
+    return load
 
 
 def load_reference(ck, scratch: Path):
-    """transformers' model in float32 (eager attention) on the same weights: the parity reference."""
+    """transformers' model in float32 (eager attention) on the same weights, built by the one torch builder from
+    the reader (nothing written): the parity reference."""
     import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
-    src = ck.root if _plain_safetensors(ck) else write_reference_checkpoint(ck, scratch / "reference")
-    verbosity = hf_logging.get_verbosity()
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager")
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
+    from dsconv.convert.hf_model import quiet_transformers
+    from dsconv.model import torch_builder
+
+    with quiet_transformers():
+        model, _ = torch_builder.build(ck, torch.float32, attn="eager", load=reference_loader(ck))
     return model.eval()
 
 
@@ -296,6 +256,7 @@ def compare_with_reference(ck, scratch: Path, outputs: list[np.ndarray], dtype: 
     order differ relatively, so a fixed absolute bound would fail correct exports of models with larger logits.
     """
     cases = worker.cases_for(ck.config, int(ck.facts.vocab_size))
+    default = ck.family.export_atol.get(("mindir", dtype), DEFAULT_ATOL[dtype])  # a family may declare its own
     model = load_reference(ck, scratch)
     hits: dict[str, set[int]] = {}
     handles = _router_hooks(model, hits)
@@ -314,7 +275,7 @@ def compare_with_reference(ck, scratch: Path, outputs: list[np.ndarray], dtype: 
     for (name, ids, mask), got, ref, orig in zip(cases, outputs, rounded, original):
         figures = {"name": name, "shape": list(ids.shape), "real_tokens": int(mask.sum()), **_compare(name, got, ref,
                                                                                                      mask)}
-        figures["tolerance"] = atol if atol is not None else DEFAULT_ATOL[dtype] * max(1.0, figures["ref_max_abs"])
+        figures["tolerance"] = atol if atol is not None else default * max(1.0, figures["ref_max_abs"])
         figures["passed"] = figures["max_abs_err"] <= figures["tolerance"]
         if dtype != "fp32":
             vs = _compare(name, got, orig, mask)
@@ -324,7 +285,7 @@ def compare_with_reference(ck, scratch: Path, outputs: list[np.ndarray], dtype: 
                                           f", weights rounded to {dtype} as stored (routers float32)")
     result: dict[str, Any] = {
         "reference": reference,
-        "atol": atol if atol is not None else f"{DEFAULT_ATOL[dtype]:g} x max(1, max |reference logit|)",
+        "atol": atol if atol is not None else f"{default:g} x max(1, max |reference logit|)",
         "max_abs_err": max(s["max_abs_err"] for s in shapes), "passed": all(s["passed"] for s in shapes),
         "compared": "logits at real (non-padding) positions", "shapes": shapes}
     if dtype != "fp32":
@@ -351,7 +312,6 @@ def export_mindir(model_dir: Path, output: Path, *, dtype: str = "fp32", with_pa
     checked against PyTorch on three shapes; returns a JSON-ready summary (files, sizes, parity per shape, dtype,
     seconds). CheckFailed (exit 3) when the check fails: nothing is written then."""
     from dsconv.checkpoint import Checkpoint
-    from dsconv.convert.ms_nets import check_supported
 
     t0 = time.perf_counter()
     model_dir, output = Path(model_dir).absolute(), Path(output).absolute()  # MindSpore runs in another cwd
@@ -364,8 +324,7 @@ def export_mindir(model_dir: Path, output: Path, *, dtype: str = "fp32", with_pa
         raise UserError(f"--atol {atol} must be positive",
                         hint=f"omit it for the default ({DEFAULT_ATOL[dtype]:g} x the largest reference logit)")
     worker.require_mindspore()
-    with Checkpoint.open(model_dir, allow_pickle=allow_pickle) as ck:
-        check_supported(ck.config, str(model_dir / "config.json"))
+    with Checkpoint.open(model_dir, allow_pickle=allow_pickle) as ck:  # every family has a network (ms_nets/build.py)
         return _export(ck, model_dir, output, dtype, atol, force, allow_pickle, t0)
 
 

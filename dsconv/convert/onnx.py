@@ -3,7 +3,7 @@
 Steps, in one OutputDir transaction (any failure leaves nothing behind):
   1. estimate the peak memory from headers and refuse early when it clearly exceeds the available RAM (tracing needs
      the whole model in memory; `force` tries anyway);
-  2. load the model with transformers' own code (hf_model.py; FP8 dequantized first, MoE as `batched_mm`);
+  2. build transformers' model from the reader (hf_model.py; FP8 dequantized in-stream, MoE as `batched_mm`);
   3. trace the I/O wrapper (onnx_wrapper.py) with the TorchScript exporter into a weightless graph, keep integer
      math in int64, convert the opset when the exporter cannot emit the requested one (onnx_opset.py);
   4. stream the weights into model.onnx_data (onnx_graph.py), one tensor at a time, never copied;
@@ -109,8 +109,11 @@ def export_onnx(model_dir: Path, output: Path, *, dtype: str = "fp32", opset: in
 
     t0 = time.perf_counter()
     model_dir, output = Path(model_dir), Path(output)
+    user_atol = atol
     opset, atol = resolve_options(dtype, opset, atol)
     ck = Checkpoint.open(model_dir, allow_pickle=allow_pickle)
+    if user_atol is None:  # a family may declare its own default (families/base.py Family.export_atol)
+        atol = ck.family.export_atol.get(("onnx", dtype), atol)
     if ck.is_quantized:
         raise UserError(f"{model_dir} is a quantized (msModelSlim layout) output",
                         hint="export the float checkpoint; quantized deployment goes through ATC's options")
@@ -154,7 +157,7 @@ def _export(ck, model_dir: Path, output: Path, *, dtype: str, opset: int, with_p
     t = time.perf_counter()
     with OutputDir(output, stage="export", inputs=[model_dir], force=force, options=options,
                    input_identity=ck.identity()) as out:
-        model, load_report = hf_model.load_for_export(ck, dtype, output.absolute().parent, allow_pickle)
+        model, load_report = hf_model.load_for_export(ck, dtype)
         timings["load"] = time.perf_counter() - t
         tdtype = precision_torch_dtype(dtype)
         spec = onnx_wrapper.IOSpec(with_past, position_ids,
@@ -198,9 +201,9 @@ def _export(ck, model_dir: Path, output: Path, *, dtype: str, opset: int, with_p
             model.to(torch.float32)
             ref_dtype = torch.float32
         experts_total = 0
-        hits = hf_model.ExpertHits(model) if ck.facts.is_moe else None
+        hits = hf_model.ExpertHits(model, ck.family) if ck.facts.is_moe else None
         if hits is not None:
-            experts_total = sum(int(m.gate_up_proj.shape[0]) for _, m in hits.blocks)
+            experts_total = ck.facts.num_experts * len(hits.blocks)
             with hits, torch.no_grad():
                 wrapper(*args)
                 trace_hits = hits.take()

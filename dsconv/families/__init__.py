@@ -1,14 +1,25 @@
 """The registry of model families: `model_type` -> Family. The only place that knows tensor names.
 
-A family registers itself with `@register`; `family_for(config)` looks it up and lists the supported types when a
-model_type is unknown.
+A family is one file: a `Family` subclass with its table (base.T rows), its config keys (`_facts`) and its tiny
+config, registered with `@register` and imported at the bottom of this module. `family_for(config)` looks it up and
+lists the supported types when a model_type is unknown.
+
+Adding a family (everything else - classification, synthesis, inspect, quantize, shard, the torch builder, the
+MindSpore network's weight lookup, the tiny test model - follows from these):
+  1. `families/<name>.py`: `model_types`; `table` from the row builders in base.py (`decoder`, `gqa_attention`,
+     `qk_norm`, `dense_mlp`, `experts`, `router`, `swiglu`, `linear`, `norm`) plus rows of its own; `tiny` config
+     keys; `_facts` for config keys the base does not read (MoE counts, `router`, `sliding`, ...); optionally
+     `export_atol`, `fused_renames`;
+  2. import it at the bottom of this module;
+  3. only for an op no family had: a MindSpore block in convert/ms_nets (as mla.py), chosen in ms_nets/build.py.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from dsconv.errors import UserError
-from dsconv.families.base import Family, ModelFacts, Rule
+from dsconv.families.base import Family, T
+from dsconv.families.facts import ModelFacts
 from dsconv.families.roles import Category, Role, TensorRole
 
 _REGISTRY: dict[str, Family] = {}
@@ -25,6 +36,11 @@ def supported_model_types() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def families() -> list[Family]:
+    """Every registered family once (registration order)."""
+    return list({id(f): f for f in _REGISTRY.values()}.values())
+
+
 def family_for(config: dict[str, Any], where: str = "config.json") -> Family:
     model_type = config.get("model_type")
     if model_type not in _REGISTRY:
@@ -35,5 +51,5 @@ def family_for(config: dict[str, Any], where: str = "config.json") -> Family:
 
 from dsconv.families import llama, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral, deepseek_v3  # noqa: E402,F401
 
-__all__ = ["Family", "ModelFacts", "Rule", "Role", "Category", "TensorRole", "family_for", "register",
+__all__ = ["Family", "ModelFacts", "T", "Role", "Category", "TensorRole", "family_for", "register",
            "supported_model_types"]

@@ -1,80 +1,86 @@
-"""What a model family is: a table of tensor-name templates -> Role, and the few facts derived from config.json.
+"""What a model family is: ONE declarative table of tensor-name templates, and the facts derived from config.json.
 
-Names are matched by template, gguf-py style: the layer and expert numbers in a name are replaced by {L} and {E}
-(`model.layers.{L}.mlp.experts.{E}.down_proj`), so classifying the 91,991 names of DeepSeek-V3 is a dict lookup per
-name, and the table reads like the checkpoint it describes.
+Each row of the table (`T`) says, for one tensor of the checkpoint: its name template (gguf-py style: the layer and
+expert numbers replaced by {L} and {E}), its Role and inspect Category, the slot stages know it by, its shape as a
+formula over ModelFacts, the TP dimension (from the role unless stated), and when it is present. Everything else is
+derived from the table, never restated:
+
+* classification of a name (`classify`): one dict lookup per name - 91,991 DeepSeek-V3 names in a blink;
+* the full tensor list of a config with no weights (`synthesize`: inspect/shard from config alone, tests);
+* the MindSpore builder's weight lookup (`tensor(key, layer, expert)` and `shape(key, facts)`): builders ask by key
+  ("attn.q", "mlp.down", "expert.gate", "router", ...), never by a name string;
+* the tiny-model config (`tiny`) and export tolerances (`export_atol`) sit next to the table.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 from dsconv.errors import UserError
+from dsconv.families.facts import ModelFacts, cfg_get, config_dtype
 from dsconv.families.roles import ALL_PARAMS, Category, Role, TensorRole
-from dsconv.tensors import DTYPE_FROM_CONFIG, TensorSpec
+from dsconv.tensors import TensorSpec
+
+L = "model.layers.{L}."
+Dim = int | str  # an int, or a ModelFacts attribute (property) name
 
 
 @dataclass(frozen=True)
-class Rule:
-    """One row of a family's table: a module template and what it is."""
+class T:
+    """One row of a family's table: one tensor kind.
 
+    key      unique in the family: what builders ask for ("attn.q", "norm.input", "expert.down", ...)
+    name     full name template with the parameter ("model.layers.{L}.self_attn.q_proj.weight")
+    shape    formula: ints and ModelFacts attribute names (`("q_size", "hidden_size")`)
+    slot     what TensorRole.slot reports (gate/up/down, q/k/v/o, q_a, kv_b, ...)
+    when     a PRESENT predicate name (see PRESENT), None = always
+    dtype    a fixed dtype (routing biases stay F32), None = the checkpoint's
+    tp_dim   override of the role's TP dimension
+    """
+
+    key: str
+    name: str
     role: Role
     category: Category
+    shape: tuple[Dim, ...]
     slot: str | None = None
-
-
-@dataclass
-class ModelFacts:
-    """The config-derived facts every stage needs (layer/expert counts, head geometry, MLA ranks)."""
-
-    model_type: str
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    v_head_dim: int
-    intermediate_size: int
-    dtype: str = "BF16"
-    num_mtp_layers: int = 0
-    num_experts: int = 0
-    experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    shared_intermediate_size: int = 0
-    moe_layers: tuple[int, ...] = ()
-    tie_word_embeddings: bool = False
-    q_lora_rank: int | None = None
-    kv_lora_rank: int | None = None
-    qk_rope_head_dim: int | None = None
-    qk_nope_head_dim: int | None = None
-    fp8_block: tuple[int, int] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    when: str | None = None
+    dtype: str | None = None
+    tp_dim: int | None = None
 
     @property
-    def is_mla(self) -> bool:
-        return self.kv_lora_rank is not None
+    def module(self) -> str:
+        return self.name.rsplit(".", 1)[0]
 
     @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0 and bool(self.moe_layers)
+    def param(self) -> str:
+        return self.name.rsplit(".", 1)[1]
 
-    def kv_bytes_per_token(self, bytes_per_element: int = 2, tp: int = 1) -> int:
-        """KV-cache bytes per token on one card, all layers (MTP excluded).
+    @property
+    def per_layer(self) -> bool:
+        return "{L}" in self.name
 
-        MLA caches the latent (kv_lora_rank + rope dims), replicated on every TP rank; MHA/GQA caches K and V for the
-        KV heads, divided by tp while tp <= KV heads (beyond that each rank keeps one head).
-        """
-        if self.is_mla:
-            return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * bytes_per_element
-        heads = max(1, math.ceil(self.num_kv_heads / tp)) if tp > 1 else self.num_kv_heads
-        return 2 * self.num_layers * heads * self.head_dim * bytes_per_element
+    @property
+    def per_expert(self) -> bool:
+        return "{E}" in self.name
 
-    def as_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items() if k != "extra"}
-        d["moe_layers"] = list(self.moe_layers)
-        return d
+    def dims(self, f: ModelFacts) -> tuple[int, ...]:
+        return tuple(d if isinstance(d, int) else int(getattr(f, d)) for d in self.shape)
+
+
+#: when a row is present, given the facts and the layer (None outside the layers)
+PRESENT: dict[str, Callable[[ModelFacts, int | None], bool]] = {
+    "dense": lambda f, layer: layer not in f.moe_layers,
+    "moe": lambda f, layer: layer in f.moe_layers,
+    "shared": lambda f, layer: layer in f.moe_layers and f.shared_intermediate_size > 0,
+    "q_lora": lambda f, layer: bool(f.q_lora_rank),
+    "no_q_lora": lambda f, layer: not f.q_lora_rank,
+    "qkv_bias": lambda f, layer: f.qkv_bias,
+    "noaux_tc": lambda f, layer: layer in f.moe_layers and f.router == "sigmoid_group",
+    "untied": lambda f, layer: not f.tie_word_embeddings,
+    "mtp": lambda f, layer: layer is not None and layer >= f.num_layers,
+}
 
 
 def template_of(name: str) -> tuple[str, str, int | None, int | None]:
@@ -93,31 +99,57 @@ def template_of(name: str) -> tuple[str, str, int | None, int | None]:
     return ".".join(parts), param, layer, expert
 
 
-def cfg_get(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
-    """First present key (HF renamed several across versions, e.g. torch_dtype -> dtype)."""
-    for k in keys:
-        if config.get(k) is not None:
-            return config[k]
-    return default
-
-
 class Family:
-    """Base of every family. Subclasses set `model_types`, `rules`, and override the few facts that differ."""
+    """Base of every family. Subclasses set `model_types`, `table`, `tiny`, and read their own config keys."""
 
     name: str = ""
     model_types: tuple[str, ...] = ()
-    rules: dict[str, Rule] = {}
-    #: per-expert module templates (the on-disk "original" layout) by slot; fused layouts are presented this way
-    expert_modules: dict[str, str] = {"gate": "mlp.experts.{E}.gate_proj", "up": "mlp.experts.{E}.up_proj",
-                                      "down": "mlp.experts.{E}.down_proj"}
+    #: the one model description (see T); row order is checkpoint order
+    table: tuple[T, ...] = ()
+    #: config overrides of the seeded tiny model (dsconv.tiny) over its common small widths
+    tiny: dict[str, Any] = {}
+    #: export tolerance defaults where a family needs its own: ("onnx", dtype) -> absolute atol,
+    #: ("mindir", dtype) -> atol relative to the largest reference logit (the formats' own defaults otherwise)
+    export_atol: dict[tuple[str, str], float] = {}
     #: where transformers' fused 3-D experts live (relative to the layer) and renames of their siblings
     fused_experts: str = "mlp.experts"
     fused_renames: dict[str, str] = {}
+    #: transformers' fused 3-D expert parameters -> the per-expert slots each holds, stacked along dim 1
+    fused_params: dict[str, tuple[str, ...]] = {"gate_up_proj": ("gate", "up"), "down_proj": ("down",)}
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        cls._rows = {r.key: r for r in cls.table}
+        modules: dict[str, T] = {}
+        for r in cls.table:
+            modules.setdefault(r.module, r)
+        cls._modules = modules
+        #: per-expert module templates relative to the layer, by slot (the on-disk "original" layout)
+        cls.expert_modules = {r.slot: r.module[len(L):] for r in cls.table if r.per_expert and r.param == "weight"}
+        if len(cls._rows) != len(cls.table):
+            raise ValueError(f"{cls.__name__}: duplicate keys in its table")
+
+    # ---- the table as builders see it -----------------------------------------------------------------------
+    def has(self, key: str) -> bool:
+        return key in self._rows
+
+    def row(self, key: str) -> T:
+        return self._rows[key]
+
+    def tensor(self, key: str, layer: int | None = None, expert: int | None = None) -> str:
+        """The concrete tensor name of `key` ("attn.q", layer 3 -> model.layers.3.self_attn.q_proj.weight)."""
+        return self._rows[key].name.replace("{L}", str(layer)).replace("{E}", str(expert))
+
+    def module(self, key: str, layer: int | None = None, expert: int | None = None) -> str:
+        return self.tensor(key, layer, expert).rsplit(".", 1)[0]
+
+    def shape(self, key: str, f: ModelFacts) -> tuple[int, ...]:
+        return self._rows[key].dims(f)
 
     # ---- classification -------------------------------------------------------------------------------------
     def classify(self, name: str, facts: ModelFacts) -> TensorRole:
         module, param, layer, expert = template_of(name)
-        rule = self.rules.get(module)
+        rule = self._modules.get(module)
         if rule is None or not param:
             raise UserError(f"tensor {name} is not part of the {self.name} layout dsconv knows",
                             hint="check that config.json's model_type matches the weights, or report the name")
@@ -144,101 +176,118 @@ class Family:
             vocab_size=c["vocab_size"], num_heads=heads, num_kv_heads=cfg_get(c, "num_key_value_heads", default=heads),
             head_dim=head_dim, v_head_dim=head_dim, intermediate_size=c["intermediate_size"],
             dtype=config_dtype(c), tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            config=c, rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), hidden_act=c.get("hidden_act", "silu"),
+            qkv_bias=bool(c.get("attention_bias", False)),
         )
 
     # ---- synthesis from config alone ------------------------------------------------------------------------
+    def iter_shapes(self, f: ModelFacts) -> Iterator[tuple[T, str, tuple[int, ...]]]:
+        """(row, name, shape) of every tensor a checkpoint of these facts holds, in checkpoint order: the rows
+        before the first layer row, every decoder layer (expert rows expanded per expert where they stand), the
+        rows after the layers, then the MTP layers (DeepSeek stores them last, as layer num_hidden_layers...)."""
+        first = next((i for i, r in enumerate(self.table) if r.per_layer), len(self.table))
+        last = max((i for i, r in enumerate(self.table) if r.per_layer), default=first - 1)
+        for r in self.table[:first]:
+            if r.when is None or PRESENT[r.when](f, None):
+                yield r, r.name, r.dims(f)
+        for layer in range(f.num_layers):
+            yield from self._layer_shapes(f, layer, self.table[first:last + 1])
+        for r in self.table[last + 1:]:
+            if r.when is None or PRESENT[r.when](f, None):
+                yield r, r.name, r.dims(f)
+        for layer in range(f.num_layers, f.num_layers + f.num_mtp_layers):
+            yield from self._layer_shapes(f, layer, self.table[first:last + 1])
+
+    def _layer_shapes(self, f: ModelFacts, layer: int, rows: tuple[T, ...]) -> Iterator[tuple[T, str, tuple[int, ...]]]:
+        i = 0
+        while i < len(rows):
+            run = [rows[i]]  # a run of expert rows is expanded expert by expert
+            while run[0].per_expert and i + len(run) < len(rows) and rows[i + len(run)].per_expert:
+                run.append(rows[i + len(run)])
+            i += len(run)
+            live = [r for r in run if r.when is None or PRESENT[r.when](f, layer)]
+            for e in (range(f.num_experts) if run[0].per_expert else (None,)) if live else ():
+                for r in live:
+                    yield r, self.tensor(r.key, layer, e), r.dims(f)
+
     def synthesize(self, config: dict[str, Any]) -> list[TensorSpec]:
-        """The full tensor list (names, shapes, dtypes) a checkpoint of this config has, with no weights."""
+        """The full tensor list (names, shapes, dtypes) a checkpoint of this config has, with no weights. FP8
+        configs (DeepSeek's published form): quantizable linear weights F8_E4M3, each followed by its F32
+        `weight_scale_inv` block grid."""
         f = self.facts(config)
         out: list[TensorSpec] = []
-        for name, shape in self.iter_shapes(f):
-            out.append(TensorSpec(name, self.synth_dtype(name, f), tuple(shape)))
+        for row, name, shape in self.iter_shapes(f):
+            if row.dtype:
+                out.append(TensorSpec(name, row.dtype, shape))
+            elif f.fp8_block and row.role.quantized_by_default and row.param == "weight":
+                out.append(TensorSpec(name, "F8_E4M3", shape))
+                br, bc = f.fp8_block
+                out.append(TensorSpec(name + "_scale_inv", "F32", (math.ceil(shape[0] / br), math.ceil(shape[1] / bc))))
+            else:
+                out.append(TensorSpec(name, f.dtype, shape))
         return out
 
-    def synth_dtype(self, name: str, f: ModelFacts) -> str:
-        return f.dtype
 
-    def iter_shapes(self, f: ModelFacts) -> Iterator[tuple[str, tuple[int, ...]]]:
-        yield "model.embed_tokens.weight", (f.vocab_size, f.hidden_size)
-        for layer in range(f.num_layers):
-            p = f"model.layers.{layer}."
-            yield p + "input_layernorm.weight", (f.hidden_size,)
-            yield p + "post_attention_layernorm.weight", (f.hidden_size,)
-            for name, shape in self.attention_shapes(f, layer):
-                yield p + name, shape
-            for name, shape in self.mlp_shapes(f, layer):
-                yield p + name, shape
-        yield "model.norm.weight", (f.hidden_size,)
-        if not f.tie_word_embeddings:
-            yield "lm_head.weight", (f.vocab_size, f.hidden_size)
-
-    def attention_shapes(self, f: ModelFacts, layer: int) -> Iterator[tuple[str, tuple[int, ...]]]:
-        q, kv = f.num_heads * f.head_dim, f.num_kv_heads * f.head_dim
-        yield "self_attn.q_proj.weight", (q, f.hidden_size)
-        yield "self_attn.k_proj.weight", (kv, f.hidden_size)
-        yield "self_attn.v_proj.weight", (kv, f.hidden_size)
-        if self.qkv_bias(f):
-            yield "self_attn.q_proj.bias", (q,)
-            yield "self_attn.k_proj.bias", (kv,)
-            yield "self_attn.v_proj.bias", (kv,)
-        yield "self_attn.o_proj.weight", (f.hidden_size, q)
-
-    def qkv_bias(self, f: ModelFacts) -> bool:
-        return bool(f.extra.get("attention_bias"))
-
-    def mlp_shapes(self, f: ModelFacts, layer: int) -> Iterator[tuple[str, tuple[int, ...]]]:
-        yield from dense_mlp("mlp", f.hidden_size, f.intermediate_size)
+# ------------------------------------------------------------------------------------------------ row builders
+def linear(key: str, module: str, role: Role, category: Category, out: Dim, inp: Dim, slot: str | None = None,
+           when: str | None = None) -> tuple[T, ...]:
+    return (T(key, module + ".weight", role, category, (out, inp), slot, when),)
 
 
-def dense_mlp(prefix: str, hidden: int, inter: int) -> Iterator[tuple[str, tuple[int, ...]]]:
-    yield f"{prefix}.gate_proj.weight", (inter, hidden)
-    yield f"{prefix}.up_proj.weight", (inter, hidden)
-    yield f"{prefix}.down_proj.weight", (hidden, inter)
+def norm(key: str, module: str, size: Dim = "hidden_size", category: Category = Category.NORMS,
+         when: str | None = None) -> tuple[T, ...]:
+    return (T(key, module + ".weight", Role.NORM, category, (size,), None, when),)
 
 
-def config_dtype(c: dict[str, Any]) -> str:
-    raw = str(cfg_get(c, "dtype", "torch_dtype", default="bfloat16")).replace("torch.", "")
-    return DTYPE_FROM_CONFIG.get(raw, "BF16")
+def gqa_attention(qkv_bias: bool = True) -> tuple[T, ...]:
+    """Llama-style attention: q/k/v (biases where `qkv_bias` facts say so), o."""
+    a, A = L + "self_attn.", Category.ATTENTION
+    rows = (*linear("attn.q", a + "q_proj", Role.ATTN_IN, A, "q_size", "hidden_size", "q"),
+            *linear("attn.k", a + "k_proj", Role.ATTN_IN, A, "kv_size", "hidden_size", "k"),
+            *linear("attn.v", a + "v_proj", Role.ATTN_IN, A, "kv_size", "hidden_size", "v"))
+    if qkv_bias:
+        rows += (T("attn.q_bias", a + "q_proj.bias", Role.ATTN_IN, A, ("q_size",), "q", "qkv_bias"),
+                 T("attn.k_bias", a + "k_proj.bias", Role.ATTN_IN, A, ("kv_size",), "k", "qkv_bias"),
+                 T("attn.v_bias", a + "v_proj.bias", Role.ATTN_IN, A, ("kv_size",), "v", "qkv_bias"))
+    return rows + linear("attn.o", a + "o_proj", Role.ATTN_OUT, A, "hidden_size", "attn_out_size", "o")
 
 
-def llama_rules(mlp: str = "mlp") -> dict[str, Rule]:
-    """The Llama skeleton most families share."""
-    L = "model.layers.{L}."
-    return {
-        "model.embed_tokens": Rule(Role.EMBED, Category.EMBEDDING),
-        "lm_head": Rule(Role.LM_HEAD, Category.LM_HEAD),
-        "model.norm": Rule(Role.NORM, Category.NORMS),
-        L + "input_layernorm": Rule(Role.NORM, Category.NORMS),
-        L + "post_attention_layernorm": Rule(Role.NORM, Category.NORMS),
-        L + "self_attn.q_proj": Rule(Role.ATTN_IN, Category.ATTENTION, "q"),
-        L + "self_attn.k_proj": Rule(Role.ATTN_IN, Category.ATTENTION, "k"),
-        L + "self_attn.v_proj": Rule(Role.ATTN_IN, Category.ATTENTION, "v"),
-        L + "self_attn.o_proj": Rule(Role.ATTN_OUT, Category.ATTENTION, "o"),
-        L + f"{mlp}.gate_proj": Rule(Role.MLP_IN, Category.DENSE_MLP, "gate"),
-        L + f"{mlp}.up_proj": Rule(Role.MLP_IN, Category.DENSE_MLP, "up"),
-        L + f"{mlp}.down_proj": Rule(Role.MLP_OUT, Category.DENSE_MLP, "down"),
-    }
+def qk_norm() -> tuple[T, ...]:
+    """Per-head RMSNorm on q and k before rotary (Qwen3, Gemma 3)."""
+    return (*norm("attn.q_norm", L + "self_attn.q_norm", "head_dim"),
+            *norm("attn.k_norm", L + "self_attn.k_norm", "head_dim"))
 
 
-def expert_rules(experts: str = "mlp.experts.{E}", names: tuple[str, str, str] = ("gate_proj", "up_proj",
-                                                                                   "down_proj")) -> dict[str, Rule]:
-    L = "model.layers.{L}."
-    gate, up, down = names
-    return {
-        L + f"{experts}.{gate}": Rule(Role.EXPERT_IN, Category.ROUTED_EXPERTS, "gate"),
-        L + f"{experts}.{up}": Rule(Role.EXPERT_IN, Category.ROUTED_EXPERTS, "up"),
-        L + f"{experts}.{down}": Rule(Role.EXPERT_OUT, Category.ROUTED_EXPERTS, "down"),
-    }
+def swiglu(prefix: str, category: Category, inter: Dim, key: str = "mlp", when: str | None = None,
+           role_in: Role = Role.MLP_IN, role_out: Role = Role.MLP_OUT,
+           names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> tuple[T, ...]:
+    """gate/up/down of a gated MLP (dense, shared expert, or one routed expert)."""
+    g, u, d = names
+    return (*linear(f"{key}.gate", f"{prefix}.{g}", role_in, category, inter, "hidden_size", "gate", when),
+            *linear(f"{key}.up", f"{prefix}.{u}", role_in, category, inter, "hidden_size", "up", when),
+            *linear(f"{key}.down", f"{prefix}.{d}", role_out, category, "hidden_size", inter, "down", when))
 
 
-def shared_expert_rules(prefix: str) -> dict[str, Rule]:
-    L = "model.layers.{L}."
-    return {
-        L + f"{prefix}.gate_proj": Rule(Role.MLP_IN, Category.SHARED_EXPERTS, "gate"),
-        L + f"{prefix}.up_proj": Rule(Role.MLP_IN, Category.SHARED_EXPERTS, "up"),
-        L + f"{prefix}.down_proj": Rule(Role.MLP_OUT, Category.SHARED_EXPERTS, "down"),
-    }
+def experts(prefix: str = L + "mlp.experts.{E}", names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+            inter: Dim = "moe_intermediate_size") -> tuple[T, ...]:
+    return swiglu(prefix, Category.ROUTED_EXPERTS, inter, "expert", "moe", Role.EXPERT_IN, Role.EXPERT_OUT, names)
 
 
-def router_rule(module: str = "mlp.gate") -> dict[str, Rule]:
-    return {"model.layers.{L}." + module: Rule(Role.ROUTER, Category.ROUTER)}
+def router(module: str = L + "mlp.gate", key: str = "router", out: Dim = "num_experts",
+           when: str | None = "moe") -> tuple[T, ...]:
+    return (T(key, module + ".weight", Role.ROUTER, Category.ROUTER, (out, "hidden_size"), None, when),)
+
+
+def decoder(attention: tuple[T, ...], mlp: tuple[T, ...]) -> tuple[T, ...]:
+    """The Llama skeleton every family here shares: embeddings, per layer two norms + attention + MLP, final norm,
+    lm_head (absent when tied)."""
+    return (*linear("embed", "model.embed_tokens", Role.EMBED, Category.EMBEDDING, "vocab_size", "hidden_size"),
+            *norm("norm.input", L + "input_layernorm"), *norm("norm.post", L + "post_attention_layernorm"),
+            *attention, *mlp,
+            *norm("norm.final", "model.norm"),
+            *linear("lm_head", "lm_head", Role.LM_HEAD, Category.LM_HEAD, "vocab_size", "hidden_size",
+                    when="untied"))
+
+
+def dense_mlp(when: str | None = None) -> tuple[T, ...]:
+    return swiglu(L + "mlp", Category.DENSE_MLP, "intermediate_size", when=when)

@@ -1,45 +1,54 @@
 """DeepSeek-V3 / R1: MLA attention, sigmoid noaux_tc routing over 256 experts + 1 shared, MTP stored as layer 61,
 FP8 block-scaled weights (see reference/deepseek_v3.md)."""
-from __future__ import annotations
-
-import math
-
 from dsconv.families import register
-from dsconv.families.base import (Family, ModelFacts, Rule, dense_mlp, expert_rules, llama_rules, router_rule,
-                                  shared_expert_rules)
+from dsconv.families.base import (L, T, Family, dense_mlp, experts, linear, norm, router, swiglu)
 from dsconv.families.roles import Category, Role
-from dsconv.tensors import TensorSpec
 
-L = "model.layers.{L}."
-MLA_RULES = {
-    L + "self_attn.q_proj": Rule(Role.ATTN_IN, Category.ATTENTION, "q"),  # q_lora_rank null (V2-Lite style)
-    L + "self_attn.q_a_proj": Rule(Role.ATTN_LATENT, Category.ATTENTION, "q_a"),
-    L + "self_attn.q_a_layernorm": Rule(Role.NORM, Category.NORMS),
-    L + "self_attn.q_b_proj": Rule(Role.ATTN_IN, Category.ATTENTION, "q_b"),
-    L + "self_attn.kv_a_proj_with_mqa": Rule(Role.ATTN_LATENT, Category.ATTENTION, "kv_a"),
-    L + "self_attn.kv_a_layernorm": Rule(Role.NORM, Category.NORMS),
-    L + "self_attn.kv_b_proj": Rule(Role.ATTN_IN, Category.ATTENTION, "kv_b"),
-    L + "self_attn.o_proj": Rule(Role.ATTN_OUT, Category.ATTENTION, "o"),
-}
-MTP_RULES = {  # the multi-token-prediction module's own tensors (layer index >= num_hidden_layers)
-    L + "enorm": Rule(Role.NORM, Category.MTP),
-    L + "hnorm": Rule(Role.NORM, Category.MTP),
-    L + "eh_proj": Rule(Role.MTP_PROJ, Category.MTP),
-    L + "embed_tokens": Rule(Role.EMBED, Category.MTP),
-    L + "shared_head.norm": Rule(Role.NORM, Category.MTP),
-    L + "shared_head.head": Rule(Role.LM_HEAD, Category.MTP),
-}
-BASE = {k: v for k, v in llama_rules().items() if ".self_attn." not in k}
+A, ATT, LAT = L + "self_attn.", Category.ATTENTION, Role.ATTN_LATENT
+MLA = (
+    *linear("attn.q_a", A + "q_a_proj", LAT, ATT, "q_lora_rank", "hidden_size", "q_a", "q_lora"),
+    *norm("attn.q_a_norm", A + "q_a_layernorm", "q_lora_rank", when="q_lora"),
+    *linear("attn.q_b", A + "q_b_proj", Role.ATTN_IN, ATT, "q_size", "q_lora_rank", "q_b", "q_lora"),
+    *linear("attn.q", A + "q_proj", Role.ATTN_IN, ATT, "q_size", "hidden_size", "q", "no_q_lora"),  # V2-Lite style
+    *linear("attn.kv_a", A + "kv_a_proj_with_mqa", LAT, ATT, "kv_a_size", "hidden_size", "kv_a"),
+    *norm("attn.kv_a_norm", A + "kv_a_layernorm", "kv_lora_rank"),
+    *linear("attn.kv_b", A + "kv_b_proj", Role.ATTN_IN, ATT, "kv_b_size", "kv_lora_rank", "kv_b"),
+    *linear("attn.o", A + "o_proj", Role.ATTN_OUT, ATT, "hidden_size", "attn_out_size", "o"),
+)
+MOE = (
+    *dense_mlp("dense"), *router(),
+    T("router.bias", L + "mlp.gate.e_score_correction_bias", Role.ROUTER, Category.ROUTER, ("num_experts",),
+      when="noaux_tc", dtype="F32"),
+    *experts(),
+    *swiglu(L + "mlp.shared_experts", Category.SHARED_EXPERTS, "shared_intermediate_size", "shared", "shared"),
+)
+M = Category.MTP  # the multi-token-prediction module's own tensors (layer index >= num_hidden_layers)
+MTP_IN = (
+    *linear("mtp.embed", L + "embed_tokens", Role.EMBED, M, "vocab_size", "hidden_size", when="mtp"),
+    *norm("mtp.enorm", L + "enorm", category=M, when="mtp"), *norm("mtp.hnorm", L + "hnorm", category=M, when="mtp"),
+    *linear("mtp.eh_proj", L + "eh_proj", Role.MTP_PROJ, M, "hidden_size", "mtp_in_size", when="mtp"),
+)
+MTP_OUT = (*norm("mtp.norm", L + "shared_head.norm", category=M, when="mtp"),
+           *linear("mtp.head", L + "shared_head.head", Role.LM_HEAD, M, "vocab_size", "hidden_size", when="mtp"))
 
 
 @register
 class DeepseekV3(Family):
     name = "deepseek_v3"
     model_types = ("deepseek_v3",)
-    rules = {**BASE, **MLA_RULES, **router_rule(), **expert_rules(), **shared_expert_rules("mlp.shared_experts"),
-             **MTP_RULES}
+    table = (
+        *linear("embed", "model.embed_tokens", Role.EMBED, Category.EMBEDDING, "vocab_size", "hidden_size"),
+        *MTP_IN, *norm("norm.input", L + "input_layernorm"), *norm("norm.post", L + "post_attention_layernorm"),
+        *MLA, *MOE, *MTP_OUT,
+        *norm("norm.final", "model.norm"),
+        *linear("lm_head", "lm_head", Role.LM_HEAD, Category.LM_HEAD, "vocab_size", "hidden_size", when="untied"),
+    )
+    tiny = {"num_hidden_layers": 3, "num_key_value_heads": 4, "first_k_dense_replace": 1, "n_routed_experts": 16,
+            "n_shared_experts": 1, "num_experts_per_tok": 4, "moe_intermediate_size": 32, "n_group": 4,
+            "topk_group": 2, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+            "v_head_dim": 16, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "num_nextn_predict_layers": 0}
 
-    def _facts(self, c) -> ModelFacts:
+    def _facts(self, c):
         f = super()._facts(c)
         f.q_lora_rank = c.get("q_lora_rank")
         f.kv_lora_rank = c["kv_lora_rank"]
@@ -56,69 +65,9 @@ class DeepseekV3(Family):
         total = f.num_layers + (c.get("num_nextn_predict_layers") or 0)
         f.moe_layers = tuple(i for i in range(total) if f.num_experts and i >= first_dense and i % freq == 0)
         f.num_mtp_layers = c.get("num_nextn_predict_layers") or 0
-        f.extra["noaux_tc"] = c.get("topk_method", "noaux_tc") == "noaux_tc"
+        f.router = "sigmoid_group" if c.get("topk_method", "noaux_tc") == "noaux_tc" else "softmax"
+        f.extra["noaux_tc"] = f.router == "sigmoid_group"
         q = c.get("quantization_config") or {}
         if q.get("quant_method") == "fp8":
             f.fp8_block = tuple(q.get("weight_block_size") or (128, 128))
         return f
-
-    def iter_shapes(self, f: ModelFacts):
-        yield from super().iter_shapes(f)
-        h = f.hidden_size
-        for layer in range(f.num_layers, f.num_layers + f.num_mtp_layers):
-            p = f"model.layers.{layer}."
-            yield p + "embed_tokens.weight", (f.vocab_size, h)
-            yield p + "enorm.weight", (h,)
-            yield p + "hnorm.weight", (h,)
-            yield p + "eh_proj.weight", (h, 2 * h)
-            yield p + "input_layernorm.weight", (h,)
-            yield p + "post_attention_layernorm.weight", (h,)
-            for name, shape in self.attention_shapes(f, layer):
-                yield p + name, shape
-            for name, shape in self.mlp_shapes(f, layer):
-                yield p + name, shape
-            yield p + "shared_head.norm.weight", (h,)
-            yield p + "shared_head.head.weight", (f.vocab_size, h)
-
-    def attention_shapes(self, f: ModelFacts, layer: int):
-        h, heads = f.hidden_size, f.num_heads
-        if f.q_lora_rank:
-            yield "self_attn.q_a_proj.weight", (f.q_lora_rank, h)
-            yield "self_attn.q_a_layernorm.weight", (f.q_lora_rank,)
-            yield "self_attn.q_b_proj.weight", (heads * f.head_dim, f.q_lora_rank)
-        else:
-            yield "self_attn.q_proj.weight", (heads * f.head_dim, h)
-        yield "self_attn.kv_a_proj_with_mqa.weight", (f.kv_lora_rank + f.qk_rope_head_dim, h)
-        yield "self_attn.kv_a_layernorm.weight", (f.kv_lora_rank,)
-        yield "self_attn.kv_b_proj.weight", (heads * (f.qk_nope_head_dim + f.v_head_dim), f.kv_lora_rank)
-        yield "self_attn.o_proj.weight", (h, heads * f.v_head_dim)
-
-    def mlp_shapes(self, f: ModelFacts, layer: int):
-        if layer not in f.moe_layers:
-            yield from super().mlp_shapes(f, layer)
-            return
-        yield "mlp.gate.weight", (f.num_experts, f.hidden_size)
-        if f.extra.get("noaux_tc"):
-            yield "mlp.gate.e_score_correction_bias", (f.num_experts,)
-        for e in range(f.num_experts):
-            yield from dense_mlp(f"mlp.experts.{e}", f.hidden_size, f.moe_intermediate_size)
-        if f.shared_intermediate_size:
-            yield from dense_mlp("mlp.shared_experts", f.hidden_size, f.shared_intermediate_size)
-
-    def synthesize(self, config) -> list[TensorSpec]:
-        """As the published checkpoint: FP8 linear weights each followed by a float32 `weight_scale_inv`."""
-        f = self.facts(config)
-        out: list[TensorSpec] = []
-        for name, shape in self.iter_shapes(f):
-            if name.endswith("e_score_correction_bias"):
-                out.append(TensorSpec(name, "F32", shape))
-                continue
-            role = self.classify(name, f).role
-            if f.fp8_block and role.quantized_by_default and name.endswith(".weight"):
-                out.append(TensorSpec(name, "F8_E4M3", shape))
-                br, bc = f.fp8_block
-                out.append(TensorSpec(name + "_scale_inv", "F32",
-                                      (math.ceil(shape[0] / br), math.ceil(shape[1] / bc))))
-            else:
-                out.append(TensorSpec(name, f.dtype, shape))
-        return out

@@ -1,15 +1,16 @@
-"""Llama (and every model_type that is a Llama under another name)."""
+"""Llama (and Mistral, a Llama with a sliding window on every layer): GQA attention, SwiGLU MLP."""
 from dsconv.families import register
-from dsconv.families.base import Family, llama_rules
+from dsconv.families.base import Family, decoder, dense_mlp, gqa_attention
 
 
 @register
 class Llama(Family):
     name = "llama"
     model_types = ("llama", "mistral")
-    rules = llama_rules()
+    table = decoder(gqa_attention(), dense_mlp())
+    tiny = {}
 
     def _facts(self, c):
         f = super()._facts(c)
-        f.extra["attention_bias"] = bool(c.get("attention_bias", False))
+        f.sliding = "all" if c["model_type"] == "mistral" else "layer_types"
         return f

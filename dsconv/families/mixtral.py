@@ -1,16 +1,17 @@
-"""Mixtral: every layer is MoE, experts named block_sparse_moe.experts.E.w1/w2/w3 on disk (w1 gate, w3 up, w2 down)."""
+"""Mixtral: every layer MoE (softmax top-k, always renormalised), experts named block_sparse_moe.experts.E.w1/w2/w3 on
+disk (w1 gate, w3 up, w2 down), a sliding window on every layer when set."""
 from dsconv.families import register
-from dsconv.families.base import Family, expert_rules, llama_rules, router_rule
+from dsconv.families.base import L, Family, decoder, experts, gqa_attention, router
 
 
 @register
 class Mixtral(Family):
     name = "mixtral"
     model_types = ("mixtral",)
-    rules = {**llama_rules(), **expert_rules("block_sparse_moe.experts.{E}", ("w1", "w3", "w2")),
-             **router_rule("block_sparse_moe.gate")}
-    expert_modules = {"gate": "block_sparse_moe.experts.{E}.w1", "up": "block_sparse_moe.experts.{E}.w3",
-                      "down": "block_sparse_moe.experts.{E}.w2"}
+    _experts = experts(L + "block_sparse_moe.experts.{E}", ("w1", "w3", "w2"), "intermediate_size")
+    table = decoder(gqa_attention(), (*router(L + "block_sparse_moe.gate"),
+                                      _experts[0], _experts[2], _experts[1]))  # on disk: w1, w2, w3
+    tiny = {"num_local_experts": 8, "num_experts_per_tok": 2}
     fused_renames = {"mlp.gate": "block_sparse_moe.gate"}
 
     def _facts(self, c):
@@ -19,12 +20,6 @@ class Mixtral(Family):
         f.experts_per_tok = c.get("num_experts_per_tok", 2)
         f.moe_intermediate_size = f.intermediate_size
         f.moe_layers = tuple(range(f.num_layers))
+        f.norm_topk_prob = True
+        f.sliding = "all"
         return f
-
-    def mlp_shapes(self, f, layer):
-        yield "block_sparse_moe.gate.weight", (f.num_experts, f.hidden_size)
-        for e in range(f.num_experts):
-            p = f"block_sparse_moe.experts.{e}."
-            yield p + "w1.weight", (f.intermediate_size, f.hidden_size)
-            yield p + "w2.weight", (f.hidden_size, f.intermediate_size)
-            yield p + "w3.weight", (f.intermediate_size, f.hidden_size)

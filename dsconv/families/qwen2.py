@@ -1,13 +1,16 @@
-"""Qwen2 / Qwen2.5: Llama with q/k/v biases."""
+"""Qwen2 / Qwen2.5: Llama with q/k/v biases, sliding windows where `layer_types` says."""
 from dsconv.families import register
-from dsconv.families.base import Family, llama_rules
+from dsconv.families.base import Family, decoder, dense_mlp, gqa_attention
 
 
 @register
 class Qwen2(Family):
     name = "qwen2"
     model_types = ("qwen2",)
-    rules = llama_rules()
+    table = decoder(gqa_attention(), dense_mlp())
+    tiny = {}
 
-    def qkv_bias(self, f):
-        return True
+    def _facts(self, c):
+        f = super()._facts(c)
+        f.qkv_bias = True
+        return f

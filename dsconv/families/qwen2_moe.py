@@ -1,7 +1,10 @@
-"""Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): softmax top-k experts plus a gated shared expert."""
+"""Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): softmax top-k experts plus a shared expert behind a sigmoid gate."""
 from dsconv.families import register
-from dsconv.families.base import (Family, cfg_get, dense_mlp, expert_rules, llama_rules, router_rule,
-                                  shared_expert_rules)
+from dsconv.families.base import (L, Family, cfg_get, decoder, dense_mlp, experts, gqa_attention, router,
+                                  swiglu)
+from dsconv.families.roles import Category
+
+MOE_TINY = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 
 
 def sparse_layers(c, n_layers):
@@ -26,32 +29,18 @@ def moe_facts(f, c):
     return f
 
 
-def routed_shapes(f):
-    """The router and every routed expert of one MoE layer (Qwen-MoE naming)."""
-    yield "mlp.gate.weight", (f.num_experts, f.hidden_size)
-    for e in range(f.num_experts):
-        yield from dense_mlp(f"mlp.experts.{e}", f.hidden_size, f.moe_intermediate_size)
-
-
 @register
 class Qwen2Moe(Family):
     name = "qwen2_moe"
     model_types = ("qwen2_moe",)
-    rules = {**llama_rules(), **expert_rules(), **router_rule(), **shared_expert_rules("mlp.shared_expert"),
-             **router_rule("mlp.shared_expert_gate")}
+    table = decoder(gqa_attention(), (*dense_mlp("dense"), *router(), *experts(),
+                                      *swiglu(L + "mlp.shared_expert", Category.SHARED_EXPERTS,
+                                              "shared_intermediate_size", "shared", "moe"),
+                                      *router(L + "mlp.shared_expert_gate", "shared_gate", 1, "moe")))
+    tiny = {**MOE_TINY, "shared_expert_intermediate_size": 48}
 
     def _facts(self, c):
         f = moe_facts(super()._facts(c), c)
         f.shared_intermediate_size = c.get("shared_expert_intermediate_size", 0)
+        f.qkv_bias = True
         return f
-
-    def qkv_bias(self, f):
-        return True
-
-    def mlp_shapes(self, f, layer):
-        if layer not in f.moe_layers:
-            yield from super().mlp_shapes(f, layer)
-            return
-        yield from routed_shapes(f)
-        yield from dense_mlp("mlp.shared_expert", f.hidden_size, f.shared_intermediate_size)
-        yield "mlp.shared_expert_gate.weight", (1, f.hidden_size)

@@ -1,8 +1,9 @@
 """MindSpore building blocks shared by every architecture: RMSNorm, rotary embeddings, GQA attention, SwiGLU, MoE.
 
 The math follows transformers 5's modeling files line by line (which op runs in float32, where the cast happens), so
-an fp32 export matches the PyTorch model to ~1e-6. Cells mirror transformers' module tree, so MindSpore's automatic
-parameter prefixes give the MindIR the checkpoint's own names (`model.layers.0.self_attn.q_proj.weight`).
+an fp32 export matches the PyTorch model to ~1e-6. Cells do not prefix their parameters (auto_prefix=False): every
+Parameter keeps the checkpoint name the family gave it (as `dsconv inspect` lists them), so attribute names
+here are free and no tensor name is restated.
 
 Everything here is written for a static graph with dynamic batch and sequence: no data-dependent Python control
 flow, and the causal/padding masks and positions are derived from the `attention_mask` input itself.
@@ -51,7 +52,7 @@ class Linear(nn.Cell):
 
     def __init__(self, weight: Parameter, compute, bias: Parameter | None = None, scale: Parameter | None = None,
                  offset: Parameter | None = None, int4: str = "") -> None:
-        super().__init__()
+        super().__init__(auto_prefix=False)
         self.weight = weight
         self.bias = bias
         self.quantized = scale is not None
@@ -94,17 +95,15 @@ class DenseExperts(nn.Cell):
     """
 
     def __init__(self, gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights) -> None:
-        super().__init__()
-        self.gate_proj = gate
-        self.up_proj = up
-        self.down_proj = down
+        super().__init__(auto_prefix=False)
+        self.gate, self.up, self.down = gate, up, down
 
     def construct(self, x, weights):
         """x [T, H], weights [T, E] (zero for experts not chosen) -> [T, H]."""
         xe = x.expand_dims(0)  # [1, T, H] broadcast over experts
-        g = ops.matmul(xe, self.gate_proj().swapaxes(1, 2))  # [E, T, I]
-        u = ops.matmul(xe, self.up_proj().swapaxes(1, 2))
-        y = ops.matmul(ops.silu(g) * u, self.down_proj().swapaxes(1, 2))  # [E, T, H]
+        g = ops.matmul(xe, self.gate().swapaxes(1, 2))  # [E, T, I]
+        u = ops.matmul(xe, self.up().swapaxes(1, 2))
+        y = ops.matmul(ops.silu(g) * u, self.down().swapaxes(1, 2))  # [E, T, H]
         return (y * weights.swapaxes(0, 1).expand_dims(-1)).sum(0)
 
 
@@ -119,7 +118,7 @@ class RMSNorm(nn.Cell):
     """transformers' RMSNorm: normalise in float32, cast back, then scale by the weight in the compute dtype."""
 
     def __init__(self, weight: Parameter, eps: float, compute) -> None:
-        super().__init__()
+        super().__init__(auto_prefix=False)
         self.weight = weight
         self.eps = float(eps)
         self.compute = compute
@@ -137,13 +136,11 @@ class SwiGLU(nn.Cell):
     """`down(silu(gate(x)) * up(x))`: the dense MLP and the shared experts of every family here."""
 
     def __init__(self, gate: Linear, up: Linear, down: Linear) -> None:
-        super().__init__()
-        self.gate_proj = gate
-        self.up_proj = up
-        self.down_proj = down
+        super().__init__(auto_prefix=False)
+        self.gate, self.up, self.down = gate, up, down
 
     def construct(self, x):
-        return self.down_proj(ops.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down(ops.silu(self.gate(x)) * self.up(x))
 
 
 # ------------------------------------------------------------------------------------------------ routers
@@ -151,7 +148,7 @@ class SoftmaxTopKRouter(nn.Cell):
     """Qwen-MoE / Mixtral: softmax over experts in float32, top-k, optional renormalisation -> dense [T, E]."""
 
     def __init__(self, weight: Parameter, top_k: int, norm_topk_prob: bool) -> None:
-        super().__init__()
+        super().__init__(auto_prefix=False)
         self.weight = weight  # kept float32
         self.top_k = int(top_k)
         self.norm = bool(norm_topk_prob)
@@ -173,9 +170,9 @@ class GroupLimitedSigmoidRouter(nn.Cell):
 
     def __init__(self, weight: Parameter, bias: Parameter, top_k: int, n_group: int, topk_group: int,
                  norm_topk_prob: bool, routed_scaling_factor: float) -> None:
-        super().__init__()
+        super().__init__(auto_prefix=False)
         self.weight = weight
-        self.e_score_correction_bias = bias
+        self.bias = bias
         self.num_experts = int(weight.shape[0])
         self.top_k = int(top_k)
         self.n_group = int(n_group)
@@ -187,7 +184,7 @@ class GroupLimitedSigmoidRouter(nn.Cell):
     def construct(self, x):
         logits = ops.dense(x.astype(F32), self.weight.astype(F32))
         scores = ops.sigmoid(logits)
-        choice = scores + self.e_score_correction_bias.astype(F32)
+        choice = scores + self.bias.astype(F32)
         grouped = choice.reshape(-1, self.n_group, self.per_group)
         group_scores = ops.topk(grouped, 2)[0].sum(-1)  # [T, G]
         group_idx = ops.topk(group_scores, self.topk_group)[1]
@@ -206,31 +203,28 @@ class SparseMoE(nn.Cell):
     """Router + dense-combined experts, optional shared expert(s) and Qwen2-MoE's sigmoid shared-expert gate."""
 
     def __init__(self, router: nn.Cell, experts: DenseExperts, hidden: int, compute,
-                 shared: SwiGLU | None = None, shared_gate: Linear | None = None, shared_name: str = "shared_expert",
-                 router_name: str = "gate") -> None:
-        super().__init__()
+                 shared: SwiGLU | None = None, shared_gate: Linear | None = None) -> None:
+        super().__init__(auto_prefix=False)
         self.hidden = int(hidden)
         self.compute = compute
-        setattr(self, router_name, router)
-        self.router_name = router_name
+        self.router = router
         self.experts = experts
         self.has_shared = shared is not None
         self.has_shared_gate = shared_gate is not None
-        self.shared_name = shared_name
         if shared is not None:
-            setattr(self, shared_name, shared)
+            self.shared = shared
         if shared_gate is not None:
-            self.shared_expert_gate = shared_gate
+            self.shared_gate = shared_gate
 
     def construct(self, x):
         shape = x.shape
         h = x.reshape(-1, self.hidden)
-        weights = getattr(self, self.router_name)(h).astype(self.compute)
+        weights = self.router(h).astype(self.compute)
         y = self.experts(h, weights)
         if self.has_shared:
-            s = getattr(self, self.shared_name)(h)
+            s = self.shared(h)
             if self.has_shared_gate:
-                s = ops.sigmoid(self.shared_expert_gate(h)) * s
+                s = ops.sigmoid(self.shared_gate(h)) * s
             y = y + s
         return y.reshape(shape)
 
@@ -241,7 +235,7 @@ class Rotary(nn.Cell):
     transformers' own rope init functions, so linear/llama3/yarn scaling match exactly)."""
 
     def __init__(self, inv_freq: np.ndarray, attention_scaling: float, compute) -> None:
-        super().__init__()
+        super().__init__(auto_prefix=False)
         self.inv_freq = Tensor(np.asarray(inv_freq, np.float32))
         self.attention_scaling = float(attention_scaling)
         self.compute = compute
@@ -314,12 +308,12 @@ def attend(q, k, v, bias, scaling: float):
 
 class GQAAttention(nn.Cell):
     """Llama/Qwen/Mixtral attention: q/k/v projections (optional biases), optional per-head q/k RMSNorm (Qwen3),
-    rotary embeddings, grouped KV heads, o_proj."""
+    rotary embeddings, grouped KV heads, output projection."""
 
     def __init__(self, q: Linear, k: Linear, v: Linear, o: Linear, heads: int, kv_heads: int, head_dim: int,
                  scaling: float, mask_index: int, q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> None:
-        super().__init__()
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q, k, v, o
+        super().__init__(auto_prefix=False)
+        self.q, self.k, self.v, self.o = q, k, v, o
         self.heads, self.kv_heads, self.head_dim = int(heads), int(kv_heads), int(head_dim)
         self.rep = self.heads // self.kv_heads
         self.scaling = float(scaling)
@@ -331,9 +325,9 @@ class GQAAttention(nn.Cell):
 
     def construct(self, x, cos, sin, biases):
         b, s, _ = x.shape
-        q = self.q_proj(x).reshape(b, s, self.heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, s, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, s, self.kv_heads, self.head_dim)
+        q = self.q(x).reshape(b, s, self.heads, self.head_dim)
+        k = self.k(x).reshape(b, s, self.kv_heads, self.head_dim)
+        v = self.v(x).reshape(b, s, self.kv_heads, self.head_dim)
         if self.has_qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -346,25 +340,20 @@ class GQAAttention(nn.Cell):
         k = apply_rope(k, cos, sin)
         out = attend(q, repeat_kv(k, self.rep), repeat_kv(v, self.rep), biases[self.mask_index], self.scaling)
         out = out.transpose(0, 2, 1, 3).reshape(b, s, self.heads * self.head_dim)
-        return self.o_proj(out)
+        return self.o(out)
 
 
 # ------------------------------------------------------------------------------------------------ the model
 class DecoderLayer(nn.Cell):
     """Pre-norm residual block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
 
-    def __init__(self, input_norm: RMSNorm, attn: nn.Cell, post_norm: RMSNorm, mlp: nn.Cell,
-                 mlp_name: str = "mlp") -> None:
-        super().__init__()
-        self.input_layernorm = input_norm
-        self.self_attn = attn
-        self.post_attention_layernorm = post_norm
-        self.mlp_name = mlp_name
-        setattr(self, mlp_name, mlp)
+    def __init__(self, input_norm: RMSNorm, attn: nn.Cell, post_norm: RMSNorm, mlp: nn.Cell) -> None:
+        super().__init__(auto_prefix=False)
+        self.input_norm, self.attn, self.post_norm, self.mlp = input_norm, attn, post_norm, mlp
 
     def construct(self, x, cos, sin, biases):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, biases)
-        return x + getattr(self, self.mlp_name)(self.post_attention_layernorm(x))
+        x = x + self.attn(self.input_norm(x), cos, sin, biases)
+        return x + self.mlp(self.post_norm(x))
 
 
 class Backbone(nn.Cell):
@@ -372,46 +361,45 @@ class Backbone(nn.Cell):
 
     def __init__(self, embed: Parameter, layers: list[nn.Cell], norm: RMSNorm, rotary: Rotary,
                  windows: tuple[int, ...], compute) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Cell()
-        self.embed_tokens.weight = embed
-        self.layers = nn.CellList(layers)
+        super().__init__(auto_prefix=False)
+        self.embed = embed
+        self.layers = nn.CellList(layers, auto_prefix=False)
         self.norm = norm
-        self.rotary_emb = rotary
+        self.rotary = rotary
         self.windows = tuple(int(w) for w in windows)
         self.compute = compute
         self.cast_embed = embed.dtype != compute
 
     def construct(self, input_ids, attention_mask):
-        table = self.embed_tokens.weight
+        table = self.embed
         if self.cast_embed:
             table = table.astype(self.compute)
         x = ops.gather(table, input_ids, 0)
         positions, biases = positions_and_masks(attention_mask, self.windows)
-        cos, sin = self.rotary_emb(positions)
+        cos, sin = self.rotary(positions)
         for layer in self.layers:
             x = layer(x, cos, sin, biases)
         return self.norm(x)
 
 
 class CausalLM(nn.Cell):
-    """`(input_ids [B, S], attention_mask [B, S]) -> logits [B, S, vocab]` (float32), lm_head tied or not."""
+    """`(input_ids [B, S], attention_mask [B, S]) -> logits [B, S, vocab]` (float32), output head tied or not."""
 
-    def __init__(self, backbone: Backbone, lm_head: Linear | None, compute) -> None:
-        super().__init__()
+    def __init__(self, backbone: Backbone, head: Linear | None, compute) -> None:
+        super().__init__(auto_prefix=False)
         self.model = backbone
-        self.tied = lm_head is None
-        if lm_head is not None:
-            self.lm_head = lm_head
+        self.tied = head is None
+        if head is not None:
+            self.head = head
         self.compute = compute
 
     def construct(self, input_ids, attention_mask):
         h = self.model(input_ids, attention_mask)
         if self.tied:
-            w = self.model.embed_tokens.weight
+            w = self.model.embed
             logits = ops.dense(h, w.astype(self.compute) if self.model.cast_embed else w)
         else:
-            logits = self.lm_head(h)
+            logits = self.head(h)
         return logits.astype(F32)
 
 

@@ -1,74 +1,123 @@
-"""Assembly helpers the architecture modules share: one decoder part from the checkpoint at a time."""
+"""The one MindSpore network builder: every family's `CausalLM` cell from its table and facts.
+
+Nothing here names a tensor: weights are asked of the family by key ("attn.q", "norm.post", "expert.down", "router")
+and layer, shapes come from the same rows' formulas, and the architecture is read off the table and the facts:
+MLA when the table has a latent kv projection, q/k norms when it has them, MoE on `facts.moe_layers` with the router
+`facts.router` names, shared experts (and Qwen2-MoE's sigmoid gate) where their rows are present, sliding windows and
+rotary tables from `ModelFacts`. A family whose op no block implements gets a block in `ATTENTION`/`ROUTERS` (as
+MLA has in mla.py), not a network file.
+"""
 from __future__ import annotations
 
 from typing import Callable
 
-from mindspore import nn
+import numpy as np
+from mindspore import Parameter, Tensor, nn
 
-from dsconv.convert.ms_nets.blocks import (Backbone, CausalLM, DecoderLayer, DenseExperts, GQAAttention, RMSNorm,
-                                           Rotary, SwiGLU, mask_indices)
-from dsconv.convert.ms_nets.config import rope_tables
+from dsconv.convert.ms_nets.blocks import (Backbone, CausalLM, DecoderLayer, DenseExperts, GQAAttention,
+                                           GroupLimitedSigmoidRouter, Linear, RMSNorm, Rotary, SoftmaxTopKRouter,
+                                           SparseMoE, SwiGLU, mask_indices)
+from dsconv.convert.ms_nets.mla import mla
 from dsconv.convert.ms_nets.weights import WeightSource
+from dsconv.families import Family, ModelFacts
 
 
-def layer_prefix(layer: int) -> str:
-    return f"model.layers.{layer}."
+class Tensors:
+    """The family table as the builder asks it: Parameters and cells by key and layer, through the WeightSource."""
+
+    def __init__(self, ws: WeightSource, family: Family, facts: ModelFacts) -> None:
+        self.ws, self.family, self.facts = ws, family, facts
+
+    def present(self, key: str, layer: int | None = None) -> bool:
+        return self.family.has(key) and self.ws.has(self.family.tensor(key, layer))
+
+    def param(self, key: str, layer: int | None = None, fp32: bool = False) -> Parameter:
+        return self.ws.float_param(self.family.tensor(key, layer), self.family.shape(key, self.facts), fp32=fp32)
+
+    def linear(self, key: str, layer: int | None = None) -> Linear:
+        """`key`'s weight (and bias when the checkpoint has one) as a Linear cell."""
+        out_f, in_f = self.family.shape(key, self.facts)
+        return self.ws.linear(self.family.module(key, layer), in_f, out_f)
+
+    def norm(self, key: str, layer: int | None = None, eps: float | None = None) -> RMSNorm:
+        eps = self.facts.rms_norm_eps if eps is None else eps
+        return RMSNorm(self.param(key, layer), eps, self.ws.compute)
+
+    def swiglu(self, prefix: str, layer: int) -> SwiGLU:
+        """The gated MLP whose rows are `{prefix}.gate/up/down` ("mlp", "shared")."""
+        return SwiGLU(*(self.linear(f"{prefix}.{s}", layer) for s in ("gate", "up", "down")))
+
+    def experts(self, layer: int) -> DenseExperts:
+        """Every routed expert of `layer`, each projection stacked [E, out, in] (found through the roles' slots)."""
+        n = self.facts.num_experts
+        stacked = []
+        for slot in ("gate", "up", "down"):
+            out_f, in_f = self.family.shape(f"expert.{slot}", self.facts)
+            stacked.append(self.ws.experts(layer, n, slot, in_f, out_f))
+        return DenseExperts(*stacked)
 
 
-def norm(ws: WeightSource, name: str, size: int, eps: float) -> RMSNorm:
-    return RMSNorm(ws.float_param(name + ".weight", (size,)), eps, ws.compute)
-
-
-def swiglu(ws: WeightSource, prefix: str, hidden: int, inter: int) -> SwiGLU:
-    return SwiGLU(ws.linear(prefix + ".gate_proj", hidden, inter), ws.linear(prefix + ".up_proj", hidden, inter),
-                  ws.linear(prefix + ".down_proj", inter, hidden))
-
-
-def dense_experts(ws: WeightSource, layer: int, n_experts: int, hidden: int, inter: int) -> DenseExperts:
-    return DenseExperts(ws.experts(layer, n_experts, "gate", hidden, inter),
-                        ws.experts(layer, n_experts, "up", hidden, inter),
-                        ws.experts(layer, n_experts, "down", inter, hidden))
-
-
-def gqa_attention(ws: WeightSource, cfg, layer: int, mask_index: int, qk_norm: bool = False) -> GQAAttention:
-    """Llama-style attention of `layer`; q/k/v/o biases are taken when the checkpoint has them."""
-    p = layer_prefix(layer) + "self_attn."
-    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    h = cfg.hidden_size
+# ------------------------------------------------------------------------------------------------ blocks by kind
+def gqa(t: Tensors, layer: int, mask_index: int) -> GQAAttention:
+    """Llama-style attention; q/k norms (Qwen3) where the table has them; biases where the checkpoint has them."""
+    f = t.facts
     q_norm = k_norm = None
-    if qk_norm:
-        q_norm = norm(ws, p + "q_norm", head_dim, cfg.rms_norm_eps)
-        k_norm = norm(ws, p + "k_norm", head_dim, cfg.rms_norm_eps)
-    return GQAAttention(ws.linear(p + "q_proj", h, heads * head_dim), ws.linear(p + "k_proj", h, kv_heads * head_dim),
-                        ws.linear(p + "v_proj", h, kv_heads * head_dim), ws.linear(p + "o_proj", heads * head_dim, h),
-                        heads, kv_heads, head_dim, head_dim ** -0.5, mask_index, q_norm, k_norm)
+    if t.family.has("attn.q_norm"):
+        q_norm, k_norm = t.norm("attn.q_norm", layer), t.norm("attn.k_norm", layer)
+    return GQAAttention(t.linear("attn.q", layer), t.linear("attn.k", layer), t.linear("attn.v", layer),
+                        t.linear("attn.o", layer), f.num_heads, f.num_kv_heads, f.head_dim, f.head_dim ** -0.5,
+                        mask_index, q_norm, k_norm)
 
 
-def causal_lm(ws: WeightSource, cfg, windows: list[int], make_layer: Callable[[int, int], nn.Cell],
-              progress: Callable[[int], None] | None = None, rope: tuple | None = None) -> CausalLM:
-    """Embeddings, `make_layer(layer, mask_index)` for every decoder layer, final norm, lm_head (or tied)."""
-    h, vocab = cfg.hidden_size, cfg.vocab_size
+def softmax_router(t: Tensors, layer: int) -> nn.Cell:
+    r = t.facts.routing()
+    return SoftmaxTopKRouter(t.param("router", layer, fp32=True), r["top_k"], r["norm_topk_prob"])
+
+
+def sigmoid_group_router(t: Tensors, layer: int) -> nn.Cell:
+    r = t.facts.routing()
+    if t.present("router.bias", layer):
+        bias = t.param("router.bias", layer, fp32=True)
+    else:  # transformers initialises the buffer to zeros when a checkpoint lacks it
+        name = t.family.tensor("router.bias", layer)
+        bias = Parameter(Tensor(np.zeros(t.facts.num_experts, np.float32)), name=name, requires_grad=False)
+    return GroupLimitedSigmoidRouter(t.param("router", layer, fp32=True), bias, r["top_k"], r["n_group"],
+                                     r["topk_group"], r["norm_topk_prob"], r["routed_scaling_factor"])
+
+
+ATTENTION: dict[str, Callable[[Tensors, int, int], nn.Cell]] = {"gqa": gqa, "mla": mla}
+ROUTERS: dict[str, Callable[[Tensors, int], nn.Cell]] = {"softmax": softmax_router,
+                                                         "sigmoid_group": sigmoid_group_router}
+
+
+def moe(t: Tensors, layer: int) -> SparseMoE:
+    """Router + dense-combined experts, plus the shared expert(s) and their sigmoid gate where present."""
+    h = t.facts.hidden_size
+    shared = t.swiglu("shared", layer) if t.present("shared.gate", layer) else None
+    gate = t.linear("shared_gate", layer) if t.present("shared_gate", layer) else None
+    return SparseMoE(ROUTERS[t.facts.router](t, layer), t.experts(layer), h, t.ws.compute, shared=shared,
+                     shared_gate=gate)
+
+
+# ------------------------------------------------------------------------------------------------ the network
+def build(ws: WeightSource, family: Family, facts: ModelFacts,
+          progress: Callable[[int], None] | None = None) -> CausalLM:
+    """Embeddings, every decoder layer, final norm, lm_head (or tied) of the checkpoint behind `ws`."""
     where = str(ws.ck.root / "config.json")
-    inv_freq, attention_scaling = rope or rope_tables(cfg, where)
-    distinct, index = mask_indices(windows)
-    embed = ws.float_param("model.embed_tokens.weight", (vocab, h))
+    facts.require_silu(where)
+    t = Tensors(ws, family, facts)
+    attention = ATTENTION["mla" if family.has("attn.kv_a") else "gqa"]
+    inv_freq, attention_scaling = facts.rope_tables(where)
+    distinct, index = mask_indices(facts.layer_windows())
+    embed = t.param("embed")
+    moe_layers = set(facts.moe_layers)
     layers = []
-    for i in range(cfg.num_hidden_layers):
-        layers.append(make_layer(i, index[i]))
+    for i in range(facts.num_layers):
+        mlp = moe(t, i) if i in moe_layers else t.swiglu("mlp", i)
+        layers.append(DecoderLayer(t.norm("norm.input", i), attention(t, i, index[i]), t.norm("norm.post", i), mlp))
         if progress:
             progress(i)
-    final = norm(ws, "model.norm", h, cfg.rms_norm_eps)
-    backbone = Backbone(embed, layers, final, Rotary(inv_freq, attention_scaling, ws.compute), distinct, ws.compute)
-    tied = getattr(cfg, "tie_word_embeddings", False) and not ws.has("lm_head.weight")
-    head = None if tied else ws.linear("lm_head", h, vocab)
-    return CausalLM(backbone, head, ws.compute)
-
-
-def decoder_layer(ws: WeightSource, cfg, layer: int, attn: nn.Cell, mlp: nn.Cell,
-                  mlp_name: str = "mlp") -> DecoderLayer:
-    """Input norm, attention, post-attention norm and `mlp` of `layer`."""
-    p = layer_prefix(layer)
-    h, eps = cfg.hidden_size, cfg.rms_norm_eps
-    return DecoderLayer(norm(ws, p + "input_layernorm", h, eps), attn, norm(ws, p + "post_attention_layernorm", h, eps),
-                        mlp, mlp_name)
+    backbone = Backbone(embed, layers, t.norm("norm.final"), Rotary(inv_freq, attention_scaling, ws.compute),
+                        distinct, ws.compute)
+    tied = getattr(facts.hf(), "tie_word_embeddings", False) and not t.present("lm_head")
+    return CausalLM(backbone, None if tied else t.linear("lm_head"), ws.compute)

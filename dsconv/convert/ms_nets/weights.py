@@ -1,8 +1,8 @@
 """Checkpoint tensors -> MindSpore Parameters, one tensor at a time, with the bookkeeping that proves the mapping.
 
-The networks ask for tensors by the module path of transformers' tree (as `load_state_dict` would); routed experts
-are found through the family's roles (layer, expert, slot), so per-expert and fused checkpoints and Mixtral's w1/w3/w2
-names all look the same. Every tensor handed out is recorded: after the build, a checkpoint tensor the network did
+The builder (build.py) asks for tensors by the names the family table gives (never a name of its own); routed
+experts are found through the family's roles (layer, expert, slot), so per-expert and fused checkpoints and every
+family's expert naming look the same. Every tensor handed out is recorded: after the build, a checkpoint tensor the network did
 not consume (MTP layers aside) is an error, never a silent drop.
 
 Quantized inputs (msModelSlim layout): W8A16 and W4A16 linear weights stay int8 Parameters (int4 stays packed two
@@ -195,7 +195,7 @@ class WeightSource:
             if float_parts and quant_parts:
                 raise UserError(f"layer {layer}: routed experts mix quantized and float {slot} projections",
                                 hint="quantize all experts of a layer the same way")
-        base = f"model.layers.{layer}.experts.{slot}"
+        base = self.ck.family.module(f"expert.{slot}", layer, "all")  # a name of the stack, from the table
         if float_parts:
             self.linear_kinds["float"] += n_experts
             return ExpertWeights(self._param(np.stack(float_parts), self.precision.storage, base), self.compute)

@@ -1,0 +1,204 @@
+"""ModelFacts: the one reader of config.json's meaning (layer/expert counts, head geometry, MLA ranks, norms, rope,
+routing, sliding windows), and `hf_config`, the one place a transformers config object is made from config.json.
+
+Each family's `_facts` fills the fields from its own keys; every stage (and the torch and MindSpore builders) asks
+these facts, never config.json directly.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsconv.errors import UserError
+from dsconv.tensors import DTYPE_FROM_CONFIG
+
+
+
+@dataclass
+class ModelFacts:
+    """The config-derived facts every stage needs (layer/expert counts, head geometry, MLA ranks)."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    intermediate_size: int
+    dtype: str = "BF16"
+    num_mtp_layers: int = 0
+    num_experts: int = 0
+    experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()
+    tie_word_embeddings: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    qk_nope_head_dim: int | None = None
+    fp8_block: tuple[int, int] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    # ---- read for the builders (not reported: `as_dict` keeps the fields above) ----
+    config: dict[str, Any] = field(default_factory=dict, repr=False)
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    qkv_bias: bool = False
+    #: routed-expert selection: "softmax" (softmax top-k, Qwen-MoE/Mixtral) or "sigmoid_group" (DeepSeek noaux_tc)
+    router: str = "softmax"
+    #: renormalise the top-k weights; None: as transformers' config says (Mixtral always does)
+    norm_topk_prob: bool | None = None
+    #: sliding windows: "all" (every layer when sliding_window is set: Mistral, Mixtral, Qwen3-MoE) or "layer_types"
+    sliding: str = "layer_types"
+
+    # ---- shape formulas the family tables use ----
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def attn_out_size(self) -> int:
+        return self.num_heads * self.v_head_dim
+
+    @property
+    def kv_a_size(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def kv_b_size(self) -> int:
+        return self.num_heads * (self.qk_nope_head_dim + self.v_head_dim)
+
+    @property
+    def mtp_in_size(self) -> int:
+        return 2 * self.hidden_size
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0 and bool(self.moe_layers)
+
+    def kv_bytes_per_token(self, bytes_per_element: int = 2, tp: int = 1) -> int:
+        """KV-cache bytes per token on one card, all layers (MTP excluded).
+
+        MLA caches the latent (kv_lora_rank + rope dims), replicated on every TP rank; MHA/GQA caches K and V for the
+        KV heads, divided by tp while tp <= KV heads (beyond that each rank keeps one head).
+        """
+        if self.is_mla:
+            return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * bytes_per_element
+        heads = max(1, math.ceil(self.num_kv_heads / tp)) if tp > 1 else self.num_kv_heads
+        return 2 * self.num_layers * heads * self.head_dim * bytes_per_element
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k not in NOT_REPORTED}
+        d["moe_layers"] = list(self.moe_layers)
+        return d
+
+    # ---- what transformers' config object computes (defaults, layer_types, rope tables) ----
+    def hf(self):
+        """transformers' config object for this config (built once)."""
+        if "_hf" not in self.extra:
+            self.extra["_hf"] = hf_config(self.config)
+        return self.extra["_hf"]
+
+    def layer_windows(self) -> list[int]:
+        """Per layer: 0 for full causal attention, else the sliding window (as transformers builds its masks)."""
+        cfg = self.hf()
+        n = self.num_layers
+        window = getattr(cfg, "sliding_window", None) or 0
+        if not window:
+            return [0] * n
+        if self.sliding == "all":
+            return [int(window)] * n
+        types = getattr(cfg, "layer_types", None) or ["full_attention"] * n
+        return [int(window) if t == "sliding_attention" else 0 for t in types[:n]]
+
+    def rope_tables(self, where: str = "config.json") -> tuple[Any, float]:
+        """(inv_freq float32 [dim/2], attention scaling) exactly as the model's RotaryEmbedding computes them."""
+        import torch
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        cfg = self.hf()
+        params = getattr(cfg, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type not in STATIC_ROPE:
+            raise UserError(f"{where}: rope_type {rope_type!r} is not supported by the MindIR export",
+                            hint=f"supported: {', '.join(STATIC_ROPE)} (dynamic and longrope change tables with "
+                                 "length)")
+        if rope_type == "default":
+            base = params["rope_theta"]
+            dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            dim = int(dim * params.get("partial_rotary_factor", 1.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg)
+        return inv_freq.float().numpy(), float(scaling)
+
+    def softmax_scale(self, head_dim: int) -> float:
+        """head_dim^-0.5, times mscale^2 when yarn's mscale_all_dim is set (DeepSeek; transformers' yarn)."""
+        scaling = head_dim ** (-0.5)
+        params = getattr(self.hf(), "rope_parameters", None) or {}
+        if params.get("rope_type", "default") != "default":
+            mscale_all_dim = params.get("mscale_all_dim", 0)
+            if mscale_all_dim:
+                factor = params["factor"]
+                mscale = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
+                scaling = scaling * mscale * mscale
+        return scaling
+
+    def routing(self) -> dict[str, Any]:
+        """Routed-expert selection parameters as transformers' config resolves them (its defaults included)."""
+        cfg = self.hf()
+        norm = self.norm_topk_prob
+        return {"top_k": int(cfg.num_experts_per_tok),
+                "norm_topk_prob": bool(getattr(cfg, "norm_topk_prob", False)) if norm is None else norm,
+                "n_group": int(getattr(cfg, "n_group", 1) or 1), "topk_group": int(getattr(cfg, "topk_group", 1) or 1),
+                "routed_scaling_factor": float(getattr(cfg, "routed_scaling_factor", 1.0) or 1.0)}
+
+    def require_silu(self, where: str = "config.json") -> None:
+        if self.hidden_act not in ("silu", "swish"):
+            raise UserError(f"{where}: hidden_act {self.hidden_act!r} is not supported by the MindIR export",
+                            hint="SwiGLU (silu) only")
+
+
+#: ModelFacts fields that are not part of the reported architecture (inspect's JSON)
+NOT_REPORTED = ("extra", "config", "rms_norm_eps", "hidden_act", "qkv_bias", "router", "norm_topk_prob", "sliding")
+# rope types whose tables do not depend on the sequence length (dynamic NTK and longrope switch tables at run time)
+STATIC_ROPE = ("default", "linear", "llama3", "yarn", "proportional")
+
+
+def cfg_get(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    """First present key (HF renamed several across versions, e.g. torch_dtype -> dtype)."""
+    for k in keys:
+        if config.get(k) is not None:
+            return config[k]
+    return default
+
+
+def config_dtype(c: dict[str, Any]) -> str:
+    raw = str(cfg_get(c, "dtype", "torch_dtype", default="bfloat16")).replace("torch.", "")
+    return DTYPE_FROM_CONFIG.get(raw, "BF16")
+
+
+def hf_config(config: dict[str, Any], where: str = "config.json"):
+    """transformers' config object for config.json's dict (no model, no weights). FP8/int8 `quantization_config` is
+    dropped: dsconv hands transformers plain float weights (dequantized by the reader)."""
+    from transformers import AutoConfig
+
+    cfg = {k: v for k, v in config.items() if k != "quantization_config"}
+    model_type = cfg.pop("model_type", None)
+    try:
+        return AutoConfig.for_model(model_type, **cfg)
+    except (ValueError, TypeError, KeyError) as e:
+        raise UserError(f"{where}: transformers cannot read it as a {model_type} config ({e})",
+                        hint="compare it with the model's published config.json") from None
