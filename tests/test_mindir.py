@@ -174,7 +174,7 @@ def test_every_family_matches_pytorch(export, family):
 @pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
 def test_parameters_carry_the_checkpoint_names(export, family):
     """Cells do not prefix their parameters: each MindIR parameter is named as the checkpoint tensor the family table
-    gave it (routed experts: one stack per projection), so ms_nets restates no name."""
+    gave it (routed experts: one stack per projection), so the MindSpore builder restates no name."""
     import mindspore as ms
 
     from dsconv.checkpoint import Checkpoint

@@ -1,8 +1,8 @@
 """`dsconv export --format mindir`: a MindSpore network built from the checkpoint, exported to MindIR, and proven
 equal to the PyTorch model before anything is written.
 
-No ONNX -> MindIR converter exists on PyPI, so dsconv writes the network in MindSpore (dsconv/convert/ms_nets: one
-builder driven by the family table, on shared blocks), streams the weights into it one tensor at a time, and exports it with
+No ONNX -> MindIR converter exists on PyPI, so dsconv writes the network in MindSpore (dsconv/model/ms: one
+builder driven by the family table, on shared blocks; convert/ms_nets/worker.py runs it), streams the weights into it one tensor at a time, and exports it with
 `mindspore.export`. The exported graph:
 
 * inputs  `input_ids` int64 [batch, seq] and `attention_mask` int64 [batch, seq] (1 = token, 0 = padding), both
@@ -324,13 +324,13 @@ def export_mindir(model_dir: Path, output: Path, *, dtype: str = "fp32", with_pa
         raise UserError(f"--atol {atol} must be positive",
                         hint=f"omit it for the default ({DEFAULT_ATOL[dtype]:g} x the largest reference logit)")
     worker.require_mindspore()
-    with Checkpoint.open(model_dir, allow_pickle=allow_pickle) as ck:  # every family has a network (ms_nets/build.py)
+    with Checkpoint.open(model_dir, allow_pickle=allow_pickle) as ck:  # every family has a network (model/ms/build.py)
         return _export(ck, model_dir, output, dtype, atol, force, allow_pickle, t0)
 
 
 def _export(ck, model_dir: Path, output: Path, dtype: str, atol: float | None, force: bool, allow_pickle: bool,
             t0: float) -> dict:
-    from dsconv.convert.ms_nets.weights import Precision
+    from dsconv.model.ms.weights import Precision
     from dsconv.writer import OutputDir
 
     options = {"format": "mindir", "dtype": dtype, "with_past": False, "atol": atol}

@@ -11,7 +11,7 @@ MindSpore network's weight lookup, the tiny test model - follows from these):
      keys; `_facts` for config keys the base does not read (MoE counts, `router`, `sliding`, ...); optionally
      `export_atol`, `fused_renames`;
   2. import it at the bottom of this module;
-  3. only for an op no family had: a MindSpore block in convert/ms_nets (as mla.py), chosen in ms_nets/build.py.
+  3. only for an op no family had: a MindSpore block in model/ms/ (as mla.py), chosen in model/ms/build.py.
 """
 from __future__ import annotations
 

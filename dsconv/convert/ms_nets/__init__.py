@@ -1,5 +1,6 @@
-"""MindSpore networks for the MindIR export: shared blocks (blocks.py), one generic builder driven by the family table
-(build.py) and a block per op no other family has (mla.py).
+"""The MindIR export's MindSpore side: `build_net` (the network from dsconv.model.ms: shared blocks, one generic
+builder driven by the family table, a block per op no other family has) and worker.py (export and run, in-process
+or in a child process).
 
 `build_net(ck, precision)` streams the checkpoint's tensors into MindSpore Parameters (one at a time) and returns
 the `CausalLM` cell `(input_ids, attention_mask) -> logits`; no PyTorch model is involved.
@@ -17,8 +18,8 @@ from dsconv.errors import UserError  # noqa: E402
 
 def build_net(ck, precision, progress: Callable[[int], None] | None = None):
     """(CausalLM cell, WeightSource with the bookkeeping) for an open Checkpoint."""
-    from dsconv.convert.ms_nets.build import build
-    from dsconv.convert.ms_nets.weights import WeightSource
+    from dsconv.model.ms.build import build
+    from dsconv.model.ms.weights import WeightSource
 
     ws = WeightSource(ck, precision)
     net = build(ws, ck.family, ck.facts, progress)

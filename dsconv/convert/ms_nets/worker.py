@@ -112,7 +112,7 @@ def build_and_export(model_dir: Path, dtype: str, export_dir: Path, allow_pickle
     from mindspore import Tensor
 
     from dsconv.convert.ms_nets import build_net
-    from dsconv.convert.ms_nets.weights import Precision
+    from dsconv.model.ms.weights import Precision
 
     t = time.perf_counter()
     bar = tqdm(total=ck.facts.num_layers, desc="mindir: layers", unit="layer", disable=None, leave=False)

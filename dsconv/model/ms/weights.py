@@ -20,7 +20,7 @@ from mindspore import Parameter, Tensor
 from dsconv.errors import UserError
 from dsconv.families.roles import Category, Role
 
-from dsconv.convert.ms_nets.blocks import ExpertWeights, Linear
+from dsconv.model.ms.blocks import ExpertWeights, Linear
 
 WEIGHT_ONLY = ("W8A16", "W4A16")
 FLOAT_TYPES = ("FLOAT", None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from mindspore import nn, ops
 
-from dsconv.convert.ms_nets.blocks import Linear, RMSNorm, apply_rope, apply_rope_interleaved, attend
+from dsconv.model.ms.blocks import Linear, RMSNorm, apply_rope, apply_rope_interleaved, attend
 
 LATENT_NORM_EPS = 1e-6  # the q_a / kv_a latent norms use RMSNorm's default eps in transformers, not rms_norm_eps
 

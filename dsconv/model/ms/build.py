@@ -14,11 +14,11 @@ from typing import Callable
 import numpy as np
 from mindspore import Parameter, Tensor, nn
 
-from dsconv.convert.ms_nets.blocks import (Backbone, CausalLM, DecoderLayer, DenseExperts, GQAAttention,
+from dsconv.model.ms.blocks import (Backbone, CausalLM, DecoderLayer, DenseExperts, GQAAttention,
                                            GroupLimitedSigmoidRouter, Linear, RMSNorm, Rotary, SoftmaxTopKRouter,
                                            SparseMoE, SwiGLU, mask_indices)
-from dsconv.convert.ms_nets.mla import mla
-from dsconv.convert.ms_nets.weights import WeightSource
+from dsconv.model.ms.mla import mla
+from dsconv.model.ms.weights import WeightSource
 from dsconv.families import Family, ModelFacts
 
 
