@@ -43,12 +43,7 @@ STAGE_LAYER = 4
 # Violations still present in areas being reworked in parallel (issue 13), each (kind, key) exactly as `problems()`
 # reports it (a cycle's key is the one unit its modules all belong to, else their names). The lead empties this set
 # as the branches land; anything NOT listed here fails the test, and so does an entry that no longer happens.
-KNOWN_EXCEPTIONS: set[tuple[str, str]] = {
-    # families/__init__ imports every family module to fill its registry, and each family module imports `register`
-    # from families/__init__ (registration as an import side effect). Fix: an explicit list of families in
-    # families/__init__ (or `register` in base.py). Area of the model-description helper (issue 13 part 2).
-    ("cycle", "within dsconv.families"),
-}
+KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()
 
 
 def module_name(path: Path) -> str:

@@ -1,7 +1,7 @@
 """The registry of model families: `model_type` -> Family. The only place that knows tensor names.
 
 A family is one file: a `Family` subclass with its table (base.T rows), its config keys (`_facts`) and its tiny
-config, registered with `@register` and imported at the bottom of this module. `family_for(config)` looks it up and
+config, registered in the list at the bottom of this module. `family_for(config)` looks it up and
 lists the supported types when a model_type is unknown.
 
 Adding a family (everything else - classification, synthesis, inspect, quantize, shard, the torch builder, the
@@ -10,7 +10,7 @@ MindSpore network's weight lookup, the tiny test model - follows from these):
      `qk_norm`, `dense_mlp`, `experts`, `router`, `swiglu`, `linear`, `norm`) plus rows of its own; `tiny` config
      keys; `_facts` for config keys the base does not read (MoE counts, `router`, `sliding`, ...); optionally
      `export_atol`, `fused_renames`;
-  2. import it at the bottom of this module;
+  2. import and register it at the bottom of this module;
   3. only for an op no family had: a MindSpore block in model/ms/ (as mla.py), chosen in model/ms/build.py.
 """
 from __future__ import annotations
@@ -49,7 +49,17 @@ def family_for(config: dict[str, Any], where: str = "config.json") -> Family:
     return _REGISTRY[model_type]
 
 
-from dsconv.families import llama, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral, deepseek_v3  # noqa: E402,F401
+from dsconv.families.llama import Llama  # noqa: E402
+from dsconv.families.qwen2 import Qwen2  # noqa: E402
+from dsconv.families.qwen3 import Qwen3  # noqa: E402
+from dsconv.families.qwen2_moe import Qwen2Moe  # noqa: E402
+from dsconv.families.qwen3_moe import Qwen3Moe  # noqa: E402
+from dsconv.families.mixtral import Mixtral  # noqa: E402
+from dsconv.families.deepseek_v3 import DeepseekV3  # noqa: E402
+
+#: every family, registered explicitly (no import side effects, no cycle): add a new one here
+for _cls in (Llama, Qwen2, Qwen3, Qwen2Moe, Qwen3Moe, Mixtral, DeepseekV3):
+    register(_cls)
 
 __all__ = ["Family", "ModelFacts", "T", "Role", "Category", "TensorRole", "family_for", "register",
            "supported_model_types"]

@@ -1,6 +1,5 @@
 """DeepSeek-V3 / R1: MLA attention, sigmoid noaux_tc routing over 256 experts + 1 shared, MTP stored as layer 61,
 FP8 block-scaled weights (see reference/deepseek_v3.md)."""
-from dsconv.families import register
 from dsconv.families.base import (L, T, Family, dense_mlp, experts, linear, norm, router, swiglu)
 from dsconv.families.roles import Category, Role
 
@@ -32,7 +31,6 @@ MTP_OUT = (*norm("mtp.norm", L + "shared_head.norm", category=M, when="mtp"),
            *linear("mtp.head", L + "shared_head.head", Role.LM_HEAD, M, "vocab_size", "hidden_size", when="mtp"))
 
 
-@register
 class DeepseekV3(Family):
     name = "deepseek_v3"
     model_types = ("deepseek_v3",)

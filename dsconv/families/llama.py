@@ -1,9 +1,7 @@
 """Llama (and Mistral, a Llama with a sliding window on every layer): GQA attention, SwiGLU MLP."""
-from dsconv.families import register
 from dsconv.families.base import Family, decoder, dense_mlp, gqa_attention
 
 
-@register
 class Llama(Family):
     name = "llama"
     model_types = ("llama", "mistral")

@@ -1,10 +1,8 @@
 """Mixtral: every layer MoE (softmax top-k, always renormalised), experts named block_sparse_moe.experts.E.w1/w2/w3 on
 disk (w1 gate, w3 up, w2 down), a sliding window on every layer when set."""
-from dsconv.families import register
 from dsconv.families.base import L, Family, decoder, experts, gqa_attention, router
 
 
-@register
 class Mixtral(Family):
     name = "mixtral"
     model_types = ("mixtral",)

@@ -1,9 +1,7 @@
 """Qwen2 / Qwen2.5: Llama with q/k/v biases, sliding windows where `layer_types` says."""
-from dsconv.families import register
 from dsconv.families.base import Family, decoder, dense_mlp, gqa_attention
 
 
-@register
 class Qwen2(Family):
     name = "qwen2"
     model_types = ("qwen2",)

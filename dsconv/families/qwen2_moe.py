@@ -1,5 +1,4 @@
 """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): softmax top-k experts plus a shared expert behind a sigmoid gate."""
-from dsconv.families import register
 from dsconv.families.base import (L, Family, cfg_get, decoder, dense_mlp, experts, gqa_attention, router,
                                   swiglu)
 from dsconv.families.roles import Category
@@ -29,7 +28,6 @@ def moe_facts(f, c):
     return f
 
 
-@register
 class Qwen2Moe(Family):
     name = "qwen2_moe"
     model_types = ("qwen2_moe",)

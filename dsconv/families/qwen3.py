@@ -1,9 +1,7 @@
 """Qwen3: Llama with per-head q/k RMSNorm and an explicit head_dim."""
-from dsconv.families import register
 from dsconv.families.base import Family, decoder, dense_mlp, gqa_attention, qk_norm
 
 
-@register
 class Qwen3(Family):
     name = "qwen3"
     model_types = ("qwen3",)

@@ -1,10 +1,8 @@
 """Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B): Qwen3 attention, softmax top-k experts, no shared expert."""
-from dsconv.families import register
 from dsconv.families.base import Family, decoder, dense_mlp, experts, gqa_attention, qk_norm, router
 from dsconv.families.qwen2_moe import MOE_TINY, moe_facts
 
 
-@register
 class Qwen3Moe(Family):
     name = "qwen3_moe"
     model_types = ("qwen3_moe",)
