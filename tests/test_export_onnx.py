@@ -20,7 +20,7 @@ from dsconv.errors import CheckFailed
 from dsconv.tiny import FAMILIES
 
 CASES = [("llama", False), ("qwen2", False), ("qwen3", False), ("qwen2_moe", True), ("qwen3_moe", False),
-         ("mixtral", True), ("deepseek_v3", False)]
+         ("mixtral", True), ("deepseek_v3", False), ("gemma3", False)]
 MOE = {"qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3"}
 
 

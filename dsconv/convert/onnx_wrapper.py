@@ -120,8 +120,7 @@ class ExportWrapper(torch.nn.Module):
         from transformers import DynamicCache
 
         layers = len(self.spec.cache)
-        cache = DynamicCache(ddp_cache_data=[(rest[2 * i], rest[2 * i + 1]) for i in range(layers)],
-                             config=self.model.config)
+        cache = DynamicCache(ddp_cache_data=[(rest[2 * i], rest[2 * i + 1]) for i in range(layers)])
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          cache=cache, use_cache=True)
         present: list[torch.Tensor] = []

@@ -56,9 +56,10 @@ from dsconv.families.qwen2_moe import Qwen2Moe  # noqa: E402
 from dsconv.families.qwen3_moe import Qwen3Moe  # noqa: E402
 from dsconv.families.mixtral import Mixtral  # noqa: E402
 from dsconv.families.deepseek_v3 import DeepseekV3  # noqa: E402
+from dsconv.families.gemma3 import Gemma3  # noqa: E402
 
 #: every family, registered explicitly (no import side effects, no cycle): add a new one here
-for _cls in (Llama, Qwen2, Qwen3, Qwen2Moe, Qwen3Moe, Mixtral, DeepseekV3):
+for _cls in (Llama, Qwen2, Qwen3, Qwen2Moe, Qwen3Moe, Mixtral, DeepseekV3, Gemma3):
     register(_cls)
 
 __all__ = ["Family", "ModelFacts", "T", "Role", "Category", "TensorRole", "family_for", "register",

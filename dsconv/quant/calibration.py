@@ -104,7 +104,7 @@ class Calibrator:
         self.rows.set(mask)
         if recorder is not None:
             recorder.flat_index = idx.reshape(-1)
-        y = layer(x, **self.sk.layer_inputs(x))
+        y = layer(x, **self.sk.layer_inputs(x, layer))
         y = y[0] if isinstance(y, tuple) else y
         if write:
             self.h[idx[mask]] = y[mask]

@@ -12,6 +12,7 @@ templates), exactly as `Checkpoint` normalises them; no other name is interprete
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -39,6 +40,8 @@ class Skeleton:
         self.mat = torch_builder.Materialiser(ck, self.model, load=lambda name, dtype: self.load(name))
         self.module_names = self.mat.names
         self.rotary = type(self.base.rotary_emb)(config=self.config)  # built on CPU: inv_freq is computed, not loaded
+        self._rope_by_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        self._index = {layer: i for i, layer in enumerate(self.layers)}
         self.embed_name = next((n for n, r in ck.roles.items() if r.role == Role.EMBED and r.layer is None
                                 and r.param == "weight"), None)
         if self.embed_name is None:
@@ -71,11 +74,13 @@ class Skeleton:
         return self.ck.load(ck_name, dequantize=True).to(self.dtype)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Embedding rows of `ids` only (the table is read once, gathered, freed)."""
+        """Embedding rows of `ids` only (the table is read once, gathered, freed), times the embedding module's
+        constant scale where it has one (Gemma: sqrt(hidden), in the model dtype as transformers multiplies)."""
         table = self.ck.load(self.embed_name, dequantize=True)
         out = table[ids].to(self.dtype)
         del table
-        return out
+        scale = getattr(self.model.get_input_embeddings(), "scalar_embed_scale", None)
+        return out if scale is None else out * torch.tensor(scale, dtype=self.dtype)
 
     def materialise(self, i: int, load: Callable[[str], torch.Tensor] | None = None,
                     with_experts: bool = False) -> nn.Module:
@@ -89,18 +94,22 @@ class Skeleton:
     def release(self, i: int) -> None:
         self.layers[i].to("meta")
 
-    def layer_inputs(self, x: torch.Tensor) -> dict[str, Any]:
+    def layer_inputs(self, x: torch.Tensor, layer: nn.Module | None = None) -> dict[str, Any]:
         """Keyword arguments of a decoder layer for a right-padded batch [B, L, H]: positions from 0, causal mask.
 
         Right padding never reaches a real token under a causal mask, so padded batches compute real tokens exactly
-        as unpadded ones."""
-        from transformers.masking_utils import create_causal_mask
+        as unpadded ones. Where config.layer_types marks `layer` as sliding, its mask is the sliding-window one, and
+        a rotary with per-type tables (Gemma 3: local and global bases) gives that type's cos/sin."""
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         B, L = x.shape[:2]
         pos = torch.arange(L).unsqueeze(0).expand(B, L)
-        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=None, cache=None,
-                                  position_ids=pos)
-        return {"attention_mask": mask, "position_ids": pos, "position_embeddings": self.rotary(x, pos)}
+        types = getattr(self.config, "layer_types", None)
+        kind = types[self._index[layer]] if types and layer is not None else None
+        make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
+        mask = make(config=self.config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=pos)
+        rope = self.rotary(x, pos, kind) if self._rope_by_type else self.rotary(x, pos)
+        return {"attention_mask": mask, "position_ids": pos, "position_embeddings": rope}
 
 
 def load_full_model(ck: Any, dtype: torch.dtype = torch.float32,

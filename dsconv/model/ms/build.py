@@ -17,6 +17,7 @@ from mindspore import Parameter, Tensor, nn
 from dsconv.model.ms.blocks import (Backbone, CausalLM, DecoderLayer, DenseExperts, GQAAttention,
                                            GroupLimitedSigmoidRouter, Linear, RMSNorm, Rotary, SoftmaxTopKRouter,
                                            SparseMoE, SwiGLU, mask_indices)
+from dsconv.model.ms.gemma3 import sandwich_network
 from dsconv.model.ms.mla import mla
 from dsconv.model.ms.weights import WeightSource
 from dsconv.families import Family, ModelFacts
@@ -104,8 +105,10 @@ def build(ws: WeightSource, family: Family, facts: ModelFacts,
           progress: Callable[[int], None] | None = None) -> CausalLM:
     """Embeddings, every decoder layer, final norm, lm_head (or tied) of the checkpoint behind `ws`."""
     where = str(ws.ck.root / "config.json")
-    facts.require_silu(where)
     t = Tensors(ws, family, facts)
+    if family.has("norm.pre_ff"):  # sandwich layers (Gemma 3): GeGLU, offset norms, rope per layer type
+        return sandwich_network(t, progress)
+    facts.require_silu(where)
     attention = ATTENTION["mla" if family.has("attn.kv_a") else "gqa"]
     inv_freq, attention_scaling = facts.rope_tables(where)
     distinct, index = mask_indices(facts.layer_windows())

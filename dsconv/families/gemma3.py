@@ -1,0 +1,27 @@
+"""Gemma 3 (text): Llama's table plus Qwen3's q/k norms and a second pair of norms around the MLP (sandwich layers:
+the attention and MLP outputs are normed again before the residual add); tied embeddings by default.
+
+What else differs is computation, read from transformers' config object by the MindSpore block
+(model/ms/gemma3.py) and run by transformers itself elsewhere: GeGLU (`hidden_activation`), RMSNorm weights
+stored as offsets from 1, embeddings scaled by sqrt(hidden), sliding/full layer types with their own rope bases,
+query_pre_attn_scalar, final-logit softcapping.
+"""
+from dsconv.families.base import L, Family, decoder, dense_mlp, gqa_attention, norm, qk_norm
+
+
+class Gemma3(Family):
+    name = "gemma3"
+    model_types = ("gemma3_text",)
+    table = decoder((*gqa_attention(), *qk_norm()),
+                    (*norm("norm.pre_ff", L + "pre_feedforward_layernorm"), *dense_mlp(),
+                     *norm("norm.post_ff", L + "post_feedforward_layernorm")))
+    # one sliding layer (window 4, shorter than the check inputs) and one full; scalar != head_dim; softcapped logits
+    tiny = {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 4, "final_logit_softcapping": 30.0,
+            "layer_types": ["sliding_attention", "full_attention"]}
+    # fp32 ONNX: onnxruntime vs PyTorch differ by 4.2e-4 on gemma-3-270m, whose logits reach 180 (2e-6 relative)
+    export_atol = {("onnx", "fp32"): 2e-3}
+
+    def _facts(self, c):
+        f = super()._facts({"head_dim": 256, "tie_word_embeddings": True, **c})  # Gemma3TextConfig's defaults
+        f.hidden_act = c.get("hidden_activation", "gelu_pytorch_tanh")
+        return f
