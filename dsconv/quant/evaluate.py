@@ -147,6 +147,9 @@ def load_original_model(ck: Checkpoint) -> nn.Module:
 
 
 # ------------------------------------------------------------------------------------------------ metrics
+LOGITS_BUDGET = 256 * 2**20
+
+
 def _batches(chunks: list[list[int]], batch_tokens: int) -> list[list[int]]:
     order = sorted(range(len(chunks)), key=lambda j: (-len(chunks[j]), j))
     out = []
@@ -159,8 +162,13 @@ def _batches(chunks: list[list[int]], batch_tokens: int) -> list[list[int]]:
 
 def compare(original: nn.Module, quantized: nn.Module, chunks: list[list[int]], batch_tokens: int = 4096,
             progress: bool = True) -> dict[str, Any]:
-    """Perplexity of both models, logits error, KL(original || quantized) and top-1 agreement over real tokens."""
+    """Perplexity of both models, logits error, KL(original || quantized) and top-1 agreement over real tokens.
+
+    A batch holds at most LOGITS_BUDGET bytes of float32 logits per model (about eight such tensors live at once):
+    4096 tokens of Gemma 3's 262k vocabulary would be 4.3 GB each."""
     from tqdm import tqdm
+
+    batch_tokens = min(batch_tokens, max(1, LOGITS_BUDGET // (4 * int(original.config.vocab_size))))
 
     nll = {"original": 0.0, "quantized": 0.0}
     predicted = 0
