@@ -206,6 +206,10 @@ class OutputDir:
         self._planned = 0
         self.tmp = self.final.parent / f".{self.final.name}.dsconv-tmp"
         self.old = self.final.parent / f".{self.final.name}.dsconv-old"
+        try:
+            self._recover()
+        except OSError as e:
+            raise output_error(e, self.final) from None
         for inp in self.inputs:
             if is_within(self.final, inp) or is_within(inp, self.final):
                 raise UserError(f"output {self.final} overlaps input {inp}",
@@ -222,13 +226,11 @@ class OutputDir:
 
     def _recover(self) -> None:
         """Leftovers of a run killed mid-commit: an old output set aside comes back if nothing replaced it, else
-        goes; a half-written temporary directory always goes (never trust what a crash left)."""
+        goes. (A half-written temporary directory goes when the next transaction opens.)"""
         if self.old.is_dir() and (self.old / MANIFEST).is_file() and not self.final.exists():
             self.old.rename(self.final)
         if self.old.exists():
             shutil.rmtree(self.old)
-        if self.tmp.exists():
-            shutil.rmtree(self.tmp)
 
     def __enter__(self) -> "OutputDir":
         try:
@@ -236,7 +238,8 @@ class OutputDir:
                 raise UserError(f"cannot write {self.final}: {self.final.parent} is a file, not a directory",
                                 hint="choose an --output whose parent is a directory")
             self.final.parent.mkdir(parents=True, exist_ok=True)
-            self._recover()
+            if self.tmp.exists():  # a previous run crashed: never trust what it left
+                shutil.rmtree(self.tmp)
             self.tmp.mkdir()
         except OSError as e:
             raise output_error(e, self.final) from None
@@ -347,7 +350,7 @@ def free_bytes(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-MARGIN = 64 * 2**20  # headers, indexes, manifests and copied tokenizer files on top of the tensors
+MARGIN = 2**20  # headers, indexes, manifests and copied tokenizer files on top of the tensors
 
 
 def check_free_space(where: Path, planned: int, final: Path) -> None:

@@ -107,20 +107,20 @@ def check_tree(data: Any, max_depth: int = MAX_DEPTH) -> str | None:
     return None
 
 
-def parse_json(text: str | bytes, where: str, hint: str, max_depth: int = MAX_DEPTH, line: int = 1) -> Any:
+def parse_json(text: str | bytes, where: str, hint: str, max_depth: int = MAX_DEPTH, line: int | None = None) -> Any:
     """Strict, bounded JSON: UTF-8, no NaN/Infinity, no duplicate keys, 64-bit integers, bounded nesting, real text.
 
     Errors read `FILE:LINE: ...` (`line` is where `text` starts in its file, for one-record-per-line formats)."""
     import json
 
-    at = f":{line}" if line > 1 else ""
+    at = f":{line}" if line is not None else ""
     if isinstance(text, (bytes, bytearray, memoryview)):
         text = decode_utf8(bytes(text), where, hint, kind="JSON")
     try:
         data = json.loads(text, parse_int=_int, parse_float=_float, parse_constant=_constant,
                           object_pairs_hook=_pairs)
     except json.JSONDecodeError as e:
-        raise UserError(f"{where}:{line + e.lineno - 1}: invalid JSON ({e.msg} at column {e.colno})",
+        raise UserError(f"{where}:{(line or 1) + e.lineno - 1}: invalid JSON ({e.msg} at column {e.colno})",
                         hint=hint) from None
     except _Bad as e:
         raise UserError(f"{where}{at}: {e}", hint=hint) from None
