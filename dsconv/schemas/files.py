@@ -164,4 +164,9 @@ def atc_profile(path: Path, schema: int) -> dict[str, Any]:
         raise UserError(f"{path}: a profile is a JSON object", hint="see dsconv/atc_profiles/Ascend310P3.json")
     if data.get("schema", schema) != schema:
         raise UserError(f"{path}: schema {show(data.get('schema'))} is not supported", hint=f"use schema {schema}")
+    parent = data.get("extends")
+    if parent is not None and not (isinstance(parent, str) and parent.endswith(".json") and len(parent) <= 255
+                                   and "/" not in parent and "\\" not in parent and "\0" not in parent):
+        raise UserError(f"{path}: \"extends\" must name a profile file beside it, e.g. _common_910b.json, got "
+                        f"{show(parent)}", hint="fix the profile file")
     return data
