@@ -104,7 +104,12 @@ def test_config_accepted_means_every_family_can_use_it(model_type, changes):
         cfg.update(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
                    num_experts_per_tok=2, moe_intermediate_size=32)
     cfg.update(changes)
-    ok = only_user_errors(schemas.config, cfg, "config.json", supported_model_types())
+    def validate(c):  # what Checkpoint.open and ConfigOnly.open run
+        schemas.config(c, "config.json", supported_model_types())
+        schemas.model.config_requires(c, "config.json", family_for(c).required_config)
+        return c
+
+    ok = only_user_errors(validate, cfg)
     if ok is not None:
         fam = family_for(cfg)
         facts = only_user_errors(fam.facts, cfg)

@@ -81,7 +81,7 @@ def safetensors_index(data: Any, where: str) -> dict[str, str]:
     for name, part in weight_map.items():
         if not name or len(name) > MAX_NAME:
             raise UserError(f"{where}: a tensor name of {len(name)} characters in weight_map", hint=hint)
-        if not isinstance(part, str):
+        if not isinstance(part, str) or len(part) > 4096 or any(len(p) > 255 for p in part.split("/")):
             raise UserError(f"{where}: {name} points to {show(part)}, not a file name", hint=hint)
         if part.startswith(("/", "\\")) or ".." in part.replace("\\", "/").split("/"):
             raise UserError(f"{where}: {name} points to {part[:200]!r}, outside the model directory",
@@ -112,6 +112,13 @@ _NUMBERS = {"rms_norm_eps": (0.0, 1.0), "rope_theta": (0.0, 1e12), "routed_scali
             "initializer_range": (0.0, 1e3)}
 _BOOLS = ("tie_word_embeddings", "attention_bias", "norm_topk_prob")
 MAX_TENSORS = 4_000_000  # layers x experts x 3 beyond this is a typo, not a model (DeepSeek-V3: 91,991 tensors)
+
+
+def config_requires(data: dict[str, Any], where: str, keys: Iterable[str]) -> None:
+    """The keys a config's family cannot do without (DeepSeek's MLA ranks): present, not null, in bounds."""
+    f = Fields(data, where, CONFIG_HINT)
+    for key in keys:
+        f.int(key, *_INTS[key])
 
 
 def config(data: Any, where: str = "config.json", supported: Collection[str] | None = None) -> dict[str, Any]:
