@@ -12,6 +12,7 @@ UserError/CheckFailed is the correct outcome for bad input; anything else is a f
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import random
@@ -33,6 +34,11 @@ RAW_TOKENS = [b"[" * 2000, b"{" * 2000, b"]" * 50, b"1" * 5000, b"NaN", b"Infini
 
 
 # ----------------------------------------------------------------------------------------------- mutations
+def hostile(rng: random.Random) -> Any:
+    """A fresh copy of a hostile value (a shared list would be mutated in place and end up containing itself)."""
+    return copy.deepcopy(rng.choice(HOSTILE))
+
+
 def _paths(doc: Any, prefix: tuple = ()) -> list[tuple]:
     out = [prefix]
     if len(prefix) > 12:
@@ -73,9 +79,9 @@ def mutate_json(rng: random.Random, doc: Any) -> bytes:
                 deep = [deep]
             doc = _set(doc, path, deep)
         elif r < 0.35 and isinstance(doc, dict):
-            doc[rng.choice(["extra", "__metadata__", "weight_map", "files", "layers", "\ud800"])] = rng.choice(HOSTILE)
+            doc[rng.choice(["extra", "__metadata__", "weight_map", "files", "layers", "\ud800"])] = hostile(rng)
         else:
-            doc = _set(doc, path, rng.choice(HOSTILE))
+            doc = _set(doc, path, hostile(rng))
     return json.dumps(doc, allow_nan=True, ensure_ascii=rng.random() < 0.5).encode("utf-8", "surrogatepass")
 
 
