@@ -142,7 +142,7 @@ class Targets:
                                        "model.layers.0.self_attn.o_proj.weight": "W8A8",
                                        "model.norm.weight": "FLOAT"}).encode()
         self.toml = b'[workspace]\nmodel = "model"\noutput = "dsconv-out"\n\n[defaults]\nbits = 8\n'
-        from dsconv.demo import bundled_calib_path
+        from dsconv.bundled import bundled_calib_path
         self.calib = b"\n".join(bundled_calib_path().read_bytes().splitlines()[:4]) + b"\n"
         self.expert_load = json.dumps({"layers": {"1": [5, 1, 0, 3] * 4, "2": [1] * 16}}).encode()
         self.hosts_json = json.dumps({"servers": [{"server_ip": "10.0.0.1", "device_ips": ["10.1.0.1", "10.1.0.2"]},

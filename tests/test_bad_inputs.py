@@ -211,7 +211,7 @@ CASES: list[Case] = [
 
 def with_tokenizer(tiny_model, tmp_path: Path) -> Path:
     """A tiny Llama with a tokenizer (calibration reads text through it)."""
-    from dsconv.demo import calib_texts
+    from dsconv.bundled import calib_texts
     from dsconv.tiny import train_tokenizer
 
     d = model_copy(tiny_model, tmp_path)
