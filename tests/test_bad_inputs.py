@@ -201,6 +201,9 @@ CASES: list[Case] = [
     Case("fallback-threshold-nan", "accepted", lambda tm, tp, fs: (["quantize", "--model", tm(LLAMA), "--dry-run",
                                                                     "--bits", "8", "--fallback-threshold", "nan"], None), 2,
          ("--fallback-threshold", "nan")),
+    Case("dry-run-negative-seq-len", "accepted", lambda tm, tp, fs: (["quantize", "--model", tm(LLAMA), "--dry-run",
+                                                                      "--bits", "8", "--seq-len", "-5"], None), 2,
+         ("--seq-len", "-5")),
     Case("inspect-config-negative-layers", "accepted", lambda tm, tp, fs: _inspect_config(edit_config(
         model_copy(tm, tp), num_hidden_layers=-3)), 2, ('"num_hidden_layers"', "got -3")),
     Case("export-nan-weights", "accepted", lambda tm, tp, fs: _export_st(edit_weights(
@@ -248,7 +251,7 @@ def test_bad_input(case, tiny_model, tmp_path, small_fs, run_cli):
 
 def test_catalog_size():
     """One reproducer per class the issue lists (the count the closing note reports)."""
-    assert len(CASES) == len({c.id for c in CASES}) >= 36
+    assert len(CASES) == len({c.id for c in CASES}) >= 38
     assert {c.cls for c in CASES} == {"parse", "shape", "size", "os", "accepted"}
 
 
