@@ -74,7 +74,7 @@ class Checkpoint:
                             f"num_hidden_layers {f.num_layers}", hint="fix num_hidden_layers in config.json or use "
                             "the weights it belongs to")
         actual = {n: (i.dtype, i.shape) for n, i in self.tensors.items()}
-        schemas.inventory(str(self.root), self.family.iter_shapes(f), actual)
+        schemas.inventory(str(self.root), ((name, shape) for _, name, shape in self.family.iter_shapes(f)), actual)
 
     # ---- opening ----------------------------------------------------------------------------------------------
     @classmethod
