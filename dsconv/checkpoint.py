@@ -12,7 +12,6 @@ index entries must stay inside the model directory, and pickled weights are refu
 """
 from __future__ import annotations
 
-import json
 import math
 import mmap
 import os
@@ -20,8 +19,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from dsconv import schemas
 from dsconv.errors import UserError
-from dsconv.families import Family, family_for
+from dsconv.families import Family, family_for, supported_model_types
 from dsconv.families.base import ModelFacts
 from dsconv.families.roles import TensorRole
 from dsconv.tensorfile import TensorInfo, TensorReader, dequant_fp8_block, read_header
@@ -53,6 +53,7 @@ class Checkpoint:
         self._reader = TensorReader()
         self.roles: dict[str, TensorRole] = {name: family.classify(name, self.facts) for name in tensors}
         self._facts_from_disk()
+        self._check_inventory()
         self.fp8_scales = self._pair_fp8_scales()
 
     def _facts_from_disk(self) -> None:
@@ -61,6 +62,19 @@ class Checkpoint:
         present = {r.layer for r in self.roles.values() if r.layer is not None and r.layer >= f.num_layers}
         f.num_mtp_layers = len(present)
         f.moe_layers = tuple(i for i in f.moe_layers if i < f.num_layers or i in present)
+
+    def _check_inventory(self) -> None:
+        """The weights are the model config.json describes: no layer beyond it, every tensor it implies present
+        with its shape. Runs on every path (weight-only quantize included), so no stage writes an unloadable model."""
+        f = self.facts
+        allowed = f.num_layers + (self.config.get("num_nextn_predict_layers") or 0)
+        extra = sorted({r.layer for r in self.roles.values() if r.layer is not None and r.layer >= allowed})
+        if extra:
+            raise UserError(f"{self.root}: the weights have layer {extra[-1]} but config.json says "
+                            f"num_hidden_layers {f.num_layers}", hint="fix num_hidden_layers in config.json or use "
+                            "the weights it belongs to")
+        actual = {n: (i.dtype, i.shape) for n, i in self.tensors.items()}
+        schemas.inventory(str(self.root), ((name, shape) for _, name, shape in self.family.iter_shapes(f)), actual)
 
     # ---- opening ----------------------------------------------------------------------------------------------
     @classmethod
@@ -215,10 +229,7 @@ def _read_quant_description(root: Path) -> dict[str, Any] | None:
     for name in QUANT_DESCRIPTIONS:
         path = root / name
         if path.is_file():
-            try:
-                return json.loads(path.read_text())
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path} is not valid JSON (line {e.lineno})", hint="the quantized output is damaged")
+            return schemas.quant_description(path)
     return None
 
 
@@ -235,16 +246,12 @@ def _list_safetensors(root: Path) -> tuple[list[Path], dict[str, TensorInfo]]:
 
     if indexes:
         index_path = indexes[0]
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-            assert isinstance(weight_map, dict)
-        except (json.JSONDecodeError, KeyError, TypeError, AssertionError):
-            raise UserError(f"{index_path.name} is not a valid safetensors index (no weight_map)",
-                            hint="fix or re-download the index") from None
+        weight_map = schemas.safetensors_index(
+            schemas.read_json(index_path, "index", "fix or re-download the index"), index_path.name)
         parts: dict[str, tuple[Path, int, dict[str, Any]]] = {}
-        for fname in set(weight_map.values()) if all(isinstance(v, str) for v in weight_map.values()) else [None]:
-            if fname is None or os.path.isabs(fname) or not is_within(root / fname, root):
-                bad = next(k for k, v in weight_map.items() if v == fname or not isinstance(v, str))
+        for fname in set(weight_map.values()):
+            if os.path.isabs(fname) or not is_within(root / fname, root):
+                bad = next(k for k, v in weight_map.items() if v == fname)
                 raise UserError(f"{index_path.name}: {bad} points to {weight_map[bad]!r}, outside the model directory",
                                 hint="the index is damaged or crafted; dsconv only reads files inside the model dir")
             part = root / fname
@@ -372,10 +379,7 @@ class ConfigOnly:
 
 
 def _read_json(path: Path, hint: str = "pass a HF config.json") -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path} is not valid JSON ({e})", hint=hint) from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path} is not a JSON object", hint=hint)
+    """config.json (or a config given by --config): bounded parse, then every field a family reads checked."""
+    data = schemas.config(schemas.read_json(path, "config", hint), str(path), supported_model_types())
+    schemas.model.config_requires(data, str(path), family_for(data, where=str(path)).required_config)
     return data

@@ -58,14 +58,46 @@ def main(argv: list[str] | None = None) -> None:
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        sys.exit(1)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, click.exceptions.Abort):  # click turns Ctrl-C into Abort; outputs roll back
         click.echo("interrupted: nothing was written", err=True)
         sys.exit(130)
+    except OSError as e:  # the environment, not dsconv: a full disk, a permission, a path that is a file
+        click.echo(f"error: {e.filename or 'I/O'}: {(e.strerror or type(e).__name__).lower()}; check the path, its "
+                   "permissions and the free space", err=True)
+        sys.exit(2)
     except Exception:  # a bug: show everything
         traceback.print_exc()
         click.echo(f"dsconv {__version__} hit a bug (exit 1); please report it with the traceback above.", err=True)
         sys.exit(1)
     sys.exit(0)
+
+
+class FiniteFloat(click.ParamType):
+    """A float option that refuses nan and inf: click's FLOAT takes them, and `x < 0` is False for nan, so a range
+    check downstream would let `--fallback-threshold nan` through."""
+
+    def __init__(self, inner: click.ParamType) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    def convert(self, value, param, ctx):
+        import math
+
+        out = self.inner.convert(value, param, ctx)
+        if isinstance(out, float) and not math.isfinite(out):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return out
+
+    def get_metavar(self, *args, **kwargs):
+        return self.inner.get_metavar(*args, **kwargs)
+
+
+def _finite_floats(group: click.Group) -> None:
+    """Every float option of every command is finite (one rule here instead of one check per option)."""
+    for command in group.commands.values():
+        for param in command.params:
+            if isinstance(param.type, click.types.FloatParamType):
+                param.type = FiniteFloat(param.type)
+
+
+_finite_floats(cli)

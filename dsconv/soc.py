@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from dsconv.errors import UserError
 
@@ -82,11 +82,12 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def resolve_extends(path: Path, keys: dict[str, Any] | None = None,
-                    seen: tuple[Path, ...] = ()) -> tuple[dict[str, Any], tuple[str, ...]]:
+def resolve_extends(path: Path, keys: dict[str, Any] | None = None, seen: tuple[Path, ...] = (),
+                    read: Callable[[Path], dict[str, Any]] | None = None) -> tuple[dict[str, Any], tuple[str, ...]]:
     """A variant file merged over the files it `extends` (each checked against `keys` when given), and the files,
-    most specific first."""
-    data = read_json(path)
+    most specific first. `read` parses each file (atc passes the validated reader of dsconv.schemas for a user's
+    --profile; this layer-0 module cannot import it)."""
+    data = (read or read_json)(path)
     if "assumes" in data:
         raise UserError(f"{path} is a family file", hint="point --profile at a variant file such as Ascend910B3.json")
     if keys is not None:
@@ -99,7 +100,7 @@ def resolve_extends(path: Path, keys: dict[str, Any] | None = None,
         cand = PROFILE_DIR / parent
     if cand.resolve() in seen:
         raise UserError(f"{path}: extends {parent} makes a cycle", hint="remove the cycle")
-    base, files = resolve_extends(cand, keys, seen + (path.resolve(),))
+    base, files = resolve_extends(cand, keys, seen + (path.resolve(),), read)
     return merge(base, data), (str(path),) + files
 
 

@@ -9,7 +9,6 @@ Everything read is untrusted: headers are bounded and checked, byte ranges must 
 """
 from __future__ import annotations
 
-import json
 import math
 import mmap
 import os
@@ -19,8 +18,10 @@ from typing import Any
 
 import numpy as np
 
+from dsconv import schemas
 from dsconv.errors import UserError
-from dsconv.tensors import DTYPE_SIZES, TensorSpec, torch_dtype
+from dsconv.schemas.core import os_reason
+from dsconv.tensors import TensorSpec, torch_dtype
 
 MAX_HEADER = 100 * 2**20  # safetensors' own limit
 PAGE = mmap.PAGESIZE
@@ -54,52 +55,23 @@ class TensorInfo:
 
 def read_header(path: Path) -> tuple[int, dict[str, Any]]:
     """Validated safetensors header of `path`: (data start offset, {name: entry}); reads only the header bytes."""
-    size = path.stat().st_size
     where = path.name
-    if size < 8:
-        raise UserError(f"{where} is truncated ({size} bytes)", hint="re-download or re-copy the file")
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        if n > MAX_HEADER:
-            raise UserError(f"{where}: header claims {n} bytes (limit {MAX_HEADER})",
-                            hint="the file is not safetensors or is damaged")
-        if 8 + n > size:
-            raise UserError(f"{where} is truncated: header of {n} bytes but file is {size} bytes",
-                            hint="re-download or re-copy the file")
-        raw = f.read(n)
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise UserError(f"{where}: header is not valid JSON", hint="the file is not safetensors or is damaged") from None
-    if not isinstance(header, dict):
-        raise UserError(f"{where}: header is not a JSON object", hint="the file is not safetensors or is damaged")
-    header.pop("__metadata__", None)
-    data_start = 8 + n
-    data_len = size - data_start
-    spans = []
-    for name, e in header.items():
-        try:
-            dtype, shape, (a, b) = e["dtype"], e["shape"], e["data_offsets"]
-            ok = (dtype in DTYPE_SIZES and isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
-                  and isinstance(a, int) and isinstance(b, int) and 0 <= a <= b)
-        except (TypeError, KeyError, ValueError):
-            ok = False
-        if not ok:
-            raise UserError(f"{where}: tensor {name} has a malformed header entry",
-                            hint="the file is damaged or not safetensors")
-        if b - a != math.prod(shape) * DTYPE_SIZES[dtype]:
-            raise UserError(f"{where}: tensor {name} spans {b - a} bytes but {dtype}{shape} needs "
-                            f"{math.prod(shape) * DTYPE_SIZES[dtype]}", hint="the file is damaged")
-        if b > data_len:
-            raise UserError(f"{where}: tensor {name} ends at byte {data_start + b}, past the end of the file "
-                            f"({size} bytes)", hint="the file is truncated; re-download or re-copy it")
-        spans.append((a, b, name))
-    spans.sort()
-    for (a1, b1, n1), (a2, b2, n2) in zip(spans, spans[1:]):
-        if a2 < b1:
-            raise UserError(f"{where}: tensors {n1} and {n2} overlap (bytes {a2}..{b1})",
-                            hint="the file is damaged or crafted; do not use it")
-    return data_start, header
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                raise UserError(f"{where} is truncated ({size} bytes)", hint="re-download or re-copy the file")
+            n = int.from_bytes(f.read(8), "little")
+            if n > MAX_HEADER:
+                raise UserError(f"{where}: header claims {n} bytes (limit {MAX_HEADER})",
+                                hint="the file is not safetensors or is damaged")
+            if 8 + n > size:
+                raise UserError(f"{where} is truncated: header of {n} bytes but file is {size} bytes",
+                                hint="re-download or re-copy the file")
+            raw = f.read(n)
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {os_reason(e)}", hint="check the file's permissions") from None
+    return 8 + n, schemas.safetensors_header(raw, where, size - 8 - n)
 
 
 class TensorReader:

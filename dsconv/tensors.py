@@ -115,8 +115,8 @@ def parse_size(text: str | int) -> int:
     else:
         number, factor = s, 1
     try:
-        value = int(float(number) * factor)
-    except ValueError:
+        value = int(float(number) * factor)  # inf -> OverflowError, nan -> ValueError
+    except (ValueError, OverflowError):
         raise UserError(f"cannot read size {text!r}", hint="write it like 4GB, 500MB or 2GiB") from None
     if value <= 0:
         raise UserError(f"size {text!r} must be positive")

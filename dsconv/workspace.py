@@ -6,18 +6,13 @@ root (`<root>/<stage>`), so each stage finds the previous stage's output by defa
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import tomli_w
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
+from dsconv import schemas
 from dsconv.errors import UserError
 from dsconv.writer import MANIFEST
 
@@ -48,16 +43,12 @@ def find(start: Path | None = None) -> Workspace | None:
 
 
 def load(path: Path) -> Workspace:
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise UserError(f"{path}: {e}", hint="fix the file or rerun `dsconv init --model DIR`") from None
-    ws = data.get("workspace", {})
-    if "model" not in ws:
-        raise UserError(f"{path} has no [workspace] model", hint="rerun `dsconv init --model DIR`")
+    data = schemas.workspace_toml(path)
+    ws = data["workspace"]
     base = path.parent
     return Workspace(path=path, model=(base / ws["model"]).absolute(),
-                     output=(base / ws.get("output", "dsconv-out")).absolute(), defaults=data.get("defaults", {}))
+                     output=(base / (ws.get("output") or "dsconv-out")).absolute(),
+                     defaults=data.get("defaults") or {})
 
 
 def init(model: Path, output: Path, directory: Path | None = None, force: bool = False,

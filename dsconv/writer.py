@@ -23,7 +23,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from dsconv import __version__
+from dsconv import __version__, schemas
 from dsconv.errors import UserError
 from dsconv.tensors import TensorSpec, is_within, safetensors_dtype
 
@@ -203,6 +203,13 @@ class OutputDir:
         self.input_identity = input_identity or {}
         self._sets: list[tuple[str, TensorSetWriter]] = []
         self._hashes: dict[str, dict[str, Any]] = {}
+        self._planned = 0
+        self.tmp = self.final.parent / f".{self.final.name}.dsconv-tmp"
+        self.old = self.final.parent / f".{self.final.name}.dsconv-old"
+        try:
+            self._recover()
+        except OSError as e:
+            raise output_error(e, self.final) from None
         for inp in self.inputs:
             if is_within(self.final, inp) or is_within(inp, self.final):
                 raise UserError(f"output {self.final} overlaps input {inp}",
@@ -216,22 +223,45 @@ class OutputDir:
                                     hint="choose another --output; dsconv only replaces what it wrote")
             elif not force:
                 raise UserError(f"{self.final} already holds a dsconv output", hint="pass --force to replace it")
-        self.tmp = self.final.parent / f".{self.final.name}.dsconv-tmp"
+
+    def _recover(self) -> None:
+        """Leftovers of a run killed mid-commit: an old output set aside comes back if nothing replaced it, else
+        goes. (A half-written temporary directory goes when the next transaction opens.)"""
+        if self.old.is_dir() and (self.old / MANIFEST).is_file() and not self.final.exists():
+            self.old.rename(self.final)
+        if self.old.exists():
+            shutil.rmtree(self.old)
 
     def __enter__(self) -> "OutputDir":
-        self.final.parent.mkdir(parents=True, exist_ok=True)
-        if self.tmp.exists():  # a previous run crashed: never trust what it left
-            shutil.rmtree(self.tmp)
-        self.tmp.mkdir()
+        try:
+            if self.final.parent.exists() and not self.final.parent.is_dir():
+                raise UserError(f"cannot write {self.final}: {self.final.parent} is a file, not a directory",
+                                hint="choose an --output whose parent is a directory")
+            self.final.parent.mkdir(parents=True, exist_ok=True)
+            if self.tmp.exists():  # a previous run crashed: never trust what it left
+                shutil.rmtree(self.tmp)
+            self.tmp.mkdir()
+        except OSError as e:
+            raise output_error(e, self.final) from None
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            for _, ts in self._sets:
-                ts.abort()
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return
-        self.commit()
+        if exc_type is None:
+            try:
+                self.commit()
+                return
+            except BaseException as e:  # a full disk at the manifest, Ctrl-C during the hashes: nothing was written
+                exc = e
+        self._discard()
+        if isinstance(exc, OSError):
+            raise output_error(exc, self.final) from None
+        if exc_type is None:
+            raise exc
+
+    def _discard(self) -> None:
+        for _, ts in self._sets:
+            ts.abort()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
     @property
     def path(self) -> Path:
@@ -241,6 +271,8 @@ class OutputDir:
     def tensor_set(self, specs: Sequence[TensorSpec], prefix: str = "model", subdir: str = "",
                    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, metadata: dict[str, str] | None = None,
                    index_name: str | None = None) -> TensorSetWriter:
+        self._planned += sum(s.nbytes for s in specs)
+        check_free_space(self.tmp, self._planned, self.final)
         ts = TensorSetWriter(self.tmp / subdir if subdir else self.tmp, specs, prefix, max_shard_size, metadata,
                              index_name)
         self._sets.append((subdir, ts))
@@ -280,25 +312,70 @@ class OutputDir:
             "options": self.options, "versions": versions(), "files": files,
         }
         (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
-        if self.final.exists():
-            old = self.final.parent / f".{self.final.name}.dsconv-old"
-            if old.exists():
-                shutil.rmtree(old)
-            self.final.rename(old)
+        if not self.final.exists():
             self.tmp.rename(self.final)
-            shutil.rmtree(old)
-        else:
+        elif exchange(self.tmp, self.final):  # one atomic step: the old output is at tmp now
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        else:  # no RENAME_EXCHANGE here: set the old aside; a crash in between is undone by the next run
+            self.final.rename(self.old)
             self.tmp.rename(self.final)
+            shutil.rmtree(self.old, ignore_errors=True)
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically with renameat2(RENAME_EXCHANGE) (Linux >= 3.15, glibc >= 2.28); False where the
+    call or the file system does not support it."""
+    import ctypes
+    import errno
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes an unprivileged writer may still use on the file system holding `path`."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+MARGIN = 2**20  # headers, indexes, manifests and copied tokenizer files on top of the tensors
+
+
+def check_free_space(where: Path, planned: int, final: Path) -> None:
+    """Refuse to start writing what cannot fit: pre-sized parts would otherwise fail with ENOSPC half-way."""
+    free = free_bytes(where)
+    if planned + MARGIN > free:
+        raise UserError(f"not enough space for {final}: the output needs {planned + MARGIN:,} bytes, "
+                        f"{free:,} are free on its file system", hint="free space or choose another --output")
+
+
+def output_error(e: OSError, final: Path) -> UserError:
+    """An OS error while writing an output, as one line: the path, the OS's reason, and what to do."""
+    reason = (e.strerror or type(e).__name__).lower()
+    path = e.filename or final
+    hint = {28: "free space or choose another --output", 122: "free space or choose another --output",
+            13: "choose an --output you may write to", 1: "choose an --output you may write to",
+            30: "choose an --output on a writable file system"}.get(e.errno or 0, "check the --output path")
+    return UserError(f"cannot write {final}: {path}: {reason}", hint=hint)
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
     path = Path(directory) / MANIFEST
     if not path.is_file():
         raise UserError(f"{directory} has no {MANIFEST}", hint="verify only works on directories dsconv wrote")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path} is not valid JSON (line {e.lineno})", hint="the output is damaged; rerun the stage")
+    return schemas.manifest(path)
 
 
 def verify_files(directory: Path) -> list[str]:
@@ -306,7 +383,12 @@ def verify_files(directory: Path) -> list[str]:
     directory = Path(directory)
     manifest = read_manifest(directory)
     problems = []
-    for rel, info in manifest.get("files", {}).items():
+    listed = set(manifest["files"])
+    for path in sorted(directory.rglob("*")):
+        rel = path.relative_to(directory).as_posix()
+        if rel != MANIFEST and not path.is_dir() and rel not in listed:
+            problems.append(f"{rel}: not in the manifest (added after the stage wrote the directory)")
+    for rel, info in manifest["files"].items():
         path = directory / rel
         if not is_within(path, directory):
             problems.append(f"{rel}: path escapes the directory")

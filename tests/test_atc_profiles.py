@@ -115,7 +115,7 @@ def test_profile_missing_keys_and_bad_json(tmp_path):
         load_profile(profile=_write(tmp_path, "a.json", {"schema": 1, "soc_version": "Ascend310P3"}))
     bad = tmp_path / "b.json"
     bad.write_text("{ not json")
-    with pytest.raises(UserError, match="invalid JSON at line 1"):
+    with pytest.raises(UserError, match="b.json:1: invalid JSON"):
         load_profile(profile=bad)
     with pytest.raises(UserError, match="family file"):
         load_profile(profile=PROFILE_DIR / "Ascend910B.json")

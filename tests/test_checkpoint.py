@@ -11,7 +11,7 @@ import torch
 
 from conftest import copy_model, write_raw_safetensors
 from dsconv.checkpoint import Checkpoint
-from dsconv.tensorfile import dequant_fp8_block
+from dsconv.tensorfile import dequant_fp8_block, read_tensor_infos
 from dsconv.errors import UserError
 from dsconv.tiny import FAMILIES, MOE_FAMILIES, build_model, write_fp8_checkpoint
 
@@ -294,11 +294,8 @@ def test_header_listing_reads_no_data(tiny_model, tmp_path):
     path = write_raw_safetensors(d / "model.safetensors", header, b"")
     with open(path, "r+b") as f:
         f.truncate(path.stat().st_size + n * 8192)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["num_hidden_layers"] = n
-    (d / "config.json").write_text(json.dumps(cfg))
-    ck = Checkpoint.open(d)
-    assert len(ck) == n and math.prod(ck.info("model.layers.5.input_layernorm.weight").shape) == 4096
+    infos = read_tensor_infos(path)  # the header listing Checkpoint.open runs per part
+    assert len(infos) == n and math.prod(infos["model.layers.5.input_layernorm.weight"].shape) == 4096
 
 
 def test_open_rejects_non_directory(tmp_path):

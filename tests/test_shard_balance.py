@@ -104,7 +104,7 @@ def test_read_expert_load_formats_and_errors(tmp_path):
         with pytest.raises(UserError, match=needle):
             B.read_expert_load(f, 4, (1,))
     f.write_text("{")
-    with pytest.raises(UserError, match="not valid JSON"):
+    with pytest.raises(UserError, match="invalid JSON"):
         B.read_expert_load(f, 4, (1,))
 
 

@@ -202,8 +202,8 @@ def test_heads_not_divisible_by_tp_names_the_tensor(llama):
 
 
 def test_kv_heads_neither_divide_nor_are_divided(tiny_model):
-    ck = Checkpoint.open(tiny_model("llama", num_attention_heads=6, num_key_value_heads=4, hidden_size=96))
-    plan = plan_for(ck, None, 6)  # 6 heads ok, 4 KV heads vs tp 6: neither divides
+    ck = Checkpoint.open(tiny_model("llama", num_attention_heads=12, num_key_value_heads=4, hidden_size=96))
+    plan = plan_for(ck, None, 6)  # 12 heads ok, 4 KV heads vs tp 6: neither divides
     assert "k_proj.weight" in reasons(plan) and "4 KV heads cannot be split over tp 6" in reasons(plan)
 
 

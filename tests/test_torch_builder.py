@@ -83,5 +83,6 @@ def test_missing_tensor_is_an_error(tiny_model, tmp_path):
     tensors = load_file(d / "model.safetensors")
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
-    with Checkpoint.open(d) as ck, pytest.raises(UserError, match="up_proj.weight is missing"):
-        torch_builder.build(ck, torch.float32)
+    with pytest.raises(UserError, match="up_proj.weight is missing"):  # Checkpoint.open's inventory check sees it
+        with Checkpoint.open(d) as ck:
+            torch_builder.build(ck, torch.float32)

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsconv import schemas
 from dsconv.errors import UserError
-from dsconv.soc import check_types, resolve_extends, resolve_soc
+from dsconv.soc import SCHEMA, check_types, resolve_extends, resolve_soc
 
 # key -> python type(s); nested tables are checked by their own key tables below
 _PROFILE_KEYS: dict[str, Any] = {
@@ -94,7 +95,7 @@ def _int_list(values: list, where: str) -> tuple[int, ...]:
 def load_profile_file(path: Path, assumed_from: str | None = None) -> SocProfile:
     """Read one variant profile (following `extends`), check every key, return the typed profile."""
     path = Path(path)
-    data, files = resolve_extends(path, _PROFILE_KEYS)
+    data, files = resolve_extends(path, _PROFILE_KEYS, read=lambda p: schemas.atc_profile(p, SCHEMA))
     missing = [k for k in _REQUIRED if k not in data]
     if missing:
         raise UserError(f"{path}: missing {', '.join(missing)}", hint="copy a bundled profile and edit it")

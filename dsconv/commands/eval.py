@@ -17,8 +17,8 @@ from dsconv.errors import UserError
 @click.option("--text", type=PATH, default=None,
               help="Evaluation text: plain text (paragraphs), or .jsonl/.json as for --calib. Default: the answers "
                    "of the bundled calibration set.")
-@click.option("--seq-len", type=int, default=512, show_default=True, help="Tokens per evaluated chunk.")
-@click.option("--samples", type=int, default=None, help="Evaluate the first N chunks only.")
+@click.option("--seq-len", type=click.IntRange(min=2), default=512, show_default=True, help="Tokens per evaluated chunk.")
+@click.option("--samples", type=click.IntRange(min=1), default=None, help="Evaluate the first N chunks only.")
 @click.option("--max-ppl-increase", type=float, default=None, metavar="PCT",
               help="Fail (exit 3) when perplexity rises by more than PCT percent.")
 @click.option("--output", "-o", type=PATH, default=None,

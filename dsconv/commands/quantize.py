@@ -47,9 +47,9 @@ from dsconv.errors import UserError
                    "line) or .json list of strings. Default: the bundled calib_data/qa.jsonl. Round-to-nearest "
                    "without static activations (w8a16, w8a8_dynamic, w4a16 --method rtn) needs none and skips "
                    "it; give --calib to record MoE expert load anyway.")
-@click.option("--calib-samples", type=int, default=None, metavar="N", help="Use the first N samples (default: all).")
-@click.option("--seq-len", type=int, default=512, show_default=True, help="Tokens per calibration sample (cut).")
-@click.option("--min-expert-tokens", type=int, default=32, show_default=True,
+@click.option("--calib-samples", type=click.IntRange(min=1), default=None, metavar="N", help="Use the first N samples (default: all).")
+@click.option("--seq-len", type=click.IntRange(min=2), default=512, show_default=True, help="Tokens per calibration sample (cut).")
+@click.option("--min-expert-tokens", type=click.IntRange(min=0), default=32, show_default=True,
               help="MoE: experts routed fewer calibration tokens are reported (and, for static W8A8, get the layer's "
                    "activation range).")
 @click.option("--all-experts", is_flag=True,

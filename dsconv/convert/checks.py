@@ -9,8 +9,9 @@ Cheap to import: onnx/onnxruntime load only when a check runs.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from dsconv import schemas
 
 
 def verify_onnx(directory: Path, manifest: dict) -> list[str]:
@@ -48,7 +49,8 @@ def verify_onnx(directory: Path, manifest: dict) -> list[str]:
     except Exception as e:  # onnxruntime raises its own exception types
         return [f"model.onnx: onnxruntime cannot run one token ({str(e).splitlines()[0][:200]})"]
     config = directory / "config.json"
-    vocab = json.loads(config.read_text()).get("vocab_size") if config.is_file() else None
+    vocab = schemas.config(schemas.read_json(config, "config", "rerun the export"), str(config))["vocab_size"] \
+        if config.is_file() else None
     problems = []
     if vocab is not None and tuple(logits.shape) != (1, 1, vocab):
         problems.append(f"model.onnx: logits shape {list(logits.shape)}, expected [1, 1, {vocab}]")

@@ -271,6 +271,7 @@ def rewrite_into(out, ck, plan: RewritePlan, progress: bool | None = None, pipel
             ts = sets[part.file]
             for t in part.tensors:
                 tensor = convert_tensor(ck, t)
+                check_finite(t.name, tensor, ck.root)
                 if writer is not None:
                     writer.put(ts, t.name, tensor)
                 else:
@@ -289,6 +290,22 @@ def rewrite_into(out, ck, plan: RewritePlan, progress: bool | None = None, pipel
     for f in ck.copy_files():
         if f.name != "config.json":
             out.copy_in(f)
+
+
+def check_finite(name: str, tensor, where: Path, chunk: int = 1 << 24) -> None:
+    """NaN/Inf in a weight is a broken checkpoint (or an FP8 NaN code): refuse it by name rather than pass it on.
+    Chunked, so the check costs one bool per element of a 16M-element slice, never of the whole tensor."""
+    import torch
+
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return
+    flat = tensor.reshape(-1)
+    for lo in range(0, flat.numel(), chunk):
+        part = flat[lo:lo + chunk]
+        if not bool(torch.isfinite(part).all()):
+            bad = lo + int((~torch.isfinite(part)).nonzero()[0, 0])
+            raise UserError(f"{where}: tensor {name} holds {float(flat[bad])} at element {bad}",
+                            hint="the checkpoint is damaged (NaN/Inf weights); re-download it or fix its source")
 
 
 def rewritten_config(config: dict[str, Any], dtype: str) -> dict[str, Any]:

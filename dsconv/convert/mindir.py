@@ -39,9 +39,10 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from dsconv import schemas
 from dsconv.convert.ms_nets import worker
-from dsconv.process import working_dir
 from dsconv.errors import CheckFailed, UserError
+from dsconv.process import working_dir
 from dsconv.tensors import precision_torch_dtype
 
 DTYPES = ("fp32", "fp16", "bf16")
@@ -410,7 +411,8 @@ def verify_mindir(directory: Path, manifest: dict) -> list[str]:
     from mindspore import Tensor, nn
 
     config = directory / "config.json"
-    vocab = json.loads(config.read_text()).get("vocab_size") if config.is_file() else None
+    vocab = schemas.config(schemas.read_json(config, "config", "rerun the export"), str(config))["vocab_size"] \
+        if config.is_file() else None
     with tempfile.TemporaryDirectory(prefix="dsconv-verify-") as scratch, working_dir(Path(scratch)), \
             worker.graph_mode(ms):
         try:

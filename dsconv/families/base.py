@@ -114,6 +114,8 @@ class Family:
     #: where transformers' fused 3-D experts live (relative to the layer) and renames of their siblings
     fused_experts: str = "mlp.experts"
     fused_renames: dict[str, str] = {}
+    #: config.json keys this family cannot do without beyond the common ones (checked by dsconv.schemas.config)
+    required_config: tuple[str, ...] = ()
     #: transformers' fused 3-D expert parameters -> the per-expert slots each holds, stacked along dim 1
     fused_params: dict[str, tuple[str, ...]] = {"gate_up_proj": ("gate", "up"), "down_proj": ("down",)}
 

@@ -33,6 +33,7 @@ MTP_OUT = (*norm("mtp.norm", L + "shared_head.norm", category=M, when="mtp"),
 
 class DeepseekV3(Family):
     name = "deepseek_v3"
+    required_config = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
     model_types = ("deepseek_v3",)
     table = (
         *linear("embed", "model.embed_tokens", Role.EMBED, Category.EMBEDDING, "vocab_size", "hidden_size"),

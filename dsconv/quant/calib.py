@@ -8,11 +8,11 @@ own sample, as at inference).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsconv import schemas
 from dsconv.bundled import bundled_calib_path
 from dsconv.errors import UserError
 
@@ -82,45 +82,19 @@ def text_of(row: Any, where: str, tokenizer: Any = None) -> str:
     return text
 
 
+MAX_CALIB_FILE = 2**30  # a calibration set is prompts (10-1000), not a corpus
+
+
 def read_utf8(path: Path, what: str, hint: str) -> str:
     """A text file's content, or a one-line error saying it is missing or not UTF-8."""
-    if not path.is_file():
-        raise UserError(f"{what} {path} does not exist", hint=hint)
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not UTF-8 text (byte {e.start})", hint="save the file as UTF-8") from None
+    return schemas.decode_utf8(schemas.read_bytes(Path(path), what, hint, limit=MAX_CALIB_FILE), str(path))
 
 
 def read_texts(path: Path, tokenizer: Any = None) -> list[str]:
     """Every calibration text of a .jsonl / .json file, in file order; errors name the file and the line."""
     path = Path(path)
     raw = read_utf8(path, "calibration file", "pass a .jsonl or .json file with --calib")
-    texts: list[str] = []
-    if path.suffix == ".json":
-        try:
-            data = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{e.lineno}: invalid JSON ({e.msg})",
-                            hint="a .json calibration file is one list of strings") from None
-        if not isinstance(data, list):
-            raise UserError(f"{path}: a .json calibration file must hold a list of strings, got "
-                            f"{type(data).__name__}", hint="use .jsonl for one object per line")
-        for i, row in enumerate(data):
-            texts.append(text_of(row, f"{path}: item {i}", tokenizer))
-    elif path.suffix == ".jsonl":
-        for lineno, line in enumerate(raw.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})",
-                                hint="each line must be one JSON object") from None
-            texts.append(text_of(row, f"{path}:{lineno}", tokenizer))
-    else:
-        raise UserError(f"{path}: unknown calibration format {path.suffix or '(no suffix)'}",
-                        hint="use .jsonl (one object per line) or .json (a list of strings)")
+    texts = [text_of(row, where, tokenizer) for where, row in schemas.calibration_rows(path, raw)]
     if not texts:
         raise UserError(f"{path}: the calibration set is empty", hint="give at least a few prompts (10-100)")
     return texts

@@ -2,14 +2,13 @@
 perplexity limit, and write eval_report.json."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsconv.errors import CheckFailed
+from dsconv.errors import CheckFailed, UserError
 from dsconv.quant.evaluate import DEFAULT_SEQ_LEN, evaluate, render
-from dsconv.writer import MANIFEST, OutputDir
+from dsconv.writer import MANIFEST, OutputDir, read_manifest
 
 REPORT_FILE = "eval_report.json"
 
@@ -41,10 +40,9 @@ class EvalResult:
 
 def output_is_eval(path: Path) -> bool:
     """A previous eval report may be replaced without --force (evaluations are cheap to redo)."""
-    m = Path(path) / MANIFEST
     try:
-        return json.loads(m.read_text()).get("stage") == "eval"
-    except (OSError, ValueError):
+        return (Path(path) / MANIFEST).is_file() and read_manifest(Path(path))["stage"] == "eval"
+    except UserError:  # not a sound manifest: not a previous eval report to replace silently
         return False
 
 

@@ -15,13 +15,13 @@ Balancedness is mean/max of the token load per EP rank (1.0 = perfect), averaged
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
+from dsconv import schemas
 from dsconv.errors import UserError
 
 STRATEGIES = ("contiguous", "balanced", "eplb")
@@ -69,30 +69,13 @@ def read_expert_load(path: Path, num_experts: int, moe_layers: Sequence[int]) ->
     Layers are model layer indices (as `dsconv quantize` writes them). MoE layers the file lacks (e.g. an MTP layer
     never calibrated) get uniform load; they are returned so the caller can say so.
     """
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path} does not exist", hint="pass the expert_load.json that `dsconv quantize` wrote") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path} is not valid JSON ({e})", hint="pass the expert_load.json `dsconv quantize` wrote") \
-            from None
-    layers = data.get("layers", data) if isinstance(data, dict) else None
-    if not isinstance(layers, dict):
-        raise UserError(f"{path}: expected {{\"layers\": {{\"<layer>\": [tokens per expert]}}}}",
-                        hint="see `dsconv shard --help` for the format")
     pos = {layer: i for i, layer in enumerate(moe_layers)}
     load = np.full((len(moe_layers), num_experts), np.nan)
-    for key, row in layers.items():
-        try:
-            layer = int(key)
-        except (TypeError, ValueError):
-            raise UserError(f"{path}: layer key {key!r} is not a layer number",
-                            hint="keys are model layer indices, e.g. \"3\"") from None
+    for layer, row in schemas.expert_load(Path(path)).items():
         if layer not in pos:
             raise UserError(f"{path}: layer {layer} is not a MoE layer of this model",
                             hint=f"MoE layers are {moe_layers[0]}..{moe_layers[-1]}" if moe_layers else None)
-        if not isinstance(row, list) or len(row) != num_experts or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 and np.isfinite(v) for v in row):
+        if len(row) != num_experts:
             raise UserError(f"{path}: layer {layer} must list {num_experts} non-negative token counts",
                             hint="one number per routed expert, in expert order")
         load[pos[layer]] = row

@@ -14,11 +14,11 @@ each. Without `--hosts` the table uses documentation addresses (RFC 5737: server
 from __future__ import annotations
 
 import ipaddress
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dsconv import schemas
 from dsconv.errors import UserError
 
 PLACEHOLDER_SERVERS = ipaddress.ip_network("192.0.2.0/24")
@@ -47,41 +47,9 @@ def _ipv4(text: Any, where: str) -> str:
 def read_hosts(path: Path) -> list[Host]:
     """Servers and device IPs from `--hosts` (JSON or text, see the module docstring); validated here."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except (FileNotFoundError, IsADirectoryError):
-        raise UserError(f"{path} does not exist", hint="pass a hosts file (see `dsconv shard --help`)") from None
-    hosts: list[Host] = []
-    if text.lstrip().startswith("{"):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}", hint="fix the hosts file") from None
-        servers = data.get("servers") if isinstance(data, dict) else None
-        if not isinstance(servers, list) or not servers:
-            raise UserError(f"{path}: expected {{\"servers\": [{{\"server_ip\": ..., \"device_ips\": [...]}}]}}")
-        for i, s in enumerate(servers):
-            where = f"{path}: servers[{i}]"
-            if not isinstance(s, dict) or "server_ip" not in s or not isinstance(s.get("device_ips"), list):
-                raise UserError(f"{where} needs server_ip and a device_ips list")
-            unknown = set(s) - {"server_ip", "device_ips", "container_ip"}
-            if unknown:
-                raise UserError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}",
-                                hint="allowed: server_ip, device_ips, container_ip")
-            hosts.append(Host(_ipv4(s["server_ip"], where),
-                              tuple(_ipv4(d, f"{where}.device_ips[{j}]") for j, d in enumerate(s["device_ips"])),
-                              _ipv4(s["container_ip"], where) if s.get("container_ip") else None))
-    else:
-        for n, line in enumerate(text.splitlines(), 1):
-            fields = line.split("#", 1)[0].split()
-            if not fields:
-                continue
-            where = f"{path}:{n}"
-            if len(fields) < 2:
-                raise UserError(f"{where}: a server line is SERVER_IP DEVICE_IP [DEVICE_IP ...]")
-            hosts.append(Host(_ipv4(fields[0], where), tuple(_ipv4(f, where) for f in fields[1:])))
-        if not hosts:
-            raise UserError(f"{path} lists no server", hint="one line per server: SERVER_IP DEVICE_IP ...")
+    hosts = [Host(_ipv4(server, where), tuple(_ipv4(d, f"{where}.device_ips[{j}]") for j, d in enumerate(devices)),
+                  _ipv4(container, where) if container else None)
+             for server, devices, container, where in schemas.hosts_file(path)]
     seen: dict[str, str] = {}
     for i, h in enumerate(hosts):
         for ip, what in [(h.server_ip, f"server {i + 1}")] + [(d, f"server {i + 1} device {j}")

@@ -1,0 +1,348 @@
+"""The bad-input catalog of issue 12: one reproducer per class of hostile input, run through the real commands.
+
+Every case must end with exit 2 (or 3 for a failed check) and ONE line naming the file, field or tensor - never a
+traceback (exit 1) and never exit 0. The table at the bottom is the catalog; `test_catalog_size` keeps its count
+honest. OS-level cases (a full disk, a read-only file system) mount a small tmpfs when the test runs as root with
+CAP_SYS_ADMIN and are skipped elsewhere.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+LLAMA = "llama"
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def model_copy(tiny_model, tmp_path: Path, family: str = LLAMA) -> Path:
+    d = tmp_path / "m"
+    shutil.copytree(tiny_model(family), d)
+    return d
+
+
+def edit_config(d: Path, **changes) -> Path:
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(changes)
+    (d / "config.json").write_text(json.dumps(cfg, allow_nan=True))
+    return d
+
+
+def edit_weights(d: Path, fn: Callable[[dict], None]) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(d / "model.safetensors")
+    fn(tensors)
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    return d
+
+
+def raw_header(d: Path, header: bytes) -> Path:
+    (d / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    return d
+
+
+def a_manifest_dir(tmp_path: Path, manifest: bytes | None = None) -> Path:
+    from dsconv.writer import OutputDir
+
+    out = tmp_path / "out"
+    with OutputDir(out, stage="export") as o:
+        o.write_json("config.json", {"a": 1})
+    if manifest is not None:
+        (out / "dsconv_manifest.json").write_bytes(manifest)
+    return out
+
+
+def quant_dir(tiny_model, tmp_path: Path, description: bytes) -> Path:
+    d = model_copy(tiny_model, tmp_path)
+    (d / "quant_model_description.json").write_bytes(description)
+    return d
+
+
+def workspace(tmp_path: Path, toml: bytes) -> Path:
+    (tmp_path / "dsconv.toml").write_bytes(toml)
+    return tmp_path
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """`small_fs(size, ro=False)` -> a fresh tmpfs mount point (a real full or read-only file system)."""
+    mounts = []
+
+    def make(size: str, ro: bool = False) -> Path:
+        mp = tmp_path / f"fs{len(mounts)}"
+        mp.mkdir()
+        opts = f"size={size}" + (",ro" if ro else "")
+        if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(mp)],
+                                               capture_output=True).returncode:
+            pytest.skip("cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN)")
+        mounts.append(mp)
+        return mp
+
+    yield make
+    for mp in mounts:
+        subprocess.run(["umount", str(mp)], capture_output=True)
+
+
+@dataclass
+class Case:
+    id: str
+    cls: str  # the class of issue 12 it reproduces
+    run: Callable  # (tiny_model, tmp_path, small_fs) -> (argv, cwd or None)
+    code: int
+    needles: tuple[str, ...]
+
+
+def _inspect(d):
+    return ["inspect", "--model", d], None
+
+
+def _inspect_config(d):
+    return ["inspect", "--config", d / "config.json"], None
+
+
+def _quant_weight_only(d, tmp_path):
+    return ["quantize", "--model", d, "--scheme", "w8a16", "--output", tmp_path / "q"], None
+
+
+def _export_st(d, out):
+    return ["export", "--format", "safetensors", "--model", d, "--output", out], None
+
+
+CASES: list[Case] = [
+    # -- parse errors other than JSONDecodeError ------------------------------------------------------------------
+    Case("header-deep-nesting", "parse", lambda tm, tp, fs: _inspect(raw_header(
+        model_copy(tm, tp), b"[" * 99999 + b"]" * 99999)), 2, ("model.safetensors", "nested deeper")),
+    Case("config-5000-digit-int", "parse", lambda tm, tp, fs: _inspect(_with_file(
+        model_copy(tm, tp), "config.json", b'{"model_type": "llama", "num_hidden_layers": ' + b"1" * 5000 + b"}")),
+        2, ("config.json", "5000 digits")),
+    Case("index-not-utf8", "parse", lambda tm, tp, fs: _inspect(_with_file(
+        model_copy(tm, tp), "model.safetensors.index.json", b'{"weight_map": {"\xff": 1}}')), 2,
+        ("model.safetensors.index.json", "UTF-8")),
+    Case("manifest-not-utf8", "parse", lambda tm, tp, fs: (["verify", a_manifest_dir(tp, b'{"files": "\xfe"}')],
+                                                             None), 2, ("dsconv_manifest.json", "UTF-8")),
+    Case("description-not-utf8", "parse", lambda tm, tp, fs: _inspect(quant_dir(tm, tp, b'{"a": "\xff"}')), 2,
+         ("quant_model_description.json", "UTF-8")),
+    Case("toml-not-utf8", "parse", lambda tm, tp, fs: (["inspect"], workspace(tp, b'[workspace]\nmodel = "\xff"\n')),
+         2, ("dsconv.toml", "UTF-8")),
+    Case("calib-lone-surrogate", "parse", lambda tm, tp, fs: (
+        ["quantize", "--bits", "8", "--model", with_tokenizer(tm, tp), "--calib", _with_file(tp, "c.jsonl", b'{"text": "a\\ud800b"}\n') /
+         "c.jsonl", "--output", tp / "q"], None), 2, ("c.jsonl:1", "surrogate")),
+    # -- JSON of the wrong shape or type ------------------------------------------------------------------------
+    Case("manifest-is-list", "shape", lambda tm, tp, fs: (["verify", a_manifest_dir(tp, b"[]")], None), 2,
+         ("dsconv_manifest.json", "got a list")),
+    Case("manifest-no-files", "shape", lambda tm, tp, fs: (["verify", a_manifest_dir(tp, b'{"stage": "export"}')],
+                                                           None), 2, ("dsconv_manifest.json", '"files" is missing')),
+    Case("manifest-entry-no-sha256", "shape", lambda tm, tp, fs: (["verify", a_manifest_dir(
+        tp, b'{"stage": "export", "files": {"config.json": {"size": 9}}}')], None), 2, ('"sha256" is missing',)),
+    Case("description-is-list", "shape", lambda tm, tp, fs: _inspect(quant_dir(tm, tp, b"[]")), 2,
+         ("quant_model_description.json", "got a list")),
+    Case("toml-workspace-is-int", "shape", lambda tm, tp, fs: (["inspect"], workspace(tp, b"workspace = 1\n")), 2,
+         ("dsconv.toml", '"workspace" must be an object')),
+    Case("toml-model-is-list", "shape", lambda tm, tp, fs: (["inspect"], workspace(
+        tp, b"[workspace]\nmodel = []\n")), 2, ("dsconv.toml", '"model" must be a non-empty string')),
+    Case("config-layers-string", "shape", lambda tm, tp, fs: _inspect(edit_config(
+        model_copy(tm, tp), num_hidden_layers="2")), 2, ("config.json", '"num_hidden_layers"', "'2'")),
+    Case("config-layers-float", "shape", lambda tm, tp, fs: _inspect(edit_config(
+        model_copy(tm, tp), num_hidden_layers=2.5)), 2, ("config.json", '"num_hidden_layers"', "2.5")),
+    Case("config-model-type-list", "shape", lambda tm, tp, fs: _inspect(edit_config(
+        model_copy(tm, tp), model_type=[])), 2, ("config.json", '"model_type"')),
+    Case("config-kv-heads-string", "shape", lambda tm, tp, fs: _inspect(edit_config(
+        model_copy(tm, tp), num_key_value_heads="2")), 2, ("config.json", '"num_key_value_heads"')),
+    Case("config-infinity", "shape", lambda tm, tp, fs: _inspect(edit_config(
+        model_copy(tm, tp, "deepseek_v3"), n_shared_experts=float("inf"))), 2, ("config.json", "Infinity")),
+    # -- unbounded sizes --------------------------------------------------------------------------------------------
+    Case("config-terabyte-layers", "size", lambda tm, tp, fs: _inspect_config(edit_config(
+        model_copy(tm, tp), num_hidden_layers=1099511627776)), 2, ('"num_hidden_layers"', "1..1024")),
+    Case("max-shard-size-inf", "size", lambda tm, tp, fs: (["quantize", "--model", tm(LLAMA), "--dry-run",
+                                                            "--bits", "8", "--max-shard-size", "inf"], None), 2, ("inf",)),
+    # -- OS errors at the boundary ----------------------------------------------------------------------------------
+    Case("output-parent-is-file", "os", lambda tm, tp, fs: _export_st(tm(LLAMA), _with_file(
+        tp, "afile", b"x") / "afile" / "out"), 2, ("afile", "not a directory")),
+    Case("output-read-only-fs", "os", lambda tm, tp, fs: _export_st(tm(LLAMA), fs("64k", ro=True) / "out"), 2,
+         ("read-only file system",)),
+    Case("model-file-unreadable", "os", lambda tm, tp, fs: _inspect(_weights_dir(model_copy(tm, tp))), 2,
+         ("model.safetensors", "is a directory")),
+    Case("disk-too-small", "os", lambda tm, tp, fs: _export_st(tm(LLAMA), fs("256k") / "out"), 2,
+         ("not enough space", "free space")),
+    Case("disk-full-mid-write", "os", lambda tm, tp, fs: (["export", "--format", "onnx", "--model", tm(LLAMA),
+                                                           "--output", fs("96k") / "out"], None), 2,
+         ("no space left on device",)),
+    # -- silently accepted before (exit 0) --------------------------------------------------------------------------
+    Case("weight-only-missing-down-proj", "accepted", lambda tm, tp, fs: _quant_weight_only(edit_weights(
+        model_copy(tm, tp), lambda t: t.pop("model.layers.1.mlp.down_proj.weight")), tp), 2,
+        ("model.layers.1.mlp.down_proj.weight", "missing")),
+    Case("weight-only-wrong-q-proj", "accepted", lambda tm, tp, fs: _quant_weight_only(edit_weights(
+        model_copy(tm, tp), lambda t: t.update({"model.layers.0.self_attn.q_proj.weight":
+                                                t["model.layers.0.self_attn.q_proj.weight"][:32]})), tp), 2,
+        ("model.layers.0.self_attn.q_proj.weight", "[32, 64]", "[64, 64]")),
+    Case("config-more-layers-than-weights", "accepted", lambda tm, tp, fs: _quant_weight_only(edit_config(
+        model_copy(tm, tp), num_hidden_layers=4), tp), 2, ("model.layers.2.", "missing")),
+    Case("config-fewer-layers-than-weights", "accepted", lambda tm, tp, fs: _quant_weight_only(edit_config(
+        model_copy(tm, tp), num_hidden_layers=1), tp), 2, ("layer 1", "num_hidden_layers 1")),
+    Case("heads-do-not-divide-hidden", "accepted", lambda tm, tp, fs: _quant_weight_only(edit_config(
+        model_copy(tm, tp), num_attention_heads=5, num_key_value_heads=5, head_dim=None), tp), 2,
+        ('"num_attention_heads"', "hidden_size 64")),
+    Case("heads-disagree-with-weights", "accepted", lambda tm, tp, fs: _quant_weight_only(edit_config(
+        model_copy(tm, tp), num_attention_heads=5, num_key_value_heads=5), tp), 2,
+        ("q_proj.weight has shape [64, 64]", "[80, 64]")),
+    Case("vocab-size-zero", "accepted", lambda tm, tp, fs: _quant_weight_only(edit_config(
+        model_copy(tm, tp), vocab_size=0), tp), 2, ('"vocab_size"', "got 0")),
+    Case("verify-extra-file", "accepted", lambda tm, tp, fs: (["verify", _with_file(
+        a_manifest_dir(tp), "stray.bin", b"x")], None), 3, ("stray.bin", "not in the manifest")),
+    Case("verify-empty-files", "accepted", lambda tm, tp, fs: (["verify", a_manifest_dir(
+        tp, b'{"stage": "export", "files": {}}')], None), 2, ('"files" is empty',)),
+    Case("fallback-threshold-nan", "accepted", lambda tm, tp, fs: (["quantize", "--model", tm(LLAMA), "--dry-run",
+                                                                    "--bits", "8", "--fallback-threshold", "nan"], None), 2,
+         ("--fallback-threshold", "nan")),
+    Case("dry-run-negative-seq-len", "accepted", lambda tm, tp, fs: (["quantize", "--model", tm(LLAMA), "--dry-run",
+                                                                      "--bits", "8", "--seq-len", "-5"], None), 2,
+         ("--seq-len", "-5")),
+    Case("inspect-config-negative-layers", "accepted", lambda tm, tp, fs: _inspect_config(edit_config(
+        model_copy(tm, tp), num_hidden_layers=-3)), 2, ('"num_hidden_layers"', "got -3")),
+    Case("export-nan-weights", "accepted", lambda tm, tp, fs: _export_st(edit_weights(
+        model_copy(tm, tp), lambda t: t["model.norm.weight"].__setitem__(3, float("nan"))), tp / "o"), 2,
+        ("model.norm.weight", "nan")),
+]
+
+
+def with_tokenizer(tiny_model, tmp_path: Path) -> Path:
+    """A tiny Llama with a tokenizer (calibration reads text through it)."""
+    from dsconv.bundled import calib_texts
+    from dsconv.tiny import train_tokenizer
+
+    d = model_copy(tiny_model, tmp_path)
+    tok = train_tokenizer(calib_texts()[:20], vocab_size=300)
+    tok.save_pretrained(d)
+    return d
+
+
+def _with_file(d: Path, name: str, data: bytes) -> Path:
+    (d / name).write_bytes(data)
+    return d
+
+
+def _weights_dir(d: Path) -> Path:
+    (d / "model.safetensors").unlink()
+    (d / "model.safetensors").mkdir()
+    return d
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input(case, tiny_model, tmp_path, small_fs, run_cli):
+    argv, cwd = case.run(tiny_model, tmp_path, small_fs)
+    r = run_cli(argv, cwd=cwd)
+    assert r.code == case.code, (r.code, r.err[-2000:])
+    lines = [ln for ln in r.err.splitlines() if ln.strip() and not ln.startswith("warning:")]
+    assert lines and "Traceback" not in r.err, r.err[-2000:]
+    # our errors are one line; click's usage errors print "Usage:", "Try ..." and then the "Error:" line
+    first = next((ln for ln in lines if ln.lower().startswith("error")), lines[0])
+    for needle in case.needles:
+        assert needle.lower() in first.lower(), (needle, first)
+    leftovers = [p for p in tmp_path.rglob("*") if ".dsconv-tmp" in p.name or ".dsconv-old" in p.name]
+    assert not leftovers, leftovers
+
+
+def test_catalog_size():
+    """One reproducer per class the issue lists (the count the closing note reports)."""
+    assert len(CASES) == len({c.id for c in CASES}) >= 38
+    assert {c.cls for c in CASES} == {"parse", "shape", "size", "os", "accepted"}
+
+
+# ----------------------------------------------------------------------------------------------- transactions
+def _export(run_cli, model: Path, out: Path, *extra):
+    return run_cli(["export", "--format", "safetensors", "--model", model, "--output", out, *extra])
+
+
+def _fail_after_first_tensor(monkeypatch, exc: BaseException) -> None:
+    from dsconv import writer
+
+    real = writer.TensorSetWriter.write
+    calls = []
+
+    def write(self, name, tensor):
+        calls.append(name)
+        if len(calls) > 1:
+            raise exc
+        return real(self, name, tensor)
+
+    monkeypatch.setattr(writer.TensorSetWriter, "write", write)
+
+
+def test_force_keeps_the_old_output_until_the_new_one_is_complete(tiny_model, tmp_path, run_cli, monkeypatch):
+    model, out = tiny_model(LLAMA), tmp_path / "out"
+    assert _export(run_cli, model, out).code == 0
+    before = (out / "dsconv_manifest.json").read_bytes()
+    _fail_after_first_tensor(monkeypatch, OSError(28, "No space left on device", str(out / "x")))
+    r = _export(run_cli, model, out, "--force")
+    assert r.code == 2 and "no space left on device" in r.err and "Traceback" not in r.err
+    monkeypatch.undo()
+    assert (out / "dsconv_manifest.json").read_bytes() == before
+    assert run_cli(["verify", out]).code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["rename-exchange", "rename-aside"])
+def test_force_replaces_and_leaves_nothing_behind(tiny_model, tmp_path, run_cli, monkeypatch, exchange):
+    from dsconv import writer
+
+    used = []
+    real = writer.exchange
+    monkeypatch.setattr(writer, "exchange", lambda a, b: used.append(1) or (real(a, b) if exchange else False))
+    model, out = tiny_model(LLAMA), tmp_path / "out"
+    assert _export(run_cli, model, out).code == 0
+    (out / "marker").write_text("old")  # tells the old output from the new one
+    assert _export(run_cli, model, out, "--force").code == 0
+    assert used and not (out / "marker").exists()
+    assert run_cli(["verify", out]).code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_crash_between_renames_is_undone_by_the_next_run(tiny_model, tmp_path, run_cli):
+    """The rename-aside fallback killed after its first rename: old output at .out.dsconv-old, nothing at out."""
+    model, out = tiny_model(LLAMA), tmp_path / "out"
+    assert _export(run_cli, model, out).code == 0
+    out.rename(tmp_path / ".out.dsconv-old")
+    (tmp_path / ".out.dsconv-tmp").mkdir()
+    r = _export(run_cli, model, out)  # no --force: the recovered output must not be replaced silently
+    assert r.code == 2 and "already holds a dsconv output" in r.err
+    assert run_cli(["verify", out]).code == 0
+    assert _export(run_cli, model, out, "--force").code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_ctrl_c_exits_130_with_one_line_and_no_temp_dir(tiny_model, tmp_path, run_cli, monkeypatch):
+    _fail_after_first_tensor(monkeypatch, KeyboardInterrupt())
+    r = _export(run_cli, tiny_model(LLAMA), tmp_path / "out")
+    assert r.code == 130
+    assert r.err.strip().splitlines() == ["interrupted: nothing was written"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sigint_of_a_real_process(tiny_model, tmp_path):
+    """A real Ctrl-C (SIGINT) while the output is being written: exit 130, one line, no temporary directory."""
+    import signal
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    p = subprocess.Popen([sys.executable, "-m", "dsconv", "export", "--format", "onnx", "--model",
+                          str(tiny_model(LLAMA)), "--output", str(out)], env=env, stderr=subprocess.PIPE, text=True)
+    tmp = tmp_path / ".out.dsconv-tmp"
+    deadline = time.monotonic() + 120
+    while not tmp.exists() and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    if p.poll() is not None:
+        pytest.skip(f"the export ended ({p.returncode}) before it could be interrupted: {p.stderr.read()[-300:]}")
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1] == "interrupted: nothing was written" and "Traceback" not in err
+    assert not tmp.exists() and not out.exists()
