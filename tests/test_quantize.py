@@ -146,7 +146,9 @@ def test_layout_and_description_complete(models, run):
     assert set(load) == {"layers"} and set(load["layers"]) == {"1", "2"} and len(load["layers"]["1"]) == 16
     report = json.loads((out / "quant_report.json").read_text())
     assert report["linears"][P]["type"] == "W8A8" and report["linears"][P]["weight_error"] < 0.01
-    assert summary["linears"] == {"W8A8": 120}
+    assert summary["linears"] == {"W8A8": 117}  # kv_b_proj x 3 stay float (both engines' rule)
+    assert desc["model.layers.1.self_attn.kv_b_proj.weight"] == "FLOAT"
+    assert cfg["quantize"] == "w8a8"  # MindIE (the default engine) opens the description by this key
 
 
 def test_w8a8_math_by_hand_with_bias(models, run):
@@ -239,7 +241,7 @@ def test_gptq_beats_rtn_on_output_error(models, run):
     assert s_g["method"] == "gptq" and s_r["calibration"] is not None
     g = json.loads((out_g / "quant_report.json").read_text())["linears"]
     r = json.loads((out_r / "quant_report.json").read_text())["linears"]
-    assert set(g) == set(r) and len(g) == 120
+    assert set(g) == set(r) and len(g) == 117
     out_err = lambda rep: np.mean([e["output_error"]["weight_only"] for e in rep.values()])  # noqa: E731
     assert out_err(g) < 0.85 * out_err(r)
     experts = [m for m in g if ".experts." in m]
@@ -258,19 +260,26 @@ def test_histogram_act_methods_clip_inside_minmax(models, run):
         assert json.loads((out / "quant_report.json").read_text())["act_method"] == method
 
 
-def test_fallback_count_and_mindie_layout(models, run):
-    out, summary = run(models["ds"], "ds_fb", fallback=2, layout="mindie")
-    assert (out / "quant_model_description_w8a8.json").is_file()
-    assert (out / "quant_model_weight_w8a8.safetensors").is_file()
+def test_mindie_legacy_layout_named_by_config_quantize(models, run):
+    out, summary = run(models["ds"], "ds_mindie_bits8", layout="mindie", bits_default=True)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantize"] == "w8a8_dynamic" and cfg["mla_quantize"] == "w8a8" and "moe_quantize" not in cfg
+    assert (out / "quant_model_description_w8a8_dynamic.json").is_file()
+    assert (out / "quant_model_weight_w8a8_dynamic.safetensors").is_file()
+    assert verify_output(out) == []
+
+
+def test_fallback_count(models, run):
+    out, summary = run(models["ds"], "ds_fb", fallback=2, engine="vllm-ascend", moe_scheme="w8a8_dynamic")
     fb = summary["fallback"]
     assert len(fb["fell_back"]) == 2 and fb["target"] == "W8A8_DYNAMIC"
     ranked = [u for u in fb["units"] if u["error"] is not None]
     assert [u["unit"] for u in ranked[:2]] == fb["fell_back"]  # the two most sensitive
     assert ranked[0]["error"] >= ranked[1]["error"] >= ranked[2]["error"]
-    desc = json.loads((out / "quant_model_description_w8a8.json").read_text())
+    desc = json.loads((out / "quant_model_description.json").read_text())
     t = tensors_of(out)
     report = json.loads((out / "quant_report.json").read_text())
-    dyn = [P for P, e in report["linears"].items() if e["type"] == "W8A8_DYNAMIC"]
+    dyn = [P for P, e in report["linears"].items() if e["type"] == "W8A8_DYNAMIC" and ".experts." not in P]
     assert dyn
     for P in dyn:
         assert desc[P + ".weight"] == "W8A8_DYNAMIC" and t[P + ".weight_scale"].shape[1] == 1
@@ -279,7 +288,8 @@ def test_fallback_count_and_mindie_layout(models, run):
 
 
 def test_threshold_zero_falls_back_everything_to_w8a16(models, run):
-    out, summary = run(models["qwen2"], "qwen2_all_fb", fallback_threshold=0.0, fallback_to="w8a16")
+    out, summary = run(models["qwen2"], "qwen2_all_fb", fallback_threshold=0.0, fallback_to="w8a16",
+                       engine="vllm-ascend")
     assert summary["linears"] == {"W8A16": 14} and summary["model_quant_type"] == "W8A16"
     assert verify_output(out) == []
 
@@ -371,7 +381,7 @@ def test_cli_errors(models, run_cli, tmp_path):
     r = run_cli(["quantize", "-m", ds, "--scheme", "w8a16", "--smooth-quant", "0.5", "-o", tmp_path / "x"])
     assert r.code == 2 and "--smooth-quant applies to schemes with quantized activations" in r.err
     r = run_cli(["quantize", "-m", ds, "--bits", "8", "--fallback", "2", "--fallback-threshold", "0.1",
-                 "-o", tmp_path / "x"])
+                 "--engine", "vllm-ascend", "-o", tmp_path / "x"])
     assert r.code == 2 and "alternatives" in r.err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"nope": 1}\n')
@@ -383,13 +393,14 @@ def test_cli_errors(models, run_cli, tmp_path):
 
 
 def test_cli_quantized_input_refused_and_dry_run(models, run, run_cli, tmp_path):
-    out, _ = run(models["qwen2"], "qwen2_all_fb", fallback_threshold=0.0, fallback_to="w8a16")
+    out, _ = run(models["qwen2"], "qwen2_all_fb", fallback_threshold=0.0, fallback_to="w8a16",
+                 engine="vllm-ascend")
     r = run_cli(["quantize", "-m", out, "--bits", "8", "-o", tmp_path / "y"])
     assert r.code == 2 and "already quantized" in r.err
     r = run_cli(["quantize", "-m", models["ds"], "--bits", "4", "--group-size", "32", "--dry-run", "--json"])
     assert r.code == 0
     plan = json.loads(r.out)
-    assert plan["dry_run"] and plan["linears"] == {"W4A16": 120} and plan["output_bytes"] < plan["input_bytes"]
+    assert plan["dry_run"] and plan["linears"] == {"W4A16": 117} and plan["output_bytes"] < plan["input_bytes"]
     r = run_cli(["quantize", "-m", models["qwen2"], "--scheme", "w8a16", "-o", tmp_path / "z", "--json"])
     assert r.code == 0 and json.loads(r.out)["linears"] == {"W8A16": 14}
     r = run_cli(["verify", tmp_path / "z"])

@@ -18,6 +18,13 @@ from dsconv.errors import UserError
 @click.option("--scheme", type=click.Choice(["w8a8", "w8a8_dynamic", "w8a16", "w4a16"]), default=None,
               help="w8a8: int8 weights per channel + static per-tensor int8 activations (input_scale/offset from "
                    "calibration); w8a8_dynamic: per-token activations at run time; w8a16 / w4a16: weight-only.")
+@click.option("--moe-scheme", type=click.Choice(["w8a8", "w8a8_dynamic", "w8a16", "w4a16"]), default=None,
+              help="Routed experts' scheme when it differs from the rest (default: --scheme, or the engine's "
+                   "recipe with --bits).")
+@click.option("--engine", type=click.Choice(["mindie", "vllm-ascend"]), default=None,
+              help="Serving engine the output must load in (default: `engine` in dsconv.toml, else mindie). "
+                   "--bits 8 takes its recipe (DeepSeek: attention static W8A8, MLP and experts W8A8_DYNAMIC, "
+                   "kv_b_proj float); a scheme it cannot load is refused before any work.")
 @click.option("--group-size", type=int, default=None,
               help="INT4 group length along the input dimension (default 128; 0 = per output channel).")
 @click.option("--method", type=click.Choice(["rtn", "gptq"]), default=None,
@@ -61,7 +68,8 @@ from dsconv.errors import UserError
 @click.option("--dry-run", is_flag=True, help="Print the plan from headers (types, sizes) and write nothing.")
 @force_option
 @json_option
-def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: str | None, group_size: int | None,
+def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: str | None, moe_scheme: str | None,
+             engine: str | None, group_size: int | None,
              method: str | None, act_method: str, smooth_alpha: float | None, fallback: int | None,
              fallback_threshold: float | None, fallback_to: str, ignore: tuple[str, ...], calib: Path | None,
              calib_samples: int | None, seq_len: int, min_expert_tokens: int, all_experts: bool, layout: str,
@@ -70,8 +78,11 @@ def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: 
     from dsconv.quant.options import QuantOptions
     from dsconv.quant.plan import BITS, DEFAULT_SCHEME, SCHEMES
     from dsconv.quant.stage import QuantRequest, run
+    from dsconv import engines
     from dsconv.tensors import parse_size
 
+    bits_default = scheme is None
+    engine = engines.get(engine).name
     if scheme is None:
         if bits is None:
             raise UserError("give --bits 8|4 (or --scheme)", hint="e.g. `dsconv quantize --bits 8`")
@@ -87,9 +98,16 @@ def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: 
                         smooth_alpha=smooth_alpha, fallback=fallback, fallback_threshold=fallback_threshold,
                         fallback_to=fallback_to, ignore=tuple(ignore), calib=calib, calib_samples=calib_samples,
                         seq_len=seq_len, min_expert_tokens=min_expert_tokens, all_experts=all_experts, layout=layout,
+                        engine=engine, bits_default=bits_default, moe_scheme=moe_scheme,
                         max_shard_size=parse_size(max_shard_size))
     result = run(QuantRequest(model, output, opts, force=force, progress=not as_json, dry_run=dry_run, warn=warn))
     if as_json:
         emit_json(result.summary)
     else:
         click.echo(result.render())
+        s = result.summary
+        if result.dry_run:
+            click.echo(f"per layer kind for {s['engine']}: " + "; ".join(
+                f"{k} " + ", ".join(f"{n} {t}" for t, n in v.items()) for k, v in s["layer_types"].items()))
+        if s.get("config_keys"):
+            click.echo("config.json: " + ", ".join(f'"{k}": "{v}"' for k, v in s["config_keys"].items()))

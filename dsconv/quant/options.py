@@ -29,6 +29,9 @@ class QuantOptions:
     min_expert_tokens: int = 32
     all_experts: bool = False
     layout: str = "msmodelslim"
+    engine: str = "mindie"            # dsconv.engines profile the output must load in
+    bits_default: bool = False        # scheme came from --bits (the engine's recipe) rather than --scheme
+    moe_scheme: str | None = None     # routed experts' scheme when it differs (--moe-scheme)
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
     damp: float = 0.01
     batch_tokens: int = 4096   # padded tokens per forward batch

@@ -61,8 +61,9 @@ class QuantWriter:
     """Direct (types fixed now) or staged (types decided at `finish`) output of a quantization run."""
 
     def __init__(self, out: OutputDir, ck: Any, plan: QuantPlan, layout: str, max_shard_size: int,
-                 staged: bool) -> None:
+                 staged: bool, name_type: str | None = None) -> None:
         self.out = out
+        self.name_type = name_type  # the type legacy MindIE file names carry (config.json `quantize`)
         self.ck = ck
         self.plan = plan
         self.layout = layout
@@ -84,7 +85,8 @@ class QuantWriter:
     def _open_final(self, types: dict[str, str]) -> None:
         self.types = dict(types)
         self.specs = final_specs(self.ck, self.plan, self.types)
-        prefix, self.description_name = layout_names(self.layout, model_quant_type(self.types.values()))
+        prefix, self.description_name = layout_names(self.layout,
+                                                     self.name_type or model_quant_type(self.types.values()))
         self.ts = self.out.tensor_set(self.specs, prefix=prefix, max_shard_size=self.max_shard_size)
         self.files = self.ts.files
 

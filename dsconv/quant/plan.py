@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from dsconv.errors import UserError
 from dsconv.families.roles import Category, Role
@@ -109,8 +109,11 @@ def unit_of(role: Role, category: Category, layer: int | None) -> str:
 
 
 def make_plan(ck: Any, scheme: str, group_size: int | None = None, method: str = "rtn",
-              ignore: Iterable[str] = ()) -> QuantPlan:
-    """Decide every tensor's fate from headers; all user errors (bad group size, odd int4 rows) surface here."""
+              ignore: Iterable[str] = (), assign: Callable[[Any], tuple[str | None, str | None]] | None = None
+              ) -> QuantPlan:
+    """Decide every tensor's fate from headers; all user errors (bad group size, odd int4 rows) surface here.
+
+    `assign` (from dsconv.engines) gives a layer's type by its kind: (type or None for the scheme's, why FLOAT)."""
     qtype = SCHEMES[scheme]
     bits = BITS[qtype]
     if bits == 8:
@@ -155,16 +158,23 @@ def make_plan(ck: Any, scheme: str, group_size: int | None = None, method: str =
                 hit = next((p.pattern for p in patterns if p.search(r.module)), None)
                 if hit is not None:
                     reason = f"--ignore {hit}"
+            layer_type = qtype
+            if reason is None and assign is not None:
+                t, why = assign(r)
+                reason = why if t == FLOAT else None
+                layer_type = t if t not in (None, FLOAT) else qtype
             if reason is None:
                 n, k = info.shape
-                if bits == 4:
+                if BITS[layer_type] == 4:
                     check_group_size(k, group_size, r.module)
-                    if n % 2:
-                        raise UserError(f"layer {r.module}: int4 packing needs an even number of output rows, "
-                                        f"got {n}", hint=f"add --ignore '{re.escape(r.module)}$' to keep it in float")
+                    if (k % 2 if group_size in (0, k) else n % 2):  # per channel packs along k, per group along n
+                        raise UserError(f"layer {r.module}: int4 packing needs an even number of "
+                                        f"{'input columns' if group_size in (0, k) else 'output rows'}, got "
+                                        f"{list(info.shape)}",
+                                        hint=f"add --ignore '{re.escape(r.module)}$' to keep it in float")
                 linears[r.module] = LinearPlan(
                     module=r.module, weight=name, bias=biases.get(r.module), shape=(n, k), src_dtype=info.dtype,
-                    role=r.role, category=r.category, layer=r.layer, expert=r.expert, slot=r.slot, qtype=qtype,
+                    role=r.role, category=r.category, layer=r.layer, expert=r.expert, slot=r.slot, qtype=layer_type,
                     unit=unit_of(r.role, r.category, r.layer))
                 continue
             ignored[r.module] = reason
@@ -179,6 +189,8 @@ def make_plan(ck: Any, scheme: str, group_size: int | None = None, method: str =
     if not linears:
         raise UserError(f"{ck.root}: no linear layer is left to quantize",
                         hint="check --ignore: it excludes every quantizable layer")
+    if any(lp.qtype == STATIC for lp in linears.values()):
+        qtype = STATIC  # a recipe with static layers calibrates (plan.scheme drives calibration and fallback)
     return QuantPlan(scheme=qtype, group_size=group_size, method=method, model_dtype=model_dtype, linears=linears,
                      floats=floats, dropped=dropped, ignored=ignored)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from dsconv import engines
 from dsconv.checkpoint import Checkpoint
 from dsconv.errors import UserError
 from dsconv.quant import report as rep
@@ -58,12 +59,27 @@ def run(req: QuantRequest) -> QuantResult:
     if ck.is_quantized:
         raise UserError(f"{model_dir} is already quantized (it has a quant_model_description)",
                         hint="quantize the original float checkpoint")
-    plan = make_plan(ck, opts.scheme, opts.group_size, opts.method, opts.ignore)
+    prof = engines.get(opts.engine)
+    engines.check_layout(prof, opts.layout)
+    if opts.moe_scheme is not None and opts.moe_scheme not in SCHEMES:
+        raise UserError(f"unknown --moe-scheme {opts.moe_scheme}", hint=f"choose one of {', '.join(SCHEMES)}")
+    family = ck.family.name
+    ktypes = engines.kind_types(prof, family, SCHEMES[opts.scheme], opts.bits_default,
+                                SCHEMES[opts.moe_scheme] if opts.moe_scheme else None)
+    engines.check_plan(prof, family, engines.preview(ck, ktypes, SCHEMES[opts.scheme]))  # before any work
+    plan = make_plan(ck, opts.scheme, opts.group_size, opts.method, opts.ignore, assign=engines.assigner(prof, ktypes))
+    engines.check_plan(prof, family, plan.linears.values())
     check_options(opts, plan)
-    policy = fallback_policy(opts, plan)
+    policy = fallback_policy(opts, plan) if engines.check_fallback(prof, opts.fallback, opts.fallback_threshold) \
+        else None
     calibrate = needs_calibration(opts, plan)
+    kinds = {m: engines.layer_kind(lp) for m, lp in plan.linears.items()}
+    cfg_keys = engines.config_updates(prof, family, {m: lp.qtype for m, lp in plan.linears.items()}, kinds)
     if req.dry_run:
-        return QuantResult(rep.plan_summary(ck, plan, opts, policy, calibrate), dry_run=True)
+        dry = rep.plan_summary(ck, plan, opts, policy, calibrate)
+        dry.update(engine=prof.name, config_keys=cfg_keys, layer_types=engines.kind_table(
+            plan.linears.values(), plan.ignored, {ck.role(n).module: ck.role(n) for n in ck.names()}))
+        return QuantResult(dry, dry_run=True)
     calib = None
     if calibrate:
         calib = load_calib(opts.calib, load_tokenizer(ck.root), opts.calib_samples, opts.seq_len)
@@ -77,7 +93,8 @@ def run(req: QuantRequest) -> QuantResult:
             req.warn(w)
     with OutputDir(output, stage="quantize", inputs=[model_dir], force=req.force, options=opts.as_dict(),
                    input_identity=ck.identity()) as out:
-        qw = QuantWriter(out, ck, plan, opts.layout, opts.max_shard_size, staged=policy is not None)
+        qw = QuantWriter(out, ck, plan, opts.layout, opts.max_shard_size, staged=policy is not None,
+                         name_type=cfg_keys.get("quantize"))
         cal = None
         t_cal = time.perf_counter()
         if calib is not None:
@@ -89,8 +106,12 @@ def run(req: QuantRequest) -> QuantResult:
         t_cal = time.perf_counter() - t_cal
         decision = rep.decide(plan, records, policy, SCHEMES[opts.fallback_to])
         desc = qw.finish(decision.types)
+        cfg_keys = engines.config_updates(prof, family, decision.types, kinds)
+        if cfg_keys:  # MindIE: the description's global type is config's `quantize` (its own exporter's rule)
+            desc["model_quant_type"] = cfg_keys["quantize"].upper()
         out.write_json(qw.description_name, desc)
-        config = {k: v for k, v in ck.config.items() if k != "quantization_config"}
+        config = {k: v for k, v in ck.config.items() if k not in ("quantization_config", *engines.ALL_CONFIG_KEYS)}
+        config.update(cfg_keys)
         if ck.facts.fp8_block:  # weights arrive dequantized: the unquantized ones are written in the model dtype
             config["torch_dtype"] = config.get("torch_dtype") or "bfloat16"
         for f in ck.copy_files():
@@ -106,4 +127,5 @@ def run(req: QuantRequest) -> QuantResult:
                          seconds=time.perf_counter() - t0, calibration_seconds=t_cal)
     if cal is not None:
         result["timings"] = {k: round(v, 3) for k, v in cal.timings.items()}
+    result.update(engine=prof.name, config_keys=cfg_keys)
     return QuantResult(result)

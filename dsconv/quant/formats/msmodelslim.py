@@ -17,7 +17,7 @@ import numpy as np
 
 from dsconv.errors import UserError
 from dsconv.quant.schemes import (deq_scale_as_int64, deq_scale_from_int64, dequant_weight, pack_int4,
-                                  unpack_int4_by_shape)
+                                  pack_int4_along_k, unpack_int4_by_shape)
 
 LAYOUTS = ("msmodelslim", "mindie")
 FLOAT = "FLOAT"
@@ -26,14 +26,15 @@ GLOBAL_KEYS = ("model_quant_type", "version", "group_size", "kv_quant_type", "kv
 DESCRIPTION_VERSION = "1.0.0"
 
 # ---------------------------------------------------------------------------------------------- the layout table
-# A shape rule's symbols: n output rows, k input columns, groups = k / group_size (1 per channel), "n/2" int4 rows
-# packed in pairs. Dtype DEQ is float32, or int64 bit patterns for fp16 models (QuantPlan.deq_dtype).
+# A shape rule's symbols: n output rows, k input columns, groups = k / group_size (1 per channel), int4 packing below
+# Dtype DEQ is float32, or int64 bit patterns for fp16 models (QuantPlan.deq_dtype).
 Component = tuple[str, str, tuple[Any, ...]]
 DEQ = "DEQ"
 _W8_WEIGHT_ONLY: tuple[Component, ...] = (
     ("weight", "I8", ("n", "k")), ("weight_scale", "F32", ("n", 1)), ("weight_offset", "F32", ("n", 1)))
 _W4: tuple[Component, ...] = (
-    ("weight", "I8", ("n/2", "k")), ("weight_scale", "F32", ("n", "groups")), ("weight_offset", "F32", ("n", "groups")))
+    ("weight", "I8", ("int4 rows", "int4 cols")), ("weight_scale", "F32", ("n", "groups")),
+    ("weight_offset", "F32", ("n", "groups")))
 LAYOUT: dict[str, tuple[Component, ...]] = {
     "W8A16": _W8_WEIGHT_ONLY,
     "W8A8_DYNAMIC": _W8_WEIGHT_ONLY,
@@ -64,7 +65,10 @@ def components(qtype: str) -> tuple[Component, ...]:
 
 
 def _shape(rule: tuple[Any, ...], n: int, k: int, groups: int) -> tuple[int, ...]:
-    dims = {"n": n, "k": k, "n/2": n // 2, "groups": groups}
+    # int4 packing (MindIE-LLM atb/utils/quantize/w4a16.py::W4A16LinearStatic): per channel (one group) pairs
+    # along k [n, k/2], per group pairs of output rows [n/2, k]; low nibble first
+    dims = {"n": n, "k": k, "n/2": n // 2, "groups": groups, "int4 rows": n if groups == 1 else n // 2,
+            "int4 cols": k // 2 if groups == 1 else k}
     return tuple(dims[d] if isinstance(d, str) else d for d in rule)
 
 
@@ -104,7 +108,9 @@ def _array(module: str, suffix: str, dtype: str, rule: tuple[Any, ...], res: Lin
     n, k = res.q.shape
     shape = _shape(rule, n, k, res.scale.size // n)
     if suffix == "weight":
-        return pack_int4(res.q, module) if rule[0] == "n/2" else res.q
+        if rule[0] == "int4 rows":
+            return pack_int4_along_k(res.q, module) if shape[0] == n else pack_int4(res.q, module)
+        return res.q
     if suffix == "weight_offset":
         return np.zeros(shape, np.float32)
     if suffix == "deq_scale":
@@ -179,7 +185,7 @@ def read_linear(ck: Any, module: str, qtype: str) -> QuantLinear:
         if scale is None:
             raise UserError(f"{P}: {qtype} needs weight_scale")
         n = scale.shape[0]
-        k = raw.shape[1] if raw.shape[0] * 2 == n else raw.shape[1] * 2
+        k = raw.shape[1] * 2 if raw.shape[0] == n else raw.shape[1]
         q = unpack_int4_by_shape(raw, (n, k), P)
     else:
         q = raw
@@ -254,7 +260,7 @@ def check_description(desc: dict[str, Any], tensors: dict[str, tuple[str, tuple[
         if t.startswith("W4") and P + ".weight_scale" in tensors:
             n, groups = tensors[P + ".weight_scale"][1]
             rows, cols = w[1]
-            k = cols if rows * 2 == n else cols * 2
+            k = cols * 2 if rows == n else cols
             if rows * 2 != n and rows != n:
                 problems.append(f"{P}.weight: packed shape {[rows, cols]} does not hold {n} rows")
             elif g and groups * g != k:

@@ -1,0 +1,222 @@
+"""Which engine the output is for, and what that engine's loader accepts (profiles in profiles.py, as data).
+
+`dsconv quantize` and `dsconv shard` take `--engine mindie|vllm-ascend` (default mindie, or `engine = "..."` in
+dsconv.toml). Before any work, the plan is checked against the profile: a layer kind given a type the engine has no
+scheme for is a UserError naming the kind, an example layer, the rule's source and the alternative.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Callable, Iterable
+
+from dsconv.engines.profiles import DEFAULT_ENGINE, ENGINES, FLOAT, KINDS, EngineProfile
+from dsconv.errors import UserError
+from dsconv.families.roles import Category, Role
+
+__all__ = ["ENGINES", "EngineProfile", "get", "default_engine", "layer_kind", "kind_types", "assigner",
+           "check_plan", "check_layout", "check_fallback", "config_updates", "kind_table", "FLOAT", "KINDS"]
+
+# --bits 8 recipes: (family, engine) -> kind -> type ("*" = any). DeepSeek follows Ascend's own recipe for both
+# engines: MLA static W8A8, dense MLP / shared / routed experts W8A8_DYNAMIC (MindIE-LLM
+# examples/atb_models/examples/models/deepseek-v3/README.md "W8A8 mixed"; msModelSlim DeepSeek W8A8 script).
+BITS8_RECIPES: dict[tuple[str, str], dict[str, str]] = {
+    ("deepseek_v3", "*"): {"attention": "W8A8", "dense_mlp": "W8A8_DYNAMIC", "shared_experts": "W8A8_DYNAMIC",
+                           "routed_experts": "W8A8_DYNAMIC"},
+    # MindIE reads one `quantize` region for other families: static everywhere
+    ("*", "mindie"): {k: "W8A8" for k in KINDS},
+    # vLLM-Ascend has no static MoE scheme: routed experts per-token dynamic
+    ("*", "vllm-ascend"): {"attention": "W8A8", "dense_mlp": "W8A8", "shared_experts": "W8A8",
+                           "routed_experts": "W8A8_DYNAMIC"},
+}
+
+
+def get(name: str | None) -> EngineProfile:
+    name = name or default_engine()
+    prof = ENGINES.get(name)
+    if prof is None:
+        raise UserError(f"unknown engine {name!r}", hint=f"use one of {', '.join(ENGINES)}")
+    return prof
+
+
+def default_engine() -> str:
+    """`engine = "..."` in dsconv.toml (top level, [workspace] or [defaults]), else mindie."""
+    from dsconv import workspace
+
+    ws = workspace.find()
+    if ws is None:
+        return DEFAULT_ENGINE
+    try:
+        data = workspace.tomllib.loads(ws.path.read_text())
+    except Exception:  # the workspace loader already reported a broken file
+        return DEFAULT_ENGINE
+    for table in (data, data.get("workspace", {}), data.get("defaults", {})):
+        if isinstance(table, dict) and isinstance(table.get("engine"), str):
+            name = table["engine"]
+            if name not in ENGINES:
+                raise UserError(f"{ws.path}: engine = {name!r} is not an engine",
+                                hint=f"use one of {', '.join(ENGINES)}")
+            return name
+    return DEFAULT_ENGINE
+
+
+def layer_kind(r: Any) -> str | None:
+    """dsconv's layer kind of a linear (a TensorRole), None for what is never quantized."""
+    if r.category == Category.MTP:
+        return None
+    if r.role in (Role.EXPERT_IN, Role.EXPERT_OUT):
+        return "routed_experts"
+    if r.category == Category.SHARED_EXPERTS:
+        return "shared_experts"
+    if r.category == Category.DENSE_MLP:
+        return "dense_mlp"
+    if r.category == Category.ATTENTION:
+        return "kv_b" if r.slot == "kv_b" else "attention"
+    return None
+
+
+def kind_types(prof: EngineProfile, family: str, qtype: str, bits_default: bool,
+               moe_qtype: str | None = None) -> dict[str, str]:
+    """kind -> type: the --bits 8 recipe, or the one --scheme everywhere; --moe-scheme for routed experts; the
+    engine's float-only kinds (DeepSeek kv_b_proj) FLOAT."""
+    if bits_default and qtype == "W8A8":
+        out = dict(BITS8_RECIPES.get((family, "*")) or BITS8_RECIPES[("*", prof.name)])
+    else:
+        out = {k: qtype for k in KINDS}
+    if moe_qtype is not None:
+        out["routed_experts"] = moe_qtype
+    for kind in prof.float_only:
+        out[kind] = FLOAT
+    return out
+
+
+def assigner(prof: EngineProfile, types: dict[str, str]) -> Callable[[Any], tuple[str | None, str | None]]:
+    """For quant.plan.make_plan: TensorRole -> (type or None = the scheme's, reason when it must stay float)."""
+    def assign(r: Any) -> tuple[str | None, str | None]:
+        kind = layer_kind(r)
+        if kind is None:
+            return None, None
+        t = types.get(kind)
+        if t == FLOAT:
+            rule = prof.float_only.get(kind)
+            return FLOAT, f"{prof.label}: {rule.text} ({rule.source})" if rule else f"{kind} kept in float"
+        return t, None
+    return assign
+
+
+def _alternatives(prof: EngineProfile, kind: str, qtype: str) -> str:
+    lt = prof.layer_type(kind)
+    ok = sorted(prof.schemes[lt])
+    opt = "--moe-scheme" if kind == "routed_experts" else "--scheme"
+    others = [p.label for p in ENGINES.values() if p is not prof and p.loads(qtype, kind)]
+    alt = f"use {opt} {' | '.join(t.lower() for t in ok)}" if ok else "keep it in float"
+    if others:
+        alt += f", or --engine {' / '.join(p.name for p in ENGINES.values() if p.label in others)}"
+    return alt
+
+
+def check_plan(prof: EngineProfile, family: str, linears: Iterable[Any]) -> None:
+    """UserError (exit 2) for the first layer kind the engine cannot load in its planned type, and for MindIE
+    regions holding two quantized types. Runs on the plan, before any tensor is read."""
+    by_kind: dict[str, dict[str, str]] = {}
+    for lp in linears:
+        kind = layer_kind(lp)
+        if kind is None:
+            continue
+        by_kind.setdefault(kind, {}).setdefault(lp.qtype, lp.module)
+    for kind in KINDS:
+        for qtype, example in by_kind.get(kind, {}).items():
+            if prof.loads(qtype, kind):
+                continue
+            why = prof.why_not.get((qtype, prof.layer_type(kind)))
+            reason = f"{why.text} ({why.source})" if why else f"it has no {qtype} {prof.layer_type(kind)} scheme"
+            raise UserError(f"--engine {prof.name}: {kind} layers (e.g. {example}) cannot be {qtype}: "
+                            f"{prof.label}: {reason}", hint=_alternatives(prof, kind, qtype))
+    for key, kinds in prof.region_map(family).items():
+        present = {t: k for k in kinds for t in by_kind.get(k, {}) if t != FLOAT}
+        if len(present) > 1:
+            (t1, k1), (t2, k2) = sorted(present.items())[:2]
+            raise UserError(f"--engine {prof.name}: config.json `{key}` governs {', '.join(kinds)}, but {k1} would be "
+                            f"{t1} and {k2} {t2}: {prof.label} reads one quantized type per region "
+                            f"({prof.rules['regions'].source})",
+                            hint="give them one type (drop --moe-scheme), or use --engine vllm-ascend")
+
+
+def preview(ck: Any, types: dict[str, str], default: str) -> list[Any]:
+    """The linears a plan would quantize, with their kind's type, from headers (to check before planning)."""
+    from types import SimpleNamespace
+
+    out = []
+    for name in ck.names():
+        r = ck.role(name)
+        if r.param != "weight" or not r.role.quantized_by_default or len(ck.info(name).shape) != 2:
+            continue
+        kind = layer_kind(r)
+        if kind is not None:
+            out.append(SimpleNamespace(module=r.module, role=r.role, category=r.category, slot=r.slot,
+                                       qtype=types.get(kind, default)))
+    return out
+
+
+def check_layout(prof: EngineProfile, layout: str) -> None:
+    if layout == "mindie" and not prof.legacy_layout:
+        raise UserError(f"--layout mindie: {prof.label} reads only quant_model_description.json "
+                        f"({prof.rules['description'].source})", hint="use --layout msmodelslim (the default)")
+
+
+def check_fallback(prof: EngineProfile, fallback: int | None, threshold: float | None) -> bool:
+    """Whether per-unit fallback may run. MindIE reads one type per region: a unit falling back to another
+    quantized type would be read with the region's recipe, so fallback is off for it (an explicit request is an
+    error)."""
+    if prof.fallback_ok:
+        return True
+    if (fallback is not None and fallback > 0) or threshold is not None:
+        raise UserError(f"--engine {prof.name}: static W8A8 units cannot fall back to another type: {prof.label} "
+                        f"reads one quantized type per region ({prof.rules['regions'].source})",
+                        hint="drop --fallback/--fallback-threshold (or --ignore the sensitive layers to keep them "
+                             "float), or use --engine vllm-ascend")
+    return False
+
+
+def region_types(prof: EngineProfile, family: str, types: dict[str, str], kinds: dict[str, str]) -> dict[str, str]:
+    """config key -> lower-case type of the linears it governs (module -> type; module -> kind)."""
+    out: dict[str, str] = {}
+    for key, governed in prof.region_map(family).items():
+        ts = sorted({t for m, t in types.items() if kinds.get(m) in governed and t != FLOAT})
+        if ts:
+            out[key] = ts[0].lower()
+    return out
+
+
+def config_updates(prof: EngineProfile, family: str, types: dict[str, str], kinds: dict[str, str]) -> dict[str, str]:
+    """Keys the engine needs in config.json: MindIE `quantize` (+ DeepSeek `mla_quantize` / `moe_quantize` when they
+    differ from it). vLLM-Ascend needs none (and must not find quantization_config)."""
+    if not prof.config_keys:
+        return {}
+    regions = region_types(prof, family, types, kinds)
+    quantize = regions.get("quantize") or next(iter(regions.values()), None)
+    if quantize is None:
+        return {}
+    out = {"quantize": quantize}
+    for key in prof.config_keys:
+        if key != "quantize" and key in regions and regions[key] != quantize:
+            out[key] = regions[key]
+    return out
+
+
+def kind_table(linears: Iterable[Any], ignored: dict[str, str] | None = None,
+               roles: dict[str, Any] | None = None) -> dict[str, dict[str, int]]:
+    """kind -> {type: count} for --dry-run (float-only kinds counted from `ignored` with their roles)."""
+    out: dict[str, Counter] = {}
+    for lp in linears:
+        kind = layer_kind(lp)
+        if kind is not None:
+            out.setdefault(kind, Counter())[lp.qtype] += 1
+    for module, r in (roles or {}).items():
+        kind = layer_kind(r)
+        if kind is not None and module in (ignored or {}):
+            out.setdefault(kind, Counter())[FLOAT] += 1
+    return {k: dict(sorted(out[k].items())) for k in KINDS if k in out}
+
+
+# every config.json key any engine profile writes (a re-quantized input must not keep stale ones)
+ALL_CONFIG_KEYS = tuple(sorted({k for p in ENGINES.values() for k in p.config_keys}))

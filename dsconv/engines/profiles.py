@@ -1,0 +1,131 @@
+"""Engine profiles as data: what MindIE and vLLM-Ascend load, read from their loader source.
+
+Every rule carries the source it was read from (/work/notes/engine_rules.md; MindIE-LLM @8b4871ad, vllm-ascend
+@182b75ea). Code elsewhere asks a profile; it never restates an engine fact. Layer *kinds* are dsconv's grouping of
+linears (from the family's Role/Category table); each engine maps a kind to its own layer type ("linear" or "moe").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+FLOAT = "FLOAT"
+# dsconv's layer kinds, in model order
+KINDS = ("attention", "kv_b", "dense_mlp", "shared_experts", "routed_experts")
+ENGINE_LAYER_TYPE = {"attention": "linear", "kv_b": "linear", "dense_mlp": "linear", "shared_experts": "linear",
+                     "routed_experts": "moe"}
+DEFAULT_ENGINE = "mindie"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One loader fact and where it was read."""
+
+    text: str
+    source: str
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    name: str
+    label: str
+    # engine layer type -> quantized types the loader has a scheme for (msModelSlim layout as dsconv writes it)
+    schemes: Mapping[str, frozenset[str]]
+    why_not: Mapping[tuple[str, str], Rule]          # (type, layer type) -> why it does not load
+    # kinds that must stay float, per family (family "*" = every family having that kind)
+    float_only: Mapping[str, Rule]
+    description_names: tuple[str, ...]               # description files the loader opens, in its order
+    legacy_layout: bool                              # reads quant_model_description_{quantize}.json too
+    config_keys: tuple[str, ...]                     # keys dsconv writes into config.json for it
+    # config key -> kinds it governs (MindIE: one quantized type per region); {} = per-layer lookup
+    regions: Mapping[str, Mapping[str, tuple[str, ...]]]
+    fallback_ok: bool                                # may one region mix quantized types (per-unit fallback)?
+    rules: Mapping[str, Rule] = field(default_factory=dict)
+
+    def layer_type(self, kind: str) -> str:
+        return ENGINE_LAYER_TYPE[kind]
+
+    def loads(self, qtype: str, kind: str) -> bool:
+        return qtype == FLOAT or qtype in self.schemes[self.layer_type(kind)]
+
+    def region_map(self, family: str) -> dict[str, tuple[str, ...]]:
+        return dict(self.regions.get(family) or self.regions.get("*") or {})
+
+
+_MINDIE_REGIONS = {
+    # MindIE DeepSeek: mla_quantize (attention, default = quantize), moe_quantize (routed experts, default =
+    # quantize); dense MLP and shared experts use quantize.
+    "deepseek_v3": {"mla_quantize": ("attention", "kv_b"), "quantize": ("dense_mlp", "shared_experts"),
+                    "moe_quantize": ("routed_experts",)},
+    "*": {"quantize": KINDS},
+}
+
+MINDIE = EngineProfile(
+    name="mindie",
+    label="MindIE",
+    schemes={"linear": frozenset({"W8A8", "W8A8_DYNAMIC", "W8A16", "W4A16"}),
+             "moe": frozenset({"W8A8", "W8A8_DYNAMIC", "W8A16", "W4A16"})},
+    why_not={},
+    float_only={"kv_b": Rule(
+        "DeepSeek kv_b_proj is kept float: MindIE reshapes only its weight into k_b/v_b (scales are not), and "
+        "Ascend's recipe disables it",
+        "MindIE-LLM atb/utils/layers/attention/process_mla_linear.py::preprocess_kv_weights")},
+    description_names=("quant_model_description.json",),
+    legacy_layout=True,
+    config_keys=("quantize", "mla_quantize", "moe_quantize"),
+    regions=_MINDIE_REGIONS,
+    fallback_ok=False,
+    rules={
+        "quantize": Rule("config.json `quantize` (lower case) selects the loader branch; without it int8 weights "
+                         "are not read as quantized",
+                         "MindIE-LLM atb/models/base/router.py::BaseRouter.config; atb/utils/layers/linear/"
+                         "__init__.py::get_linear"),
+        "regions": Rule("DeepSeek: mla_quantize (attention), moe_quantize (routed experts), quantize (dense MLP, "
+                        "shared experts); one quantized type per region (tensors are read with the region's recipe)",
+                        "MindIE-LLM atb/models/deepseekv2/modeling_deepseekv2.py::FlashDeepseekV2Attention.__init__; "
+                        "atb/models/deepseek/modeling_deepseek.py::DeepseekMoE.init_experts; "
+                        "atb/utils/weights.py::Weights.get_multi_weights_col"),
+        "description": Rule("quant_model_description.json first, else quant_model_description_{quantize}.json",
+                            "MindIE-LLM atb/utils/weights.py::Weights._set_quant_params; router.py::BaseRouter.config"),
+        "w4a16": Rule("per-channel int4 packed along k [n, k/2], per-group along n [n/2, k]; low nibble first; "
+                      "version != 0.0.0 means pre-packed",
+                      "MindIE-LLM atb/utils/quantize/w4a16.py::W4A16LinearStatic.__init__; "
+                      "atb/utils/quantize/low_bit_utils.py::int42int8"),
+    },
+)
+
+VLLM_ASCEND = EngineProfile(
+    name="vllm-ascend",
+    label="vLLM-Ascend",
+    schemes={"linear": frozenset({"W8A8", "W8A8_DYNAMIC", "W8A16"}),
+             "moe": frozenset({"W8A8_DYNAMIC"})},
+    why_not={
+        ("W4A16", "linear"): Rule("no W4A16 linear scheme is registered",
+                                  "vllm-ascend vllm_ascend/quantization/methods/registry.py::get_scheme_class"),
+        ("W4A16", "moe"): Rule("its W4A16 MoE scheme reads only the LLM-Compressor int32 layout (weight_packed), "
+                               "not msModelSlim's int8-packed one",
+                               "vllm-ascend vllm_ascend/quantization/methods/w4a16.py::AscendW4A16FusedMoEMethod"),
+        ("W8A16", "moe"): Rule("no W8A16 MoE scheme is registered",
+                               "vllm-ascend vllm_ascend/quantization/methods/registry.py::get_scheme_class"),
+        ("W8A8", "moe"): Rule("no static W8A8 MoE scheme since 2025-12-19 (NotImplementedError)",
+                              "vllm-ascend vllm_ascend/quantization/modelslim_config.py::create_scheme_for_layer"),
+    },
+    float_only={"kv_b": Rule(
+        "DeepSeek kv_b_proj must be unquantized (assert isinstance(kv_b_proj.quant_method, UnquantizedLinearMethod))",
+        "vllm-ascend vllm_ascend/attention/mla_v1.py::process_weights_after_loading")},
+    description_names=("quant_model_description.json",),
+    legacy_layout=False,
+    config_keys=(),
+    regions={},
+    fallback_ok=True,
+    rules={
+        "description": Rule("only quant_model_description.json; a quantization_config in config.json replaces it",
+                            "vllm-ascend vllm_ascend/quantization/modelslim_config.py::AscendModelSlimConfig."
+                            "maybe_update_config"),
+        "fused": Rule("fused layers (qkv, gate_up, fused_qkv_a, experts) need one type across shards; MoE type "
+                      "from experts.0",
+                      "vllm-ascend vllm_ascend/quantization/modelslim_config.py::get_linear_quant_type"),
+    },
+)
+
+ENGINES: dict[str, EngineProfile] = {p.name: p for p in (MINDIE, VLLM_ASCEND)}

@@ -1,0 +1,171 @@
+"""Read a quantized directory the way vLLM-Ascend's ModelSlim path does, and list every difference.
+
+Each check names the loader function it mirrors (vllm-project/vllm-ascend @182b75ea, `va/` = vllm_ascend/)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from tests.engine_contract.common import (EXPERT_RE, FLOAT_DTYPES, Problems, linear_modules, read_json, routing,
+                                          tensor)
+
+# va/quantization/methods/* @register_scheme, A2/A3 registry (engine_rules.md C.3)
+REGISTRY = {"linear": {"W8A8", "W8A8_DYNAMIC", "W8A16", "W8A8_MIX", "W4A4_DYNAMIC"},
+            "moe": {"W8A8_DYNAMIC", "W4A8_DYNAMIC", "W4A16"}}
+# va/quantization/modelslim_config.py::packed_modules_model_mapping (fused vLLM layer -> checkpoint shards)
+PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+          "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")}
+EXPERT_SLOTS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+DESCRIPTION = "quant_model_description.json"
+
+
+def description_file(d: Path, cfg: dict, p: Problems) -> dict | None:
+    """va/quantization/modelslim_config.py::AscendModelSlimConfig.maybe_update_config: only
+    quant_model_description.json; upstream get_quant_config + from_config: a config.json quantization_config is
+    used instead of the file (then every per-layer lookup KeyErrors)."""
+    if "quantization_config" in cfg:
+        p.add("maybe_update_config", "config.json has quantization_config: the description file would be ignored")
+    if not (d / DESCRIPTION).is_file():
+        p.add("maybe_update_config", f"no {DESCRIPTION} ('ModelSlim Quantization Config Not Found')")
+        return None
+    return read_json(d / DESCRIPTION)
+
+
+def global_keys(desc: dict, p: Problems) -> None:
+    """va/quantization/modelslim_config.py::_add_kvcache_quant_metadata: presence of fa_quant_type /
+    indexer_quant_type enables FA quant (a null counts)."""
+    for k in ("fa_quant_type", "indexer_quant_type"):
+        if k in desc:
+            p.add("_add_kvcache_quant_metadata", f"description has {k}={desc[k]!r}: enables FA/indexer quant")
+
+
+def quant_type(desc: dict, prefix: str, p: Problems) -> str | None:
+    """va/quantization/modelslim_config.py::get_linear_quant_type for a non-fused layer: plain dict indexing."""
+    key = prefix + ".weight"
+    if key not in desc:
+        p.add("get_linear_quant_type", f"KeyError {key}")
+        return None
+    return desc[key]
+
+
+def fused_type(desc: dict, prefix: str, shards: list[str], p: Problems) -> str | None:
+    """va/quantization/modelslim_config.py::get_linear_quant_type (fused) + is_layer_skipped_ascend: every shard the
+    same type ('Not all shards of {prefix} are quantized with same quant type')."""
+    types = [quant_type(desc, s, p) for s in shards]
+    if None in types:
+        return None
+    if len(set(types)) > 1:
+        p.add("get_linear_quant_type", f"shards of {prefix} differ: {dict(zip(shards, types))}")
+        return None
+    return types[0]
+
+
+def layer_tensors(route: dict, module: str, qtype: str, n: int, k: int, model_dtype: str, p: Problems) -> None:
+    """va/quantization/methods/w8a8_static.py::AscendW8A8LinearMethod.get_weight/get_pertensor_param/
+    get_perchannel_param; w8a8_dynamic.py; w8a16.py: the parameters a scheme creates, which disk tensors must fill
+    (the strict 'not initialized' check is off for quantized models: a missing aux stays garbage, so absence is an
+    error here; an extra tensor has no parameter)."""
+    want: dict[str, tuple[tuple[str, ...], tuple[int, ...]]]
+    if qtype == "FLOAT":
+        want = {"weight": (FLOAT_DTYPES, (n, k))}
+    elif qtype == "W8A8":
+        deq = ("F32",) if model_dtype == "BF16" else ("I64",)
+        want = {"weight": (("I8",), (n, k)), "input_scale": (FLOAT_DTYPES, (1,)), "input_offset": (FLOAT_DTYPES + ("I8",), (1,)),
+                "quant_bias": (("I32",), (n,)), "deq_scale": (deq, (n,))}
+    elif qtype in ("W8A8_DYNAMIC", "W8A16"):
+        want = {"weight": (("I8",), (n, k)), "weight_scale": (FLOAT_DTYPES, (n, 1)),
+                "weight_offset": (FLOAT_DTYPES, (n, 1))}
+    else:
+        p.add("create_scheme_for_layer", f"{module}: no scheme for {qtype}")
+        return
+    for param, (dtypes, shape) in want.items():
+        name = f"{module}.{param}"
+        if name not in route:
+            p.add("get_weight", f"{name} missing for {qtype}")
+            continue
+        _, dt, sh = route[name]
+        if dt not in dtypes or sh != shape:
+            p.add("get_weight", f"{name}: {dt}{list(sh)}, {qtype} needs {'/'.join(dtypes)}{list(shape)}")
+    for name in route:
+        if name.startswith(module + ".") and name.rsplit(".", 1)[1] not in want and name.rsplit(".", 1)[1] != "bias" \
+                and name.count(".") == module.count(".") + 1:
+            p.add("load_weights", f"{name}: no {qtype} parameter takes it")
+
+
+def read(d: Path, src_shapes: dict[str, tuple[int, ...]], model_dtype: str, model_type: str) -> Problems:
+    """Everything vLLM-Ascend does with the directory before the first forward, as a list of problems."""
+    p = Problems()
+    cfg = read_json(d / "config.json")
+    desc = description_file(d, cfg, p)
+    route = routing(d, p, d.name)
+    if desc is None:
+        return p
+    global_keys(desc, p)
+    # va/quantization/modelslim_config.py::get_quant_method (VocabParallelEmbedding / ParallelLMHead lookups)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in route and desc.get(name) != "FLOAT":
+            p.add("get_quant_method", f"{name}: description says {desc.get(name)!r}, needs FLOAT")
+    modules = linear_modules(route)
+    done: set[str] = set()
+    for module in sorted(modules):
+        if module in done:
+            continue
+        m = EXPERT_RE.match(module)
+        if m:  # FusedMoE: type from experts.0.* only (get_quant_method -> create_scheme_for_layer("moe"))
+            base = m.group(1)
+            slots = next(s for s in EXPERT_SLOTS if m.group(3) in s)
+            shards = [f"{base}.0.{s}" for s in slots]
+            t = fused_type(desc, base, shards, p)
+            members = sorted(x for x in modules if x.startswith(base + "."))
+            done.update(members)
+            if t is None:
+                continue
+            if t != "FLOAT" and t not in REGISTRY["moe"]:
+                p.add("create_scheme_for_layer", f"{base}: NotImplementedError quant_type={t} layer_type=moe")
+            for x in members:  # experts 1..N are never looked up: they must hold what experts.0 says
+                if desc.get(x + ".weight") != t:
+                    p.add("get_quant_method", f"{x}: {desc.get(x + '.weight')} but {base} is loaded as {t}")
+                n, k = src_shapes[x + ".weight"]
+                layer_tensors(route, x, t, n, k, model_dtype, p)
+            continue
+        parent, _, leaf = module.rpartition(".")
+        group = next(((f, s) for f, s in PACKED.items() if leaf in s), None)
+        shards = [module]
+        if group is not None:
+            shards = [f"{parent}.{s}" for s in group[1] if f"{parent}.{s}.weight" in route]
+        t = fused_type(desc, f"{parent}.{group[0]}" if group else module, shards, p) if len(shards) > 1 \
+            else quant_type(desc, module, p)
+        done.update(shards)
+        if t is None:
+            continue
+        if t != "FLOAT" and t not in REGISTRY["linear"]:
+            p.add("create_scheme_for_layer", f"{module}: NotImplementedError quant_type={t} layer_type=linear")
+            continue
+        for s in shards:
+            n, k = src_shapes[s + ".weight"]
+            layer_tensors(route, s, t, n, k, model_dtype, p)
+        if t == "W8A8" and len(shards) > 1:
+            # va/quantization/method_adapters.py::AscendLinearMethod.create_weights: one [1] input_scale slot per
+            # fused layer, each shard overwrites it -> shards must agree
+            for aux in ("input_scale", "input_offset"):
+                vals = {float(tensor(route, f"{s}.{aux}").reshape(-1)[0]) for s in shards if f"{s}.{aux}" in route}
+                if len(vals) > 1:
+                    p.add("create_weights", f"{parent} {aux} differs across fused shards {sorted(vals)}")
+    # va/attention/mla_v1.py::process_weights_after_loading: kv_b_proj unquantized, [heads*(nope+v), kv_lora]
+    if model_type == "deepseek_v3":
+        for module in modules:
+            if module.endswith("kv_b_proj"):
+                if desc.get(module + ".weight") != "FLOAT" or route[module + ".weight"][1] not in FLOAT_DTYPES:
+                    p.add("process_weights_after_loading", f"{module} is quantized ('We currently do not support "
+                          "quant kv_b_proj')")
+                elif route[module + ".weight"][2] != tuple(src_shapes[module + ".weight"]):
+                    p.add("process_weights_after_loading", f"{module} shape {route[module + '.weight'][2]}")
+    return p
+
+
+def dequant_close(route: dict, module: str, w: np.ndarray, tol: float) -> bool:
+    q = tensor(route, module + ".weight").astype(np.float32)
+    s = tensor(route, module + ".weight_scale").astype(np.float32)
+    err = np.linalg.norm(q * s - w) / max(np.linalg.norm(w), 1e-12)
+    return err < tol
