@@ -70,6 +70,10 @@ def inspect_model(ck: Any) -> dict[str, Any]:
         "quantized": bool(ck.is_quantized),
     }
     report["cards"] = cards_needed(quantizable, other)
+    if not ck.is_quantized:
+        from dsconv.engines import recipes
+
+        report["engine_recipes"] = recipes(ck)
     return report
 
 
@@ -134,6 +138,9 @@ def render(report: dict[str, Any]) -> str:
     lines.append("architecture: " + ", ".join(geo))
     kv = report["kv_cache_bytes_per_token"]
     lines.append(f"KV cache per token (all layers): {kv['bf16']:,} B in BF16/FP16, {kv['int8']:,} B in INT8")
+    lines.append("")
+    for eng, kinds in report.get("engine_recipes", {}).items():
+        lines.append(f"quantize --bits 8 --engine {eng}: " + ", ".join(f"{k} {t}" for k, t in kinds.items()))
     lines.append("")
     lines.append("cards for the weights (plain / x1.2 / x1.3 for KV cache and workspace):")
     for soc, per in report["cards"].items():

@@ -40,9 +40,9 @@ def _quantize(directory: Path, manifest: dict) -> list[str]:
 
 
 def _shard(directory: Path, manifest: dict) -> list[str]:
-    from dsconv.shard.write import verify_shard
+    from dsconv.shard.engine_formats import verify
 
-    return verify_shard(directory, manifest)
+    return verify(directory, manifest)
 
 
 #: manifest "stage" -> the check of that stage's output (eval and atc outputs have only their file hashes checked)

@@ -94,7 +94,7 @@ def test_hosts_through_the_cli(run_cli, tiny_model, tmp_path):
     hosts.write_text("".join(f"10.0.0.{n + 1} " + " ".join(f"192.168.{n}.{d + 1}" for d in range(4)) + "\n"
                              for n in range(2)))
     out = tmp_path / "sh"
-    res = run_cli(["shard", "-m", model, "--ep", "4", "--tp", "2", "--hosts", hosts, "-o", out])
+    res = run_cli(["shard", "--format", "ranks", "-m", model, "--ep", "4", "--tp", "2", "--hosts", hosts, "-o", out])
     assert res.code == 0, res.err
     assert "placeholder" not in res.err
     t = json.loads((out / "ranktable.json").read_text())
@@ -102,5 +102,5 @@ def test_hosts_through_the_cli(run_cli, tiny_model, tmp_path):
         "device_id": "3", "device_ip": "192.168.1.4", "rank_id": "7"}
     plan = json.loads((out / "plan.json").read_text())
     assert (plan["layout"]["nodes"], plan["layout"]["cards_per_node"]) == (2, 4)
-    bad = run_cli(["shard", "-m", model, "--ep", "4", "--tp", "2", "--hosts", hosts, "--nodes", "4", "--dry-run"])
+    bad = run_cli(["shard", "--format", "ranks", "-m", model, "--ep", "4", "--tp", "2", "--hosts", hosts, "--nodes", "4", "--dry-run"])
     assert bad.code == 2 and "lists 2 servers x 4 devices" in bad.err

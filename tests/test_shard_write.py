@@ -86,7 +86,7 @@ def ds_quant(ds_bf16, tmp_path_factory):
 @pytest.fixture(scope="module")
 def sharded_bf16(run_cli, ds_bf16, tmp_path_factory):
     out = tmp_path_factory.mktemp("s") / "shard"
-    res = run_cli(["shard", "-m", ds_bf16, "--ep", "4", "--tp", "2", "-o", out, "--json"])
+    res = run_cli(["shard", "--format", "ranks", "-m", ds_bf16, "--ep", "4", "--tp", "2", "-o", out, "--json"])
     assert res.code == 0, res.err
     return out, json.loads(res.out)
 
@@ -128,7 +128,7 @@ def test_verify_reassembles_bit_exactly_and_catches_changed_source(run_cli, shar
     assert run_cli(["verify", out]).code == 0
     # a copy of the source and of the shards, then one source byte changes (same size: only reassembly sees it)
     src = shutil.copytree(ds_bf16, tmp_path / "src")
-    res = run_cli(["shard", "-m", src, "--ep", "4", "--tp", "2", "-o", tmp_path / "sh"])
+    res = run_cli(["shard", "--format", "ranks", "-m", src, "--ep", "4", "--tp", "2", "-o", tmp_path / "sh"])
     assert res.code == 0, res.err
     st = src / "model.safetensors"
     data = bytearray(st.read_bytes())
@@ -159,7 +159,7 @@ def test_verify_catches_a_replica_that_disagrees(run_cli, sharded_bf16, tmp_path
 # ------------------------------------------------------------------------------------------------ FP8 and quantized
 def test_fp8_scales_split_with_their_blocks(run_cli, ds_fp8, ds_bf16, tmp_path):
     out = tmp_path / "sh"
-    res = run_cli(["shard", "-m", ds_fp8, "--ep", "4", "--tp", "2", "-o", out, "--max-shard-size", "30KB"])
+    res = run_cli(["shard", "--format", "ranks", "-m", ds_fp8, "--ep", "4", "--tp", "2", "-o", out, "--max-shard-size", "30KB"])
     assert res.code == 0, res.err
     r1 = rank_tensors(out / "rank_01")
     qb = "model.layers.0.self_attn.q_b_proj.weight"
@@ -172,14 +172,14 @@ def test_fp8_scales_split_with_their_blocks(run_cli, ds_fp8, ds_bf16, tmp_path):
     from dsconv.tiny import write_fp8_checkpoint
 
     big = write_fp8_checkpoint(ds_bf16, tmp_path / "b128")
-    res = run_cli(["shard", "-m", big, "--ep", "4", "--tp", "2", "-o", tmp_path / "nope"])
+    res = run_cli(["shard", "--format", "ranks", "-m", big, "--ep", "4", "--tp", "2", "-o", tmp_path / "nope"])
     assert res.code == 3 and "q_b_proj.weight" in res.err and "FP8 128-blocks" in res.err
     assert not (tmp_path / "nope").exists()
 
 
 def test_quantized_input_keeps_layout_and_row_parallel_bias(run_cli, ds_quant, tmp_path):
     out = tmp_path / "sh"
-    res = run_cli(["shard", "-m", ds_quant, "--ep", "4", "--tp", "2", "-o", out, "--json"])
+    res = run_cli(["shard", "--format", "ranks", "-m", ds_quant, "--ep", "4", "--tp", "2", "-o", out, "--json"])
     assert res.code == 0, res.err
     assert json.loads(res.out)["source"]["kind"] == "quantized"
     src = load_file(ds_quant / "quant_model_weights.safetensors")
@@ -206,12 +206,12 @@ def test_quantized_input_keeps_layout_and_row_parallel_bias(run_cli, ds_quant, t
 def test_rejection_exits_3_writes_nothing_and_json_lists_alternatives(run_cli, tiny_model, tmp_path):
     model = tiny_model("deepseek_v3", dtype="bf16", n_routed_experts=12)
     out = tmp_path / "sh"
-    res = run_cli(["shard", "-m", model, "--ep", "8", "--tp", "1", "-o", out])  # 12 experts over 8 EP ranks
+    res = run_cli(["shard", "--format", "ranks", "-m", model, "--ep", "8", "--tp", "1", "-o", out])  # 12 experts over 8 EP ranks
     assert res.code == 3 and not out.exists()
     for needle in ("unbalanced", "12 experts do not divide over ep 8", "ranks 0-3 (4 cards)",
                    "valid layouts for world 8", "--ep 4 --tp"):
         assert needle in res.err
-    res = run_cli(["shard", "-m", model, "--ep", "8", "--tp", "1", "-o", out, "--json"])
+    res = run_cli(["shard", "--format", "ranks", "-m", model, "--ep", "8", "--tp", "1", "-o", out, "--json"])
     obj = json.loads(res.out)
     assert res.code == 3 and obj["ok"] is False and not out.exists()
     assert obj["alternatives"] and all(12 % a["ep"] == 0 for a in obj["alternatives"])
@@ -219,19 +219,19 @@ def test_rejection_exits_3_writes_nothing_and_json_lists_alternatives(run_cli, t
 
 
 def test_fit_rejection_through_the_cli(run_cli, ds_bf16, tmp_path):
-    res = run_cli(["shard", "-m", ds_bf16, "--ep", "4", "--tp", "2", "--soc", "Ascend310P3", "--max-context",
+    res = run_cli(["shard", "--format", "ranks", "-m", ds_bf16, "--ep", "4", "--tp", "2", "--soc", "Ascend310P3", "--max-context",
                    "1000000", "--batch", "100", "--dry-run"])
     assert res.code == 3 and "Ascend310P3" in res.err and "KV tokens asked" in res.err
 
 
 def test_dry_run_and_config_write_nothing_but_plot(run_cli, ds_bf16, tmp_path):
     png = tmp_path / "chart.png"
-    res = run_cli(["shard", "-m", ds_bf16, "--ep", "4", "--tp", "2", "--dry-run", "--plot", png,
+    res = run_cli(["shard", "--format", "ranks", "-m", ds_bf16, "--ep", "4", "--tp", "2", "--dry-run", "--plot", png,
                    "-o", tmp_path / "sh"])
     assert res.code == 0 and not (tmp_path / "sh").exists()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "rank   7 n0/c7" in res.out and "plan OK" in res.out
-    res = run_cli(["shard", "--config", ds_bf16 / "config.json", "--ep", "4", "--tp", "2"])
+    res = run_cli(["shard", "--format", "ranks", "--config", ds_bf16 / "config.json", "--ep", "4", "--tp", "2"])
     assert res.code == 0 and "printing the plan only" in res.err
 
 
@@ -239,7 +239,7 @@ def test_eplb_from_the_input_dirs_expert_load_writes_the_expert_map(run_cli, ds_
     q = shutil.copytree(ds_quant, tmp_path / "q")
     load = {str(layer): [1000 if e == 2 else 10 for e in range(16)] for layer in (1, 2)}
     (q / "expert_load.json").write_text(json.dumps({"layers": load}))
-    res = run_cli(["shard", "-m", q, "--ep", "4", "--tp", "2", "--placement", "eplb", "--redundant-experts", "4",
+    res = run_cli(["shard", "--format", "ranks", "-m", q, "--ep", "4", "--tp", "2", "--placement", "eplb", "--redundant-experts", "4",
                    "-o", tmp_path / "sh"])
     assert res.code == 0, res.err
     assert "balancedness" in res.out and "expert_load.json" in res.err
@@ -252,11 +252,11 @@ def test_eplb_from_the_input_dirs_expert_load_writes_the_expert_map(run_cli, ds_
 
 def test_workspace_default_input_is_the_quantize_output(run_cli, ds_bf16, ds_quant, tmp_path):
     assert run_cli(["init", "--model", ds_bf16, "--output", "out"], cwd=tmp_path).code == 0
-    res = run_cli(["shard", "--ep", "2", "--tp", "2", "--dry-run", "--json"], cwd=tmp_path)
+    res = run_cli(["shard", "--format", "ranks", "--ep", "2", "--tp", "2", "--dry-run", "--json"], cwd=tmp_path)
     assert res.code == 0 and json.loads(res.out)["source"]["kind"] == "checkpoint"
     q = shutil.copytree(ds_quant, tmp_path / "out" / "quant")
     (q / "dsconv_manifest.json").write_text(json.dumps({"stage": "quantize", "files": {}}))
-    res = run_cli(["shard", "--ep", "2", "--tp", "2", "--json"], cwd=tmp_path)
+    res = run_cli(["shard", "--format", "ranks", "--ep", "2", "--tp", "2", "--json"], cwd=tmp_path)
     assert res.code == 0, res.err
     assert json.loads(res.out)["source"]["kind"] == "quantized"
     assert (tmp_path / "out" / "shard" / "rank_03" / "quant_model_weights.safetensors").is_file()
@@ -268,14 +268,14 @@ def test_bad_options_exit_2(run_cli, ds_bf16, tmp_path):
                          (["--ep", "4", "--tp", "2", "--placement", "eplb"], "needs --expert-load"),
                          (["--ep", "4", "--tp", "2", "--soc", "Ascend999"], "no dsconv profile"),
                          (["--ep", "4", "--tp", "2", "--memory-fraction", "1.5"], "out of range")):
-        res = run_cli(["shard", "-m", ds_bf16, "--dry-run", *args])
+        res = run_cli(["shard", "--format", "ranks", "-m", ds_bf16, "--dry-run", *args])
         assert res.code == 2 and needle in res.err and "Traceback" not in res.err
 
 
 def test_dense_gqa_with_bias_replicates_kv_heads(run_cli, tiny_model, tmp_path):
     model = tiny_model("qwen2", dtype="bf16")  # 4 heads, 2 KV heads, q/k/v biases
     out = tmp_path / "sh"
-    res = run_cli(["shard", "-m", model, "--tp", "4", "-o", out])
+    res = run_cli(["shard", "--format", "ranks", "-m", model, "--tp", "4", "-o", out])
     assert res.code == 0, res.err
     assert "each KV head (k_proj/v_proj) is replicated on 2 cards" in res.out
     src = load_file(model / "model.safetensors")

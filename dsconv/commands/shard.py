@@ -55,6 +55,12 @@ def _pos_int(ctx, param, value):
               help="Server and NPU addresses for ranktable.json: JSON {\"servers\": [{\"server_ip\", \"device_ips\"}]} "
                    "or lines 'SERVER_IP DEVICE_IP ...'.")
 @click.option("--max-shard-size", default="4GB", show_default=True, help="Size cap of each rank's safetensors parts.")
+@click.option("--engine", type=click.Choice(["mindie", "vllm-ascend"]), default=None,
+              help="Serving engine (default: `engine` in dsconv.toml, else mindie).")
+@click.option("--format", "fmt", type=click.Choice(["mindie", "ranks", "plan"]), default=None,
+              help="mindie: MindIE's offline-sharded folders (DeepSeek-V3/R1, the default there with --engine mindie); "
+                   "ranks: generic rank_XX/ copies for inspection; plan: plan.json + cluster files only (the default "
+                   "where the engine shards at load time).")
 @click.option("--dry-run", is_flag=True, help="Print the plan; write nothing.")
 @click.option("--plot", type=PATH, default=None, help="Also draw the per-card chart into this PNG.")
 @output_option
@@ -62,7 +68,7 @@ def _pos_int(ctx, param, value):
 @json_option
 def shard(model: Path | None, config: Path | None, ep, tp, world, nodes, cards_per_node, expert_tp, dp_attention, soc,
           placement, expert_load, redundant, tolerance, max_context, batch, kv_bits, memory_fraction, workspace_gb,
-          hosts, max_shard_size, dry_run, plot, output, force, as_json) -> None:
+          hosts, max_shard_size, engine, fmt, dry_run, plot, output, force, as_json) -> None:
     """Place every tensor on every rank (EP/TP), check balance and HBM fit, write rank_XX/ dirs and cluster files.
 
     A plan that is unbalanced or does not fit exits 3 with the reason per rank and valid layouts for the same world.
@@ -76,7 +82,7 @@ def shard(model: Path | None, config: Path | None, ep, tp, world, nodes, cards_p
                        placement=placement, expert_load=expert_load, redundant=redundant, tolerance=tolerance,
                        max_context=max_context, batch=batch, kv_bits=int(kv_bits), memory_fraction=memory_fraction,
                        workspace_gb=workspace_gb, hosts=hosts, output=output, force=force,
-                       max_shard_size=max_shard_size, dry_run=dry_run, plot=plot)
+                       max_shard_size=max_shard_size, dry_run=dry_run, plot=plot, engine=engine, format=fmt)
     result = run(req)
     for w in result.warnings:
         warn(w)

@@ -193,7 +193,7 @@ def config_updates(prof: EngineProfile, family: str, types: dict[str, str], kind
     if not prof.config_keys:
         return {}
     regions = region_types(prof, family, types, kinds)
-    quantize = regions.get("quantize") or next(iter(regions.values()), None)
+    quantize = regions.get("quantize") or regions.get("moe_quantize") or next(iter(regions.values()), None)
     if quantize is None:
         return {}
     out = {"quantize": quantize}
@@ -220,3 +220,14 @@ def kind_table(linears: Iterable[Any], ignored: dict[str, str] | None = None,
 
 # every config.json key any engine profile writes (a re-quantized input must not keep stale ones)
 ALL_CONFIG_KEYS = tuple(sorted({k for p in ENGINES.values() for k in p.config_keys}))
+
+
+def recipes(ck: Any) -> dict[str, dict[str, str]]:
+    """engine -> layer kind -> type `quantize --bits 8` gives it (for `dsconv inspect`), for the kinds the model has."""
+    present = {layer_kind(ck.role(n)) for n in ck.names()
+               if ck.role(n).param == "weight" and ck.role(n).role.quantized_by_default}
+    out = {}
+    for name, prof in ENGINES.items():
+        t = kind_types(prof, ck.family.name, "W8A8", bits_default=True)
+        out[name] = {k: t[k] for k in KINDS if k in present}
+    return out

@@ -129,3 +129,11 @@ VLLM_ASCEND = EngineProfile(
 )
 
 ENGINES: dict[str, EngineProfile] = {p.name: p for p in (MINDIE, VLLM_ASCEND)}
+
+# engine -> family -> the offline-sharded layout its loader reads; every other family is sharded at load time
+OFFLINE_SHARDED: dict[str, dict[str, Rule]] = {
+    "mindie": {"deepseek_v3": Rule(
+        "MindIE loads DeepSeek-V3/R1 from per-rank folders when model_sharded_metadata.json exists",
+        "MindIE-LLM atb/utils/weights.py::Weights.__init__; atb/models/base/model_utils.py::BaseModel.save_sharded")},
+    "vllm-ascend": {},
+}

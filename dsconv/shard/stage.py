@@ -42,6 +42,8 @@ class ShardRequest:
     dry_run: bool = False
     plot: Path | None = None
     progress: bool | None = None
+    engine: str | None = None    # dsconv.engines profile (default: dsconv.toml, else mindie)
+    format: str | None = None    # mindie | ranks | plan (default: what the engine loads, engine_formats.py)
 
     def options(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()
@@ -155,12 +157,25 @@ def run(req: ShardRequest) -> ShardResult:
         groups = 1
     opts = ShardOptions(placement=req.placement, redundant=req.redundant, tolerance=req.tolerance, fit=fit,
                           load=load, num_groups=groups)
+    from dsconv import engines
+    from dsconv.shard.engine_formats import resolve_format
+
+    engine = engines.get(req.engine).name
+    fmt, note = resolve_format(engine, req.format, facts.model_type)
+    if note and not dry_run:
+        warnings.append(note)
+    mplan = None
+    if fmt == "mindie":  # every layout error (splits, quant types) before any work
+        from dsconv.shard.mindie_write import build_plan
+
+        mplan = build_plan(src, layout)
     table = build_table(src)
     plan = make_plan(table, layout, opts)
     if not plan.ok:
         plan.alternatives = find_alternatives(table, layout, opts)
     mindie = ranktable.mindie_parallel(layout, is_moe, facts.model_type)
     obj = plan_json(plan, _source_info(src, from_config), mindie)
+    obj.update(engine=engine, format=fmt)
     text = chart.render_summary(obj)
     result = ShardResult(obj, text, warnings=warnings)
     if req.plot is not None and plan.rank_bytes is not None:
@@ -193,8 +208,18 @@ def run(req: ShardRequest) -> ShardResult:
         return result
     from dsconv.shard.write import write_shards
 
-    result.written = write_shards(src, plan, output, head=obj, files=files, force=req.force,
-                                  max_shard_size=max_shard, options=req.options(), progress=req.progress)
+    if fmt == "mindie":
+        from dsconv.shard import mindie_write
+
+        result.written = mindie_write.write(src, mplan, output, head=obj, files=files, force=req.force,
+                                            options=req.options(), progress=req.progress)
+    elif fmt == "plan":
+        from dsconv.shard.engine_formats import write_plan_only
+
+        result.written = write_plan_only(src, output, head=obj, files=files, force=req.force, options=req.options())
+    else:
+        result.written = write_shards(src, plan, output, head=obj, files=files, force=req.force,
+                                      max_shard_size=max_shard, options=req.options(), progress=req.progress)
     result.written["files"] = sorted(files) + ["plan.json"]
     obj["output"] = result.written
     return result
@@ -208,8 +233,14 @@ def render(result: ShardResult) -> str:
     if result.failure is None:
         if result.plot is not None:
             lines.append(f"chart: {result.plot}")
-        if result.written:
-            w = result.written
+        w = result.written or {}
+        if w.get("format") == "mindie":
+            lines.append(f"wrote MindIE's offline-sharded layout: {w['folders']} folders for {w['ranks']} ranks "
+                         f"({human_bytes(w['bytes_written'])}), model_sharded_metadata.json and "
+                         f"{', '.join(w['files'])} to {w['output']}")
+        elif w.get("format") == "plan":
+            lines.append(f"wrote {', '.join(w['files'])} to {w['output']} (no weight copies)")
+        elif w:
             lines.append(f"wrote {w['ranks']} rank directories ({human_bytes(w['bytes_written'])}) and "
                          f"{', '.join(w['files'])} to {w['output']}")
     return "\n".join(lines)

@@ -15,7 +15,7 @@ SCHEMES = {
     "w8a8": dict(scheme="w8a8"),
     "w8a8_dynamic": dict(scheme="w8a8_dynamic"),
     "w8a16": dict(scheme="w8a16"),
-    "w4a16": dict(scheme="w4a16", group_size=32, method="rtn"),
+    "w4a16": dict(scheme="w4a16", group_size=16, method="rtn"),  # 16 divides every tiny width (48 included)
     "w4a16_pc": dict(scheme="w4a16", group_size=0, method="rtn"),
 }
 FAST = dict(calib_samples=4, seq_len=32)

@@ -54,15 +54,14 @@ def test_fp16_deq_scale_per_engine(produce, contract_models):
     from tests.engine_contract.conftest import FAST
 
     src = contract_models["deepseek_v3_fp16"]
-    out = Path(str(produce("llama", "bits8", "mindie").out) + "-ds16")
-    try:
-        run(QuantRequest(src, out, QuantOptions(**{**FAST, **SCHEMES["bits8"], "engine": "vllm-ascend"}), progress=False))
-    except UserError as e:  # pragma: no cover - a refusal here is a bug
-        pytest.fail(e.one_line())
-    p = Problems()
-    route = routing(out, p, "ds16")
-    assert route["model.layers.0.self_attn.o_proj.deq_scale"][1] == "I64"
     for engine in ENGINES:
+        out = Path(str(produce("llama", "bits8", "mindie").out) + f"-ds16-{engine}")
+        try:
+            run(QuantRequest(src, out, QuantOptions(**{**FAST, **SCHEMES["bits8"], "engine": engine}), progress=False))
+        except UserError as e:  # pragma: no cover - a refusal here is a bug
+            pytest.fail(e.one_line())
+        route = routing(out, Problems(), "ds16")
+        assert route["model.layers.0.self_attn.o_proj.deq_scale"][1] == "I64"
         assert _read(engine, out, src) == []
 
 

@@ -1,0 +1,254 @@
+"""MindIE's offline-sharded DeepSeek layout: one test per rule taken from MindIE-LLM (sources in each docstring;
+/work/notes/engine_rules.md A.1-A.5), each computed independently from the source checkpoint with torch."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from dsconv.shard.mindie_sharded import Ranks, assign_experts, rope_rows
+
+EP, TP = 4, 2  # world 8: attn tp 2 x dp 4; moe_ep 4 x moe_tp 2
+
+
+def _load(d, folder, name):
+    with safe_open(str(d / folder / "model.safetensors"), "pt") as h:
+        return h.get_tensor(name)
+
+
+def _names(d, folder):
+    with safe_open(str(d / folder / "model.safetensors"), "pt") as h:
+        return set(h.keys())
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory, run_cli):
+    from dsconv.checkpoint import Checkpoint
+    from dsconv.demo import write_demo_model
+
+    root = tmp_path_factory.mktemp("mindie")
+    model = write_demo_model(root / "model")
+    q = root / "q"
+    r = run_cli(["quantize", "-m", model, "--bits", "8", "--calib-samples", "4", "--seq-len", "32", "-o", q])
+    assert r.code == 0, r.err
+    out = root / "sh"
+    r = run_cli(["shard", "-m", q, "--ep", EP, "--tp", TP, "-o", out])
+    assert r.code == 0, r.err
+    return out, Checkpoint.open(q)
+
+
+def test_sub_ranks_and_folder_names():
+    """atb/utils/mapping.py::Mapping.get_tp_group/get_dp_group (the notes' example: dp 2, tp 8, moe_tp 4, moe_ep 4,
+    rank 13 -> attn_tp 5, moe_tp 1, moe_ep 3); model_utils.py::BaseModel.save_sharded (zfill(3), dense by attn_tp)."""
+    rk = Ranks(world=16, tp=8, moe_tp=4, moe_ep=4)
+    assert (rk.attn_tp(13), 13 // rk.tp, rk.moe_tp_rank(13), rk.moe_ep_rank(13)) == (5, 1, 1, 3)
+    assert rk.folders(13) == {"moe": "model-moe-tp-001-ep-003", "dense": "model-dense-tp-005",
+                              "attn": "model-attn-tp-005", "model": "model-013", "norm": "model-norm"}
+
+
+def test_expert_assignment_contiguous_blocks():
+    """atb/utils/moe_utils.py::assign: ceil(E / ep) per rank, the last gets the remainder."""
+    assert [list(r) for r in assign_experts(10, 4)] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+
+
+def test_rope_rows_even_then_odd():
+    """process_mla_linear.py::trans_rope_weight: per head, the last rope rows even first then odd."""
+    assert rope_rows(0, 2, 2, 4).tolist() == [0, 1, 2, 4, 3, 5, 6, 7, 8, 10, 9, 11]
+
+
+def test_metadata_and_root_files(sharded):
+    """model_utils.py::BaseModel.save_sharded_metadata (world_size, parallel_option, os.walk listing);
+    convert_utils.py::modify_config (only torch_dtype rewritten) and ::copy_tokenizer_files."""
+    d, src = sharded
+    meta = json.loads((d / "model_sharded_metadata.json").read_text())
+    assert meta["world_size"] == 8 and meta["parallel_option"] == {"dp": 4, "tp": 2, "moe_tp": 2, "moe_ep": 4}
+    for folder, files in meta["model_sharded"].items():
+        if folder != ".":
+            assert sorted(p.name for p in (d / folder).iterdir() if not p.name.startswith(".")) == files
+    assert len([f for f in meta["model_sharded"] if f != "."]) == 8 + 2 + 2 + 8 + 1
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["torch_dtype"] == "bfloat16" and cfg["quantize"] == "w8a8_dynamic" and cfg["mla_quantize"] == "w8a8"
+    assert {p.name for p in d.iterdir()} >= {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}
+
+
+def test_folder_routing(sharded):
+    """flash_causal_deepseekv2.py::get_module_save_dir: "norm" -> model-norm; "self_attn" -> attn; mlp of MoE layers
+    -> moe, of dense layers -> dense; the rest (embed, lm_head) -> model-{rank}."""
+    d, src = sharded
+    assert all("norm" in n for n in _names(d, "model-norm"))
+    assert all("self_attn" in n and "norm" not in n for n in _names(d, "model-attn-tp-001"))
+    assert all(n.startswith("model.layers.0.mlp.") for n in _names(d, "model-dense-tp-000"))
+    assert all(".mlp." in n and not n.startswith("model.layers.0.") for n in _names(d, "model-moe-tp-001-ep-002"))
+    assert _names(d, "model-005") == {"model.embed_tokens.weight", "lm_head.weight"}
+
+
+def test_k_b_v_b_split_of_kv_b(sharded):
+    """modeling_deepseekv2.py L173-188 + process_mla_linear.py::preprocess_kv_weights: rank a's heads of kv_b,
+    reshaped [h, nope+v, lora]; k_b = [:, :nope], v_b = [:, nope:].transpose(1, 2)."""
+    d, src = sharded
+    f = src.facts
+    kv = src.load("model.layers.1.self_attn.kv_b_proj.weight")
+    hl = f.num_heads // TP
+    a = 1
+    block = kv.reshape(f.num_heads, f.qk_nope_head_dim + f.v_head_dim, f.kv_lora_rank)[a * hl:(a + 1) * hl]
+    k_b = _load(d, "model-attn-tp-001", "model.layers.1.self_attn.k_b_proj.weight")
+    v_b = _load(d, "model-attn-tp-001", "model.layers.1.self_attn.v_b_proj.weight")
+    assert torch.equal(k_b, block[:, :f.qk_nope_head_dim])
+    assert torch.equal(v_b, block[:, f.qk_nope_head_dim:].transpose(1, 2))
+    assert "model.layers.1.self_attn.kv_b_proj.weight" not in _names(d, "model-attn-tp-001")
+
+
+def test_q_b_cut_and_rope_permutation(sharded):
+    """TensorParallelColumnLinear.load_multi(projq) + preprocess_linear_for_rope: heads cut over attn tp, rope rows
+    even-then-odd; W8A8 deq_scale / quant_bias permuted alike; input_scale/offset whole (input_offset int8)."""
+    d, src = sharded
+    f = src.facts
+    P = "model.layers.1.self_attn.q_b_proj"
+    D = f.qk_nope_head_dim + f.qk_rope_head_dim
+    hl = f.num_heads // TP
+    w = src.load(P + ".weight")[hl * D:2 * hl * D].reshape(hl, D, -1)
+    nope = w[:, :f.qk_nope_head_dim]
+    rope = w[:, f.qk_nope_head_dim:]
+    want = torch.cat([nope, rope[:, 0::2], rope[:, 1::2]], 1).reshape(hl * D, -1)
+    assert torch.equal(_load(d, "model-attn-tp-001", P + ".weight"), want)
+    deq = src.load(P + ".deq_scale")[hl * D:2 * hl * D].reshape(hl, D)
+    want_deq = torch.cat([deq[:, :f.qk_nope_head_dim], deq[:, f.qk_nope_head_dim::2][:, :f.qk_rope_head_dim // 2],
+                          deq[:, f.qk_nope_head_dim + 1::2]], 1).reshape(-1)
+    assert torch.equal(_load(d, "model-attn-tp-001", P + ".deq_scale"), want_deq)
+    off = _load(d, "model-attn-tp-001", P + ".input_offset")
+    assert off.dtype == torch.int8 and off.item() == int(src.load(P + ".input_offset").item())
+
+
+def test_kv_a_replicated_with_rope_rows(sharded):
+    """TensorReplicatedLinear.load: kv_a_proj_with_mqa whole, its last rope rows even-then-odd."""
+    d, src = sharded
+    f = src.facts
+    w = src.load("model.layers.2.self_attn.kv_a_proj_with_mqa.weight")
+    lora = f.kv_lora_rank
+    want = torch.cat([w[:lora], w[lora::2], w[lora + 1::2]])
+    for a in ("000", "001"):
+        assert torch.equal(_load(d, f"model-attn-tp-{a}", "model.layers.2.self_attn.kv_a_proj_with_mqa.weight"), want)
+
+
+def test_o_proj_row_cut_and_quant_bias_on_rank0(sharded):
+    """weights.py::get_multi_weights_row (W8A8): weight cut on dim 1, deq_scale whole, quant_bias whole on TP rank 0
+    and zeros on the others."""
+    d, src = sharded
+    P = "model.layers.1.self_attn.o_proj"
+    w = src.load(P + ".weight")
+    k = w.shape[1] // TP
+    assert torch.equal(_load(d, "model-attn-tp-001", P + ".weight"), w[:, k:])
+    assert torch.equal(_load(d, "model-attn-tp-001", P + ".deq_scale"), src.load(P + ".deq_scale"))
+    assert torch.equal(_load(d, "model-attn-tp-000", P + ".quant_bias"), src.load(P + ".quant_bias"))
+    assert not _load(d, "model-attn-tp-001", P + ".quant_bias").any()
+
+
+def test_dense_gate_up_fused_and_dynamic_offsets(sharded):
+    """DeepseekMLP: gate_up_proj = [gate_r; up_r] (rows of attn tp rank r); W8A8LinearDynamic: weight_scale
+    flattened [n], weight_offset negated and flattened."""
+    d, src = sharded
+    p = "model.layers.0.mlp."
+    g, u = src.load(p + "gate_proj.weight"), src.load(p + "up_proj.weight")
+    n = g.shape[0] // TP
+    assert torch.equal(_load(d, "model-dense-tp-001", p + "gate_up_proj.weight"), torch.cat([g[n:], u[n:]]))
+    sc = torch.cat([src.load(p + "gate_proj.weight_scale")[n:], src.load(p + "up_proj.weight_scale")[n:]])
+    got = _load(d, "model-dense-tp-001", p + "gate_up_proj.weight_scale")
+    assert got.shape == (2 * n,) and torch.equal(got, sc.reshape(-1).to(torch.bfloat16))
+    off = _load(d, "model-dense-tp-001", p + "gate_up_proj.weight_offset")
+    assert off.shape == (2 * n,) and torch.equal(off.float(), -torch.cat([
+        src.load(p + "gate_proj.weight_offset")[n:], src.load(p + "up_proj.weight_offset")[n:]]).reshape(-1))
+
+
+def test_routed_experts_stacked_and_router_rotated(sharded):
+    """DeepseekMoE.init_experts + TensorParallelColumnLinear.load_moe / RowLinear.load_moe: the EP rank's experts
+    stacked, each cut by moe_tp; router (noaux_tc): weight float32, bias = correction bias - min, rows rotated so the
+    rank's first expert is row 0 (DeepseekMoE.__init__ L424-475)."""
+    d, src = sharded
+    f = src.facts
+    t, e = 1, 2
+    folder = f"model-moe-tp-{t:03d}-ep-{e:03d}"
+    local = list(assign_experts(f.num_experts, EP)[e])
+    p = "model.layers.2.mlp."
+    I = f.moe_intermediate_size // 2
+    gu = _load(d, folder, p + "gate_up_proj.weight")
+    assert gu.shape == (len(local), 2 * I, f.hidden_size)
+    for j, x in enumerate(local):
+        g = src.load(f"{p}experts.{x}.gate_proj.weight")[t * I:(t + 1) * I]
+        u = src.load(f"{p}experts.{x}.up_proj.weight")[t * I:(t + 1) * I]
+        assert torch.equal(gu[j], torch.cat([g, u]))
+        dn = src.load(f"{p}experts.{x}.down_proj.weight")[:, t * I:(t + 1) * I]
+        assert torch.equal(_load(d, folder, p + "down_proj.weight")[j], dn)
+    rot = list(range(local[0], f.num_experts)) + list(range(local[0]))
+    gw = _load(d, folder, p + "gate.weight")
+    assert gw.dtype == torch.float32 and torch.equal(gw, src.load(p + "gate.weight").float()[rot])
+    b = src.load(p + "gate.e_score_correction_bias").float()
+    assert torch.equal(_load(d, folder, p + "gate.bias"), (b - b.min())[rot].to(torch.bfloat16))
+
+
+def test_embedding_and_lm_head_per_rank(sharded):
+    """TensorParallelEmbedding: hidden cut (attention TP group, UNCONFIRMED) plus one zero row; lm_head: vocab rows
+    of the world rank (load_column_multi lm_head=True over the MLP group)."""
+    d, src = sharded
+    r = 5
+    emb = src.load("model.embed_tokens.weight")
+    H = emb.shape[1] // TP
+    got = _load(d, f"model-{r:03d}", "model.embed_tokens.weight")
+    assert torch.equal(got[:-1], emb[:, (r % TP) * H:(r % TP + 1) * H]) and not got[-1].any()
+    head = src.load("lm_head.weight")
+    V = head.shape[0] // 8
+    assert torch.equal(_load(d, f"model-{r:03d}", "lm_head.weight"), head[r * V:(r + 1) * V])
+
+
+def test_description_uses_mindie_names(sharded):
+    """flash_causal_deepseekv2.py::generate_description: MindIE-internal names (k_b/v_b, gate_up pack entries), the
+    linear's type, the global type for tensors without a linear parent, QuantizationConfig fields."""
+    d, _ = sharded
+    desc = json.loads((d / "quant_model_description.json").read_text())
+    assert desc["model_quant_type"] == "W8A8_DYNAMIC" and desc["version"] == "1.0.0"
+    assert desc["model.layers.1.self_attn.k_b_proj.weight"] == "FLOAT"
+    assert desc["model.layers.1.mlp.gate_up_proj.weight"] == "W8A8_DYNAMIC"
+    assert desc["model.layers.1.self_attn.q_b_proj.weight"] == "W8A8"
+    assert desc["model.layers.1.input_layernorm.weight"] == "W8A8_DYNAMIC"
+    assert "model.layers.1.self_attn.kv_b_proj.weight" not in desc
+    assert {"group_size", "kv_quant_type", "fa_quant_type", "reduce_quant_type"} <= set(desc)
+
+
+def test_verify_catches_a_changed_byte_and_a_duplicate(sharded, run_cli, tmp_path):
+    """dsconv verify: loader rules (weights.py::load_routing duplicates) and bit-exact reassembly of the source."""
+    import shutil
+
+    d, _ = sharded
+    bad = tmp_path / "bad"
+    shutil.copytree(d, bad)
+    f = bad / "model-attn-tp-000" / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0x01
+    f.write_bytes(bytes(data))
+    from dsconv.shard.mindie_write import verify
+
+    manifest = json.loads((d / "dsconv_manifest.json").read_text())
+    doc = json.loads((d / "plan.json").read_text())
+    assert any("differs" in p for p in verify(bad, manifest, doc))
+    shutil.copy(d / "model-norm" / "model.safetensors", bad / "model-000" / "extra.safetensors")
+    assert any("routing weight key error" in p for p in verify(bad, manifest, doc))
+    r = run_cli(["verify", d])
+    assert r.code == 0, r.out + r.err
+
+
+def test_other_engines_and_families_write_plan_only(run_cli, tiny_model, tmp_path):
+    """Families an engine shards at load time: plan.json + cluster files, no weight copies, and it says so;
+    --format mindie where MindIE has no offline layout is exit 2."""
+    m = tiny_model("qwen3_moe", dtype="bf16")
+    r = run_cli(["shard", "-m", m, "--ep", "2", "--tp", "2", "-o", tmp_path / "p"])
+    assert r.code == 0 and "shards qwen3_moe at load time" in r.err and "no weight copies" in r.out
+    assert not list((tmp_path / "p").rglob("*.safetensors"))
+    assert (tmp_path / "p" / "plan.json").is_file() and (tmp_path / "p" / "ranktable.json").is_file()
+    r = run_cli(["verify", tmp_path / "p"])
+    assert r.code == 0, r.out + r.err
+    r = run_cli(["shard", "-m", m, "--ep", "2", "--tp", "2", "--format", "mindie", "-o", tmp_path / "x"])
+    assert r.code == 2 and "deepseek_v3" in r.err
+    r = run_cli(["shard", "-m", tiny_model("deepseek_v3", dtype="bf16"), "--engine", "vllm-ascend", "--ep", "2",
+                 "--tp", "2", "-o", tmp_path / "v"])
+    assert r.code == 0 and "vllm-ascend shards deepseek_v3 at load time" in r.err
