@@ -252,3 +252,16 @@ def test_other_engines_and_families_write_plan_only(run_cli, tiny_model, tmp_pat
     r = run_cli(["shard", "-m", tiny_model("deepseek_v3", dtype="bf16"), "--engine", "vllm-ascend", "--ep", "2",
                  "--tp", "2", "-o", tmp_path / "v"])
     assert r.code == 0 and "vllm-ascend shards deepseek_v3 at load time" in r.err
+
+
+def test_folder_files_are_what_safetensors_save_file_writes(sharded, tmp_path):
+    """model_utils.py::BaseModel.save_state_dict saves each folder with safetensors' save_file (metadata
+    {"format": "pt"}): tensors sorted by dtype then name (safetensors tensor.rs::prepare), header padded to 8 bytes.
+    dsconv's files are byte-identical to save_file of the same tensors."""
+    from safetensors.torch import load_file, save_file
+
+    d, _ = sharded
+    for f in sorted(d.glob("model-*/model.safetensors")):
+        ref = tmp_path / "ref.safetensors"
+        save_file(load_file(str(f)), str(ref), metadata={"format": "pt"})
+        assert f.read_bytes() == ref.read_bytes(), f

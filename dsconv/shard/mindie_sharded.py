@@ -24,7 +24,10 @@ DESCRIPTION = "quant_model_description.json"
 MAX_SHARD = 10 * 10**9  # BaseModel.save_state_dict: shard_checkpoint(max_shard_size="10GB")
 COPY_MARKS = ("tokenizer", "tokenization", "special_token_map", "generation", "configuration")  # copy_tokenizer_files
 SUPPORTED = ("FLOAT", "W8A8", "W8A8_DYNAMIC", "W8A16")
-NARROWING = {("F32", "BF16"), ("F32", "F16"), ("BF16", "F16"), ("F16", "BF16")}
+# casts that lose information (checked by recomputation, not inverted): narrower floats, and a float input_offset
+# cast to int8 (w8a8.py::W8A8LinearStatic), which drops the sign of a -0.0 offset
+NARROWING = {("F32", "BF16"), ("F32", "F16"), ("BF16", "F16"), ("F16", "BF16"), ("F32", "I8"), ("BF16", "I8"),
+             ("F16", "I8")}
 
 
 # ------------------------------------------------------------------------------------------------ ranks

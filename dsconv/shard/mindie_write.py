@@ -18,6 +18,10 @@ from dsconv.shard.mindie_sharded import (COPY_MARKS, DESCRIPTION, FOLDER_KINDS, 
                                          MindiePlan, Planner, Ranks, check_ranks, invert, make)
 
 TORCH_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+# safetensors' Dtype enum order: its serializer sorts tensors by dtype (descending), then name
+# (safetensors tensor.rs::prepare), which is how MindIE's save_file lays each folder's file out
+ST_DTYPE_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "F64",
+                  "I64", "U64")
 
 
 def build_plan(src: Any, layout: Any) -> MindiePlan:
@@ -42,7 +46,7 @@ def build_plan(src: Any, layout: Any) -> MindiePlan:
                  "attn": lambda: pl.attn(a), "model": lambda: pl.model(r), "norm": pl.norm}
         for kind in FOLDER_KINDS:
             if fo[kind] not in folders:
-                folders[fo[kind]] = build[kind]()
+                folders[fo[kind]] = sorted(build[kind](), key=lambda it: (-ST_DTYPE_ORDER.index(it.dtype), it.name))
                 if not folders[fo[kind]]:
                     raise UserError(f"{fo[kind]} would be empty: MindIE's loader needs every rank folder to hold "
                                     "a safetensors file (weights.py::Weights.__init__)")
