@@ -67,11 +67,11 @@ def test_fallback_and_legacy_layout_per_engine():
 
 def test_engine_from_dsconv_toml(tmp_path, tiny_model, run_cli):
     m = tiny_model("qwen3_moe", dtype="bf16")
-    (tmp_path / "dsconv.toml").write_text(f'engine = "vllm-ascend"\n[workspace]\nmodel = "{m}"\noutput = "out"\n')
+    (tmp_path / "dsconv.toml").write_text(f'[workspace]\nmodel = "{m}"\noutput = "out"\n[defaults]\nengine = "vllm-ascend"\n')
     r = run_cli(["quantize", "--scheme", "w8a16", "--dry-run"], cwd=tmp_path)
     assert r.code == 2 and "--engine vllm-ascend: routed_experts layers" in r.err
     r = run_cli(["quantize", "--scheme", "w8a16", "--dry-run", "--engine", "mindie"], cwd=tmp_path)
     assert r.code == 0 and "per layer kind for mindie" in r.out and 'config.json: "quantize": "w8a16"' in r.out
-    (tmp_path / "dsconv.toml").write_text(f'engine = "tgi"\n[workspace]\nmodel = "{m}"\n')
+    (tmp_path / "dsconv.toml").write_text(f'[workspace]\nmodel = "{m}"\n[defaults]\nengine = "tgi"\n')
     r = run_cli(["quantize", "--scheme", "w8a16", "--dry-run"], cwd=tmp_path)
     assert r.code == 2 and "is not an engine" in r.err

@@ -39,24 +39,16 @@ def get(name: str | None) -> EngineProfile:
 
 
 def default_engine() -> str:
-    """`engine = "..."` in dsconv.toml (top level, [workspace] or [defaults]), else mindie."""
+    """`engine = "..."` under [defaults] in dsconv.toml, else mindie."""
     from dsconv import workspace
 
     ws = workspace.find()
-    if ws is None:
+    name = (ws.defaults or {}).get("engine") if ws is not None else None
+    if name is None:
         return DEFAULT_ENGINE
-    try:
-        data = workspace.tomllib.loads(ws.path.read_text())
-    except Exception:  # the workspace loader already reported a broken file
-        return DEFAULT_ENGINE
-    for table in (data, data.get("workspace", {}), data.get("defaults", {})):
-        if isinstance(table, dict) and isinstance(table.get("engine"), str):
-            name = table["engine"]
-            if name not in ENGINES:
-                raise UserError(f"{ws.path}: engine = {name!r} is not an engine",
-                                hint=f"use one of {', '.join(ENGINES)}")
-            return name
-    return DEFAULT_ENGINE
+    if name not in ENGINES:
+        raise UserError(f"{ws.path}: engine = {name!r} is not an engine", hint=f"use one of {', '.join(ENGINES)}")
+    return name
 
 
 def layer_kind(r: Any) -> str | None:
