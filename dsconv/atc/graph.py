@@ -37,7 +37,7 @@ def dtype_nbytes(data_type: int, numel: int) -> int:
 
 
 @dataclass(frozen=True)
-class TensorInfo:
+class InitializerInfo:
     """An initializer (or Constant node value) as its header describes it."""
 
     name: str
@@ -64,8 +64,8 @@ class ModelInfo:
     other_domains: dict[str, int]
     inputs: list[ValueInfo]
     outputs: list[ValueInfo]
-    initializers: list[TensorInfo]
-    constants: list[TensorInfo]
+    initializers: list[InitializerInfo]
+    constants: list[InitializerInfo]
     nodes_by_type: dict[str, list[str]]  # "domain::OpType" for non-default domains
     elem_types: dict[str, int]  # every tensor name whose type is known (after shape inference)
     producers: dict[str, tuple[str, str, int]]  # tensor -> (op type, node name, output index)
@@ -118,7 +118,7 @@ class ModelInfo:
         return dtype_name(max(by, key=by.get)) if by else "none"
 
 
-def _tensor_info(t: TensorProto) -> TensorInfo:
+def _initializer_info(t: TensorProto) -> InitializerInfo:
     numel = 1
     for d in t.dims:
         numel *= d
@@ -126,9 +126,9 @@ def _tensor_info(t: TensorProto) -> TensorInfo:
     ext = external_location(t)
     if ext is not None:
         location, offset, length = ext
-        return TensorInfo(t.name, t.data_type, tuple(t.dims), length if length is not None else nbytes,
+        return InitializerInfo(t.name, t.data_type, tuple(t.dims), length if length is not None else nbytes,
                           location, offset, length)
-    return TensorInfo(t.name, t.data_type, tuple(t.dims), nbytes)
+    return InitializerInfo(t.name, t.data_type, tuple(t.dims), nbytes)
 
 
 def _value_info(v: onnx.ValueInfoProto) -> ValueInfo:
@@ -181,7 +181,7 @@ def read_model(path: Path) -> ModelInfo:
     by_type: dict[str, list[str]] = defaultdict(list)
     producers: dict[str, tuple[str, str, int]] = {}
     consumers: dict[str, list[tuple[str, str, int]]] = defaultdict(list)
-    constants: list[TensorInfo] = []
+    constants: list[InitializerInfo] = []
     for i, node in enumerate(nodes):
         key = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
         name = node.name or f"{node.op_type}_{i}"
@@ -194,7 +194,7 @@ def read_model(path: Path) -> ModelInfo:
         if node.op_type == "Constant":
             for attr in node.attribute:
                 if attr.name == "value" and attr.type == onnx.AttributeProto.TENSOR:
-                    constants.append(_tensor_info(attr.t))
+                    constants.append(_initializer_info(attr.t))
     elem_types = infer_types(model)
     for t in g.initializer:
         elem_types.setdefault(t.name, t.data_type)
@@ -202,7 +202,7 @@ def read_model(path: Path) -> ModelInfo:
         path=path, file_size=os.path.getsize(path), opset=opset, other_domains=other,
         inputs=[_value_info(v) for v in g.input if v.name not in init_names],
         outputs=[_value_info(v) for v in g.output],
-        initializers=[_tensor_info(t) for t in g.initializer], constants=constants,
+        initializers=[_initializer_info(t) for t in g.initializer], constants=constants,
         nodes_by_type=dict(by_type), elem_types=elem_types, producers=producers, consumers=dict(consumers),
         nodes=nodes,
     )
