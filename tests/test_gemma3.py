@@ -119,7 +119,7 @@ def test_shard_dry_run_and_write(gemma, tmp_path, run_cli):
     r = run_cli(["shard", "-m", gemma, "-o", tmp_path / "plan", "--tp", "2", "--dry-run", "--json"])
     assert r.code == 0, r.err
     assert not (tmp_path / "plan").exists()
-    r = run_cli(["shard", "-m", gemma, "-o", tmp_path / "s", "--tp", "2"])
+    r = run_cli(["shard", "-m", gemma, "-o", tmp_path / "s", "--tp", "2", "--format", "ranks"])
     assert r.code == 0, r.err
     ck = Checkpoint.open(gemma)
     ranks = [safe_open(str(tmp_path / "s" / f"rank_0{i}" / "model.safetensors"), "pt") for i in range(2)]
