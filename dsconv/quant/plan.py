@@ -15,6 +15,7 @@ from typing import Any, Iterable
 from dsconv.errors import UserError
 from dsconv.families.roles import Category, Role
 from dsconv.quant.formats.msmodelslim import FLOAT, linear_layout
+from dsconv.quant.recipe import planned_type
 from dsconv.quant.schemes import check_group_size
 from dsconv.tensors import TensorSpec
 
@@ -109,7 +110,7 @@ def unit_of(role: Role, category: Category, layer: int | None) -> str:
 
 
 def make_plan(ck: Any, scheme: str, group_size: int | None = None, method: str = "rtn",
-              ignore: Iterable[str] = ()) -> QuantPlan:
+              ignore: Iterable[str] = (), recipe: str = "mixed") -> QuantPlan:
     """Decide every tensor's fate from headers; all user errors (bad group size, odd int4 rows) surface here."""
     qtype = SCHEMES[scheme]
     bits = BITS[qtype]
@@ -164,7 +165,8 @@ def make_plan(ck: Any, scheme: str, group_size: int | None = None, method: str =
                                         f"got {n}", hint=f"add --ignore '{re.escape(r.module)}$' to keep it in float")
                 linears[r.module] = LinearPlan(
                     module=r.module, weight=name, bias=biases.get(r.module), shape=(n, k), src_dtype=info.dtype,
-                    role=r.role, category=r.category, layer=r.layer, expert=r.expert, slot=r.slot, qtype=qtype,
+                    role=r.role, category=r.category, layer=r.layer, expert=r.expert, slot=r.slot,
+                    qtype=planned_type(qtype, r.role, recipe),
                     unit=unit_of(r.role, r.category, r.layer))
                 continue
             ignored[r.module] = reason

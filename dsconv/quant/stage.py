@@ -20,6 +20,7 @@ from dsconv.quant.calibration import Calibrator
 from dsconv.quant.options import QuantOptions, check_options, fallback_policy, needs_calibration
 from dsconv.quant.output import QuantWriter
 from dsconv.quant.plan import SCHEMES, STATIC, make_plan
+from dsconv.quant.selection import MIN_PROMPTS, held_out_prompts
 from dsconv.quant.streaming import weight_only
 from dsconv.writer import OutputDir
 
@@ -58,7 +59,7 @@ def run(req: QuantRequest) -> QuantResult:
     if ck.is_quantized:
         raise UserError(f"{model_dir} is already quantized (it has a quant_model_description)",
                         hint="quantize the original float checkpoint")
-    plan = make_plan(ck, opts.scheme, opts.group_size, opts.method, opts.ignore)
+    plan = make_plan(ck, opts.scheme, opts.group_size, opts.method, opts.ignore, opts.recipe)
     check_options(opts, plan)
     policy = fallback_policy(opts, plan)
     calibrate = needs_calibration(opts, plan)
@@ -73,6 +74,9 @@ def run(req: QuantRequest) -> QuantResult:
         if plan.method == "gptq":
             needs["GPTQ Hessians"] = max(lp.k for lp in plan.linears.values())
         w = min_tokens_warning(calib, needs)
+        if plan.method == "gptq" and held_out_prompts(len(calib.samples)) is None:
+            req.warn(f"{len(calib.samples)} calibration prompts are too few to hold some out: GPTQ is used on "
+                     f"every layer without checking it against round-to-nearest (give >= {MIN_PROMPTS} prompts)")
         if w:
             req.warn(w)
     with OutputDir(output, stage="quantize", inputs=[model_dir], force=req.force, options=opts.as_dict(),
