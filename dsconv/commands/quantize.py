@@ -30,14 +30,16 @@ from dsconv.errors import UserError
 @click.option("--method", type=click.Choice(["rtn", "gptq"]), default=None,
               help="Weight rounding: round-to-nearest, or GPTQ (error compensation with the calibration Hessian). "
                    "Default: gptq for 4 bits, rtn for 8.")
-@click.option("--act-method", type=click.Choice(["minmax", "percentile", "mse"]), default="minmax", show_default=True,
-              help="Static activation ranges. minmax (default): LLM activation outliers are a few systematic "
-                   "channels that carry information, which percentile/mse clip first; minmax never clips, is exact "
-                   "when streamed, stable with small calibration sets and matches msModelSlim's default. Outliers "
-                   "are handled by --smooth-quant and by falling back the sensitive layers instead.")
-@click.option("--smooth-quant", "smooth_alpha", type=float, default=None, metavar="ALPHA",
-              help="SmoothQuant: move activation outliers into the weights (s = act^ALPHA / w^(1-ALPHA)), folded "
-                   "into the preceding RMSNorm so the graph is unchanged. 0.5 is usual.")
+@click.option("--act-method", type=click.Choice(["search", "minmax", "percentile", "mse"]), default="search",
+              show_default=True,
+              help="Static activation ranges. search (default): the min/max range scaled by the clip ratio that "
+                   "gives the consumers' smallest output error on calibration rows (1.0 included, so never worse "
+                   "than min/max there). minmax: never clips, msModelSlim's default. percentile/mse: judged by the "
+                   "activation's own distribution.")
+@click.option("--smooth-quant", "smooth_alpha", default="auto", show_default=True, metavar="auto|off|ALPHA",
+              help="SmoothQuant for W8A8/W8A8_DYNAMIC: move activation outliers into the weights (s = act^ALPHA / "
+                   "w^(1-ALPHA)), folded into the preceding RMSNorm (and up_proj -> down_proj) so the graph is "
+                   "unchanged. auto: each site gets the ALPHA (or none) with the smallest measured output error.")
 @click.option("--fallback", type=int, default=None, metavar="N",
               help="Static W8A8: fall back the N most sensitive units (q/k/v, gate/up, experts of a layer...) to "
                    "--fallback-to. 0 disables fallback. Default: the threshold below.")
@@ -46,6 +48,9 @@ from dsconv.errors import UserError
                    "(default 0.10).")
 @click.option("--fallback-to", type=click.Choice(["w8a8_dynamic", "w8a16"]), default="w8a8_dynamic",
               show_default=True, help="What a sensitive W8A8 unit becomes.")
+@click.option("--recipe", type=click.Choice(["mixed", "uniform"]), default="mixed", show_default=True,
+              help="Static W8A8: mixed gives down_proj (token-wise outliers) per-token dynamic activations, as "
+                   "Ascend's static practices leave it out; uniform keeps every linear static.")
 @click.option("--ignore", multiple=True, metavar="REGEX",
               help="Keep linears whose module name matches REGEX in float (repeatable). Embeddings, norms, routers, "
                    "lm_head and DeepSeek's MTP layer are kept in float anyway.")
@@ -70,13 +75,15 @@ from dsconv.errors import UserError
 @json_option
 def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: str | None, moe_scheme: str | None,
              engine: str | None, group_size: int | None,
-             method: str | None, act_method: str, smooth_alpha: float | None, fallback: int | None,
-             fallback_threshold: float | None, fallback_to: str, ignore: tuple[str, ...], calib: Path | None,
+             method: str | None, act_method: str, smooth_alpha: str | None, fallback: int | None,
+             fallback_threshold: float | None, fallback_to: str, recipe: str, ignore: tuple[str, ...],
+             calib: Path | None,
              calib_samples: int | None, seq_len: int, min_expert_tokens: int, all_experts: bool, layout: str,
              max_shard_size: str, dry_run: bool, force: bool, as_json: bool) -> None:
     """Quantize a model to INT8/INT4 in the layout Ascend serving engines load, layer by layer."""
     from dsconv.quant.options import QuantOptions
     from dsconv.quant.plan import BITS, DEFAULT_SCHEME, SCHEMES
+    from dsconv.quant.smoothing import parse_smooth
     from dsconv.quant.stage import QuantRequest, run
     from dsconv import engines
     from dsconv.tensors import parse_size
@@ -95,7 +102,8 @@ def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: 
     model = workspace.resolve_model(model)
     output = workspace.resolve_output("quantize", output) if not dry_run or output else Path(".")
     opts = QuantOptions(scheme=scheme, group_size=group_size, method=method, act_method=act_method,
-                        smooth_alpha=smooth_alpha, fallback=fallback, fallback_threshold=fallback_threshold,
+                        smooth_alpha=parse_smooth(smooth_alpha), recipe=recipe, fallback=fallback,
+                        fallback_threshold=fallback_threshold,
                         fallback_to=fallback_to, ignore=tuple(ignore), calib=calib, calib_samples=calib_samples,
                         seq_len=seq_len, min_expert_tokens=min_expert_tokens, all_experts=all_experts, layout=layout,
                         engine=engine, bits_default=bits_default, moe_scheme=moe_scheme,

@@ -22,11 +22,13 @@ from torch import nn
 from dsconv.checkpoint import Checkpoint
 from dsconv.errors import UserError
 from dsconv.families.roles import Role
+from dsconv.quant import clipping, selection
+from dsconv.quant import smoothing as sm
 from dsconv.quant.calib import CalibSet
 from dsconv.quant.formats.msmodelslim import LinearResult
 from dsconv.quant.hooks import ExpertRecorder, FlowProbe, LinearHooks, RowMask
 from dsconv.quant.layers import SLOTS, ExpertLoop, Skeleton, install_forward
-from dsconv.quant.options import QuantOptions
+from dsconv.quant.options import QuantOptions, smoothing_of
 from dsconv.quant.output import QuantWriter
 from dsconv.quant.plan import ACT_QUANT, STATIC, LinearPlan, QuantPlan
 from dsconv.quant.schemes import (activation_qparams, dequant_weight, relative_error, smooth_scales,
@@ -71,6 +73,9 @@ class Calibrator:
             raise UserError(f"calibration token id {int(ids.max())} is outside the model's vocabulary "
                             f"({ck.facts.vocab_size})", hint="the tokenizer does not belong to this model")
         self.h = self.sk.embed(ids)
+        held = selection.held_out_prompts(len(lengths)) if plan.method == "gptq" else None
+        self.held_tokens = None if held is None else torch.repeat_interleave(held, torch.tensor(lengths))
+        self.decisions: dict[str, Any] = {}  # searches and choices, for quant_report.json (clipping, W4 choice)
         order = sorted(range(len(lengths)), key=lambda j: (-lengths[j], j))
         self.batches: list[list[int]] = []
         while order:
@@ -83,6 +88,7 @@ class Calibrator:
         self.smoothing: list[dict[str, Any]] = []
         self.by_layer = plan.by_layer()
         self.static = plan.scheme == STATIC
+        self.observer_method = clipping.observer_method(opts.act_method)
         # seconds: forward passes with statistics hooks, expert loops, quantizing + measuring + writing linears
         self.timings = {"forward": 0.0, "experts": 0.0, "quantize": 0.0}
 
@@ -102,6 +108,7 @@ class Calibrator:
         t = time.perf_counter()
         x, idx, mask = self._batch(samples)
         self.rows.set(mask)
+        self.rows.held = None if self.held_tokens is None else self.held_tokens[idx[mask]]
         if recorder is not None:
             recorder.flat_index = idx.reshape(-1)
         y = layer(x, **self.sk.layer_inputs(x, layer))
@@ -120,8 +127,10 @@ class Calibrator:
                 self.layer(i)
 
     def _stats(self, k: int, name: str) -> InputStats:
-        return InputStats(k, name, self.opts.act_method if self.static else None,
-                          hessian=self.plan.method == "gptq", sample_tokens=self.opts.sample_tokens)
+        return InputStats(k, name, self.observer_method if self.static else None,
+                          hessian=self.plan.method == "gptq", sample_tokens=self.opts.sample_tokens,
+                          stride=int(self.h.shape[0]) // max(1, self.opts.sample_tokens),
+                          held_out=self.held_tokens is not None)
 
     def layer(self, i: int) -> None:
         sk, plan, qw = self.sk, self.plan, self.qw
@@ -138,7 +147,7 @@ class Calibrator:
                     targets[mod] = lp
         modified: dict[str, torch.Tensor] = {}
         col_scale = None
-        if self.opts.smooth_alpha is not None:
+        if smoothing_of(self.opts, plan) is not None:
             modified, col_scale = self.smooth(i, layer, targets, experts, lps)
 
         hooks = LinearHooks(targets, lambda lp: self._stats(lp.k, lp.module), self.rows)
@@ -149,6 +158,8 @@ class Calibrator:
             self._forward(layer, samples, write=True, recorder=recorder)
             hooks.end_batch()
         hooks.remove()
+        if self.static and self.opts.act_method == clipping.METHOD:
+            clipping.choose_clips(hooks.group, targets, self.decisions.setdefault("clipping", {}))
         for mod, lp in sorted(targets.items(), key=lambda kv: list(lps).index(kv[1].module)):
             st = hooks.group.get(mod)
             self._quantize(lp, mod.weight.detach(), st)
@@ -186,8 +197,17 @@ class Calibrator:
         bias = self._bias(lp)
         hess = st.hessian.hessian() if st is not None and st.hessian is not None and st.hessian.tokens else None
         q, scale = quantize_weight(lp, w, self.plan, hess, self.opts.damp)
+        choice = None
+        x_held = st.held.x if st is not None and st.held is not None else None
+        if hess is not None and x_held is not None:  # GPTQ kept only where it beats RTN on held-out prompts
+            (q, scale), picked, choice = selection.choose(x_held, w, (q, scale),
+                                                          quantize_weight(lp, w, self.plan, None, 0.0))
+            self.decisions.setdefault("gptq_or_rtn", {})[lp.module] = picked
         rec = LinearRecord(lp.module, lp.qtype, relative_error(w, dequant_weight(q, scale)),
                            tokens=st.tokens if st is not None else 0)
+        if choice is not None:
+            rec.errors.update(choice)
+            rec.note = f"{picked} (smaller error on held-out prompts)"
         x = st.sample if st is not None else None
         y_ref = None
         if x is not None and x.shape[0]:
@@ -284,7 +304,7 @@ class Calibrator:
             return
         union_in = None
         if self.static:  # gate/up of every expert read the same tensor: its range over all MoE tokens
-            st = InputStats(hidden.shape[-1], f"layer {i} MoE input", self.opts.act_method, False, 0)
+            st = InputStats(hidden.shape[-1], f"layer {i} MoE input", self.observer_method, False, 0)
             st.update(hidden)
             union_in = st.clip_range()
         union_down = (min(r[0] for r in down_ranges), max(r[1] for r in down_ranges)) if down_ranges else None
@@ -328,10 +348,16 @@ class Calibrator:
             consumers.append(experts)
             install_forward(experts, lambda h, idx, wts: torch.zeros_like(h))
         probe = FlowProbe(norms, consumers, self.rows)
+        auto = self.opts.smooth_alpha == "auto"
+        by_name = {lp.module: mod for mod, lp in targets.items()}
+        pairs = [(by_name[u], by_name[d]) for u, d in sm.up_down_pairs(lps) if u in by_name and d in by_name
+                 and lps[u].bias is None] if auto else []
+        sites = sm.SiteProbe(norms if auto else [], [d for _, d in pairs], int(self.h.shape[0]), self.rows.apply)
         for samples in self.batches:
             self._forward(layer, samples, write=False)
             probe.end_batch()
         probe.remove()
+        sites.remove()
         modified: dict[str, torch.Tensor] = {}
         col_scale = None
         E = int(experts.gate_up_proj.shape[0]) if experts is not None else 0
@@ -362,6 +388,8 @@ class Calibrator:
                     routers.append(c)
                 else:
                     reason = reason or f"{cname} stays in float"
+            if auto and (with_experts or not linears):  # the search judges the linears it can run, not experts
+                reason = "auto: routed experts read it (not searched; give --smooth-quant ALPHA to smooth it)"
             if reason:
                 entry["reason"] = reason
                 self.smoothing.append(entry)
@@ -374,7 +402,16 @@ class Calibrator:
                     names = sk.expert_weight_names(i, e)
                     for slot in ("gate", "up"):
                         w_absmax = torch.maximum(w_absmax, sk.load(names[slot]).abs().amax(dim=0))
-            s = torch.from_numpy(smooth_scales(probe.absmax[norm].numpy(), w_absmax.numpy(), self.opts.smooth_alpha))
+            if auto:
+                static = any(targets[c].qtype == STATIC for c in linears)
+                s, entry["search"] = sm.search_scales(sites.sites[norm], [c.weight for c in linears], static)
+                if s is None:
+                    entry["reason"] = "search: no smoothing has the smallest output error"
+                    self.smoothing.append(entry)
+                    continue
+            else:
+                s = torch.from_numpy(smooth_scales(probe.absmax[norm].numpy(), w_absmax.numpy(),
+                                                   self.opts.smooth_alpha))
             n = norm.weight.detach().clone()
             dt = torch_dtype(ck.info(norm_name).dtype)
             n_new = (n / s).to(dt).float()
@@ -395,6 +432,8 @@ class Calibrator:
                 col_scale = s_eff
             entry.update(applied=True, max_scale=round(float(s_eff.max()), 4), min_scale=round(float(s_eff.min()), 4))
             self.smoothing.append(entry)
+        self.smoothing += sm.smooth_up_down(pairs, sites, lambda m: targets[m].qtype == STATIC,
+                                            lambda m: sk.ck_name(sk.module_names[m]))
         return modified, col_scale
 
 

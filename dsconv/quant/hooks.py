@@ -23,6 +23,7 @@ class RowMask:
     def __init__(self) -> None:
         self.rows: torch.Tensor | None = None
         self.count = 0
+        self.held: torch.Tensor | None = None  # per real row: from a held-out prompt (selection.py)
 
     def set(self, mask: torch.Tensor) -> None:
         flat = mask.reshape(-1)
@@ -59,7 +60,7 @@ class LinearHooks:
         st = self.group.get(mod)
         if st is None:
             st = self.group[mod] = self.make_stats(self.targets[mod])
-        st.update(self.rows.apply(x.detach(), self.targets[mod].module).float())
+        st.update(self.rows.apply(x.detach(), self.targets[mod].module).float(), held=self.rows.held)
         self._batch[key] = (x, st)  # holding x keeps its storage from being reused within the batch
 
     def end_batch(self) -> None:
@@ -109,6 +110,8 @@ class FlowProbe:
         self.handles += [c.register_forward_pre_hook(self._consumer) for c in consumers]
 
     def _norm(self, mod: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        if out.numel() != self.rows.count * out.shape[-1]:  # per-head norms (q_norm/k_norm): no linear reads them
+            return
         a = self.rows.apply(out.detach(), "norm").abs().amax(dim=0).float()
         prev = self.absmax.get(mod)
         self.absmax[mod] = a if prev is None else torch.maximum(prev, a)

@@ -7,8 +7,10 @@ from typing import Any
 
 from dsconv.errors import UserError
 from dsconv.quant import report as rep
-from dsconv.quant.observers import ACT_METHODS, DEFAULT_ACT_METHOD
+from dsconv.quant import clipping
+from dsconv.quant.observers import ACT_METHODS
 from dsconv.quant.plan import ACT_QUANT, FALLBACK_TARGETS, STATIC, QuantPlan
+from dsconv.quant.smoothing import smoothing_mode
 from dsconv.writer import DEFAULT_MAX_SHARD_SIZE
 
 
@@ -17,11 +19,12 @@ class QuantOptions:
     scheme: str = "w8a8"
     group_size: int | None = None
     method: str = "rtn"
-    act_method: str = DEFAULT_ACT_METHOD
-    smooth_alpha: float | None = None
+    act_method: str = clipping.METHOD  # min/max clipped by output error (clipping.py); or an observer method
+    smooth_alpha: float | str | None = "auto"  # "auto": searched per site (smoothing.py); None: off; or an alpha
     fallback: int | None = None
     fallback_threshold: float | None = None
     fallback_to: str = "w8a8_dynamic"
+    recipe: str = "mixed"  # static W8A8: down_proj per-token dynamic (recipe.py); "uniform": all static
     ignore: tuple[str, ...] = ()
     calib: Path | None = None
     calib_samples: int | None = None
@@ -64,12 +67,13 @@ def fallback_policy(opts: QuantOptions, plan: QuantPlan) -> tuple[str, float] | 
 
 
 def check_options(opts: QuantOptions, plan: QuantPlan) -> None:
-    if opts.act_method not in ACT_METHODS:
-        raise UserError(f"unknown --act-method {opts.act_method}", hint=f"choose one of {', '.join(ACT_METHODS)}")
+    if opts.act_method not in ACT_METHODS + (clipping.METHOD,):
+        raise UserError(f"unknown --act-method {opts.act_method}",
+                        hint=f"choose one of {', '.join((clipping.METHOD,) + ACT_METHODS)}")
     if opts.fallback_to not in FALLBACK_TARGETS:
         raise UserError(f"--fallback-to {opts.fallback_to} is not a fallback type",
                         hint=f"choose {' or '.join(FALLBACK_TARGETS)}")
-    if opts.smooth_alpha is not None and plan.scheme not in ACT_QUANT:
+    if isinstance(opts.smooth_alpha, float) and plan.scheme not in ACT_QUANT:
         raise UserError(f"--smooth-quant applies to schemes with quantized activations, not {plan.scheme.lower()}",
                         hint="use it with --scheme w8a8 or w8a8_dynamic")
     if opts.method not in ("rtn", "gptq"):
@@ -80,5 +84,10 @@ def check_options(opts: QuantOptions, plan: QuantPlan) -> None:
 
 def needs_calibration(opts: QuantOptions, plan: QuantPlan) -> bool:
     """Weight-only round-to-nearest needs no activations; an explicit --calib still runs (for expert load)."""
-    return (plan.scheme == STATIC or opts.method == "gptq" or opts.smooth_alpha is not None
+    return (plan.scheme == STATIC or opts.method == "gptq" or smoothing_of(opts, plan) is not None
             or opts.calib is not None)
+
+
+def smoothing_of(opts: QuantOptions, plan: QuantPlan) -> float | str | None:
+    """None (off), "auto" or a fixed alpha: what this plan smooths with."""
+    return smoothing_mode(opts.smooth_alpha, plan.scheme in ACT_QUANT)

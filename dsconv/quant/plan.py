@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable
 from dsconv.errors import UserError
 from dsconv.families.roles import Category, Role
 from dsconv.quant.formats.msmodelslim import FLOAT, linear_layout
+from dsconv.quant.recipe import RECIPE_FLOAT_REASON, planned_type
 from dsconv.quant.schemes import check_group_size
 from dsconv.tensors import TensorSpec
 
@@ -109,11 +110,13 @@ def unit_of(role: Role, category: Category, layer: int | None) -> str:
 
 
 def make_plan(ck: Any, scheme: str, group_size: int | None = None, method: str = "rtn",
-              ignore: Iterable[str] = (), assign: Callable[[Any], tuple[str | None, str | None]] | None = None
-              ) -> QuantPlan:
+              ignore: Iterable[str] = (), assign: Callable[[Any], tuple[str | None, str | None]] | None = None,
+              recipe: str = "mixed", mix_ok: bool = True) -> QuantPlan:
     """Decide every tensor's fate from headers; all user errors (bad group size, odd int4 rows) surface here.
 
-    `assign` (from dsconv.engines) gives a layer's type by its kind: (type or None for the scheme's, why FLOAT)."""
+    `assign` (from dsconv.engines) gives a layer's type by its kind: (type or None for the scheme's, why FLOAT); where
+    it leaves the type to the scheme, the recipe decides (recipe.py), with `mix_ok` False for an engine that reads one
+    quantized type per region."""
     qtype = SCHEMES[scheme]
     bits = BITS[qtype]
     if bits == 8:
@@ -158,11 +161,15 @@ def make_plan(ck: Any, scheme: str, group_size: int | None = None, method: str =
                 hit = next((p.pattern for p in patterns if p.search(r.module)), None)
                 if hit is not None:
                     reason = f"--ignore {hit}"
-            layer_type = qtype
+            layer_type, explicit = qtype, False
             if reason is None and assign is not None:
                 t, why = assign(r)
                 reason = why if t == FLOAT else None
-                layer_type = t if t not in (None, FLOAT) else qtype
+                layer_type, explicit = (t if t not in (None, FLOAT) else qtype), t is not None
+            if reason is None and not explicit:
+                layer_type = planned_type(qtype, r.role, recipe, mix_ok)
+                if layer_type == FLOAT:
+                    reason = RECIPE_FLOAT_REASON
             if reason is None:
                 n, k = info.shape
                 if BITS[layer_type] == 4:

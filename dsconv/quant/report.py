@@ -115,8 +115,10 @@ def build_report(ck: Any, plan: QuantPlan, opts: Any, records: dict[str, Any], d
         linears[m] = entry
     report: dict[str, Any] = {
         "scheme": plan.scheme, "method": plan.method, "group_size": plan.group_size,
+        "recipe": getattr(opts, "recipe", None) if plan.scheme == STATIC else None,
         "act_method": opts.act_method if plan.scheme == STATIC else None,
-        "smooth_quant": opts.smooth_alpha, "model_quant_type": model_quant_type(decision.types.values()),
+        "smooth_quant": opts.smooth_alpha if plan.scheme in ("W8A8", "W8A8_DYNAMIC") else None,
+        "model_quant_type": model_quant_type(decision.types.values()),
         "calibration": calib.describe() if calib is not None else None,
         "fallback": {"policy": decision.policy, "target": decision.target, "units": decision.units,
                      "fell_back": decision.fell_back},
@@ -128,6 +130,7 @@ def build_report(ck: Any, plan: QuantPlan, opts: Any, records: dict[str, Any], d
     }
     if cal is not None:
         report["smoothing"] = cal.smoothing
+        report.update({k: v for k, v in getattr(cal, "decisions", {}).items() if v})
         if cal.expert_counts:
             report["experts"] = expert_coverage(cal.expert_counts, opts.min_expert_tokens, opts.all_experts, records,
                                                 plan)
@@ -157,6 +160,7 @@ def summary(ck: Any, plan: QuantPlan, opts: Any, report: dict[str, Any], decisio
             "linears": dict(sorted(types.items())), "kept_float": len(report["kept_float"]),
             "calibration": report["calibration"], "fallback": report["fallback"], "layers": report["layers"],
             "experts": report.get("experts"), "smoothing": report.get("smoothing"),
+            "decisions": decisions_summary(report),
             "files": files, "seconds": round(seconds, 2), "calibration_seconds": round(calibration_seconds, 2)}
 
 
@@ -190,9 +194,11 @@ def render(s: dict[str, Any]) -> str:
     sm = s.get("smoothing")
     if sm:
         done = [x for x in sm if x["applied"]]
-        lines.append(f"smoothing: {len(done)} norm(s) folded" +
+        lines.append(f"smoothing: {len(done)} site(s) folded" +
                      (f"; skipped {len(sm) - len(done)} ({sm[[x['applied'] for x in sm].index(False)]['reason']})"
                       if len(done) < len(sm) else ""))
+    for line in decisions_lines(s.get("decisions") or {}):
+        lines.append(line)
     ex = s.get("experts")
     if ex:
         short = ex["under_min"]
@@ -208,6 +214,41 @@ def render(s: dict[str, Any]) -> str:
         lines.append(f"expert load written to {EXPERT_LOAD_FILE} (for `dsconv shard`)")
     lines.append(f"done in {s['seconds']:.1f}s")
     return "\n".join(lines)
+
+
+def decisions_summary(report: dict[str, Any]) -> dict[str, Any]:
+    """The accuracy decisions in a few numbers (details per site/linear stay in quant_report.json)."""
+    out: dict[str, Any] = {}
+    if report.get("recipe"):
+        out["recipe"] = report["recipe"]
+    searched = [e["search"] for e in report.get("smoothing") or [] if "search" in e]
+    if searched:
+        out["smoothing_alphas"] = dict(sorted(Counter(str(x["alpha"]) if x["alpha"] is not None else "off"
+                                                      for x in searched).items()))
+    clips = report.get("clipping") or {}
+    if clips:
+        out["clipped_inputs"] = sum(1 for c in clips.values() if c["ratio"] < 1.0)
+        out["static_inputs"] = len(clips)
+    choice = report.get("gptq_or_rtn") or {}
+    if choice:
+        out["gptq_or_rtn"] = dict(sorted(Counter(choice.values()).items()))
+    return out
+
+
+def decisions_lines(d: dict[str, Any]) -> list[str]:
+    lines = []
+    if d.get("recipe"):
+        lines.append(f"recipe: {d['recipe']}" + (" (down_proj per-token dynamic, the rest static)"
+                                                 if d["recipe"] == "mixed" else " (every linear static)"))
+    if d.get("smoothing_alphas"):
+        lines.append("smoothing strength chosen per site by output error: " +
+                     ", ".join(f"{a} x{n}" for a, n in d["smoothing_alphas"].items()))
+    if "clipped_inputs" in d:
+        lines.append(f"static ranges clipped by output error: {d['clipped_inputs']} of {d['static_inputs']} inputs")
+    if d.get("gptq_or_rtn"):
+        lines.append("weights, chosen per linear on held-out prompts: " +
+                     ", ".join(f"{k} {n}" for k, n in d["gptq_or_rtn"].items()))
+    return lines
 
 
 def plan_summary(ck: Any, plan: QuantPlan, opts: Any, policy: tuple[str, float] | None,

@@ -21,6 +21,7 @@ from dsconv.quant.calibration import Calibrator
 from dsconv.quant.options import QuantOptions, check_options, fallback_policy, needs_calibration
 from dsconv.quant.output import QuantWriter
 from dsconv.quant.plan import SCHEMES, STATIC, make_plan
+from dsconv.quant.selection import MIN_PROMPTS, held_out_prompts
 from dsconv.quant.streaming import weight_only
 from dsconv.writer import OutputDir
 
@@ -67,7 +68,8 @@ def run(req: QuantRequest) -> QuantResult:
     ktypes = engines.kind_types(prof, family, SCHEMES[opts.scheme], opts.bits_default,
                                 SCHEMES[opts.moe_scheme] if opts.moe_scheme else None)
     engines.check_plan(prof, family, engines.preview(ck, ktypes, SCHEMES[opts.scheme]))  # before any work
-    plan = make_plan(ck, opts.scheme, opts.group_size, opts.method, opts.ignore, assign=engines.assigner(prof, ktypes))
+    plan = make_plan(ck, opts.scheme, opts.group_size, opts.method, opts.ignore, assign=engines.assigner(prof, ktypes),
+                     recipe=opts.recipe, mix_ok=prof.fallback_ok)
     engines.check_plan(prof, family, plan.linears.values())
     check_options(opts, plan)
     policy = fallback_policy(opts, plan) if engines.check_fallback(prof, opts.fallback, opts.fallback_threshold) \
@@ -89,6 +91,9 @@ def run(req: QuantRequest) -> QuantResult:
         if plan.method == "gptq":
             needs["GPTQ Hessians"] = max(lp.k for lp in plan.linears.values())
         w = min_tokens_warning(calib, needs)
+        if plan.method == "gptq" and held_out_prompts(len(calib.samples)) is None:
+            req.warn(f"{len(calib.samples)} calibration prompts are too few to hold some out: GPTQ is used on "
+                     f"every layer without checking it against round-to-nearest (give >= {MIN_PROMPTS} prompts)")
         if w:
             req.warn(w)
     with OutputDir(output, stage="quantize", inputs=[model_dir], force=req.force, options=opts.as_dict(),

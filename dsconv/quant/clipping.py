@@ -1,0 +1,59 @@
+"""Static activation ranges clipped by measured output error, not by the activation's own statistics.
+
+Min/max keeps the rare extreme token exact and spends the 256 levels of every other token on it. Percentile/MSE
+clipping (observers.py) judge a range by element counts, blind to which channels matter downstream. Here each
+static input (shared by every linear that reads it: q/k/v, gate/up) tries the min/max range scaled by the ratios in
+`CLIPS` and keeps the one with the smallest relative output error of its consumers - int8 weights, fake-quantized
+activations, against float - on the calibration rows the statistics pass sampled (spread over all prompts). 1.0
+(min/max) is always a candidate and wins ties, so clipping is only applied where it measurably helps.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from dsconv.quant.smoothing import MAX_OUT_ROWS, fake_quant_rows, fake_quant_static
+
+METHOD = "search"  # --act-method value: min/max, then the clip ratio with the smallest output error
+CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5, 0.45, 0.4)
+STATIC = "W8A8"
+
+
+def best_clip(x: torch.Tensor, lo: float, hi: float, weights: list[torch.Tensor]) -> tuple[float, float, float]:
+    """(ratio, error at ratio, error at 1.0) for rows x [m, k], the unclipped range and the consumers' weights."""
+    w = torch.cat([t.detach().float() for t in weights])
+    w = w[:: max(1, w.shape[0] // MAX_OUT_ROWS)]
+    ref = x @ w.T
+    wq = fake_quant_rows(w)
+    den = float(torch.linalg.vector_norm(ref)) or 1.0
+    errs = {c: float(torch.linalg.vector_norm(fake_quant_static(x, lo * c, hi * c) @ wq.T - ref)) / den
+            for c in CLIPS}
+    ratio = min(CLIPS, key=lambda c: errs[c])
+    if errs[ratio] >= errs[1.0] * 0.995:
+        ratio = 1.0
+    return ratio, errs[ratio], errs[1.0]
+
+
+def observer_method(act_method: str) -> str:
+    """The streaming observer behind an --act-method ("search" starts from min/max)."""
+    return "minmax" if act_method == METHOD else act_method
+
+
+def choose_clips(group: dict[nn.Module, Any], targets: dict[nn.Module, Any], log: dict[str, Any]) -> None:
+    """Set `clip_ratio` on each static input's statistics (InputStats) and log {first consumer: [ratio, err, err
+    at min/max]}."""
+    seen: dict[int, list[nn.Module]] = {}
+    stats: dict[int, Any] = {}
+    for mod, st in group.items():
+        if targets[mod].qtype == STATIC and st.observer is not None and st.observer.tokens and st.sample is not None:
+            seen.setdefault(id(st), []).append(mod)
+            stats[id(st)] = st
+    for key, mods in seen.items():
+        st = stats[key]
+        lo, hi = st.observer.clip_range()
+        ratio, err, err_minmax = best_clip(st.sample, lo, hi, [m.weight for m in mods])
+        st.clip_ratio = ratio
+        log[targets[mods[0]].module] = {"ratio": ratio, "error": round(err, 6), "error_minmax": round(err_minmax, 6),
+                                        "consumers": len(mods)}

@@ -1,0 +1,224 @@
+"""Choosing the SmoothQuant strength per site by measured output error, and the up -> down fold.
+
+Why a search: one fixed alpha is wrong for most layers of a real model. Where a norm output has a few huge channels
+(Qwen2.5's q/k/v inputs), alpha 0.5 leaves the per-tensor int8 range dominated by them; where it has none, any alpha
+only moves error into the weights. So each smoothing *site* (a norm and the quantized linears that read it, or the
+activation between up_proj and down_proj) gets the candidate with the smallest relative output error of its
+consumers on calibration rows, "off" included, computed the way the engine will run it:
+
+* weights smoothed (columns x s), then per-channel int8 round-to-nearest;
+* activations x / s, then per-tensor static int8 over the range of *all* calibration tokens (exact without a second
+  pass: the per-channel min/max of x are kept, and min/max of x / s is min/max over channels of min_j / s_j), with
+  the best of a few clip ratios (the clip itself is chosen again, finer, when the linear is quantized: clipping.py);
+  or per-token dynamic int8 for W8A8_DYNAMIC.
+
+Rows: `SiteSample` keeps every stride-th calibration token (stride from the total token count, so the sample spreads
+over all prompts, attention-sink tokens included) up to `SAMPLE_ROWS`. Output rows of wide consumers are subsampled
+to `MAX_OUT_ROWS` for the error (an unbiased estimate); the smoothing scales themselves use every weight row.
+
+The up -> down fold is exact for gated MLPs (act = f(gate) * up): dividing up_proj's output rows by s divides act's
+channel j by s_j, and down_proj's columns take s. up_proj is quantized per output row, so its own error is unchanged.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from dsconv.errors import UserError
+from dsconv.quant.schemes import activation_qparams, smooth_scales
+
+ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)   # candidates besides "off" (s = 1)
+SEARCH_CLIPS = (1.0, 0.85, 0.7)                 # clip ratios tried with each alpha for static sites
+MIN_GAIN = 0.98                                  # applied only if it cuts the error by at least 2%
+SAMPLE_ROWS = 256
+MAX_OUT_ROWS = 2048
+
+
+class SiteSample:
+    """Per-channel min/max of one activation over all real calibration tokens, and an evenly spread row sample."""
+
+    def __init__(self, total_tokens: int, cap: int = SAMPLE_ROWS) -> None:
+        self.stride = max(1, total_tokens // max(cap, 1))
+        self.cap = cap
+        self.seen = 0
+        self.cmin: torch.Tensor | None = None
+        self.cmax: torch.Tensor | None = None
+        self.rows: list[torch.Tensor] = []
+        self.kept = 0
+
+    def update(self, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).float()
+        if x.shape[0] == 0:
+            return
+        lo, hi = x.amin(dim=0), x.amax(dim=0)
+        self.cmin = lo if self.cmin is None else torch.minimum(self.cmin, lo)
+        self.cmax = hi if self.cmax is None else torch.maximum(self.cmax, hi)
+        first = (-self.seen) % self.stride
+        idx = torch.arange(first, x.shape[0], self.stride)[: self.cap - self.kept]
+        if idx.numel():
+            self.rows.append(x[idx].clone())
+            self.kept += int(idx.numel())
+        self.seen += x.shape[0]
+
+    @property
+    def absmax(self) -> torch.Tensor:
+        return torch.maximum(-self.cmin, self.cmax)
+
+    @property
+    def x(self) -> torch.Tensor:
+        return torch.cat(self.rows)
+
+
+def fake_quant_rows(w: torch.Tensor) -> torch.Tensor:
+    """Per-output-row symmetric int8 round-to-nearest, dequantized (what 8-bit weights become)."""
+    s = w.abs().amax(dim=1, keepdim=True) / 127.0
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.round(w / s).clamp_(-128, 127) * s
+
+
+def fake_quant_static(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    scale, offset = activation_qparams(lo, hi)
+    sc, off = float(scale), float(offset)
+    return (torch.round(x / sc + off).clamp_(-128, 127) - off) * sc
+
+
+def fake_quant_dynamic(x: torch.Tensor) -> torch.Tensor:
+    s = x.abs().amax(dim=-1, keepdim=True) / 127.0
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.round(x / s).clamp_(-128, 127) * s
+
+
+def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    den = float(torch.linalg.vector_norm(ref))
+    return float(torch.linalg.vector_norm(y - ref)) / den if den else 0.0
+
+
+def search_scales(site: SiteSample, weights: list[torch.Tensor], static: bool,
+                  alphas: tuple[float, ...] = ALPHAS) -> tuple[torch.Tensor | None, dict[str, Any]]:
+    """The smoothing factors s [k] with the smallest output error of the consumers (None: smoothing off is best),
+    and what was measured (for quant_report.json)."""
+    x = site.x
+    w_all = torch.cat([w.detach().float() for w in weights])
+    w_absmax = w_all.abs().amax(dim=0)
+    step = max(1, w_all.shape[0] // MAX_OUT_ROWS)
+    w = w_all[::step]
+    ref = x @ w.T
+    act_absmax = site.absmax
+
+    def error(s: torch.Tensor | None) -> tuple[float, float]:
+        xs = x if s is None else x / s
+        ws = fake_quant_rows(w if s is None else w * s)
+        if not static:
+            return _rel(fake_quant_dynamic(xs) @ ws.T, ref), 1.0
+        lo = float((site.cmin if s is None else site.cmin / s).min())
+        hi = float((site.cmax if s is None else site.cmax / s).max())
+        best = (float("inf"), 1.0)
+        for c in SEARCH_CLIPS:
+            e = _rel(fake_quant_static(xs, lo * c, hi * c) @ ws.T, ref)
+            best = min(best, (e, c))
+        return best
+
+    tried: dict[str, float] = {}
+    base, _ = error(None)
+    tried["off"] = round(base, 6)
+    best_err, best_alpha, best_s = float("inf"), None, None
+    for a in alphas:
+        s = torch.from_numpy(smooth_scales(act_absmax.numpy(), w_absmax.numpy(), a))
+        e, _ = error(s)
+        tried[str(a)] = round(e, 6)
+        if e < best_err:
+            best_err, best_alpha, best_s = e, a, s
+    if not best_err < base * MIN_GAIN:  # smoothing must earn its fold: "off" unless clearly better
+        best_err, best_alpha, best_s = base, None, None
+    return best_s, {"alpha": best_alpha, "error": round(best_err, 6), "error_off": round(base, 6),
+                    "error_by_alpha": tried, "rows": int(x.shape[0])}
+
+
+def up_down_pairs(lps: dict[str, Any]) -> list[tuple[str, str]]:
+    """(up module, down module) of each gated MLP of a layer whose down_proj is activation-quantized (dense or
+    shared experts; routed experts are separate linears per expert and are not folded)."""
+    ups = {lp.module.rsplit(".", 1)[0]: lp.module for lp in lps.values()
+           if lp.slot == "up" and not lp.is_expert}
+    out = []
+    for lp in lps.values():
+        if lp.slot == "down" and not lp.is_expert and lp.qtype in ("W8A8", "W8A8_DYNAMIC"):
+            up = ups.get(lp.module.rsplit(".", 1)[0])
+            if up is not None:
+                out.append((up, lp.module))
+    return out
+
+
+def smooth_up_down(pairs: list[tuple[torch.nn.Module, torch.nn.Module]], probe: "SiteProbe",
+                   is_static: Callable[[torch.nn.Module], bool], name: Callable[[torch.nn.Module], str]
+                   ) -> list[dict[str, Any]]:
+    """Search and fold each (up_proj, down_proj) pair; the report entries (same shape as the norms')."""
+    out = []
+    for up, down in pairs:
+        s, info = search_scales(probe.sites[down], [down.weight], is_static(down))
+        entry: dict[str, Any] = {"norm": f"{name(up)} -> {name(down)}", "consumers": [name(down)],
+                                 "applied": s is not None, "search": info}
+        if s is None:
+            entry["reason"] = "search: no smoothing has the smallest output error"
+        else:
+            fold_up_down(up, down, s)
+            entry.update(max_scale=round(float(s.max()), 4), min_scale=round(float(s.min()), 4))
+        out.append(entry)
+    return out
+
+
+def fold_up_down(up: torch.nn.Linear, down: torch.nn.Linear, s: torch.Tensor) -> None:
+    """act_j / s_j through up_proj's rows (and bias), down_proj's columns x s: the MLP's output is unchanged."""
+    with torch.no_grad():
+        up.weight.div_(s[:, None])
+        if up.bias is not None:
+            up.bias.div_(s)
+        down.weight.mul_(s)
+
+
+def scales_in_range(s: torch.Tensor) -> torch.Tensor:
+    """Factors kept finite and away from 0 (np.clip in smooth_scales already bounds them; belt and braces)."""
+    return torch.nan_to_num(s, nan=1.0, posinf=1.0, neginf=1.0).clamp_(1e-4, 1e4)
+
+
+class SiteProbe:
+    """Hooks that fill a `SiteSample` per site during the smoothing probe's forward: a norm's output, or a
+    linear's input (down_proj). `rows(x, what)` drops padding rows (the calibrator's RowMask.apply)."""
+
+    def __init__(self, outputs_of: list[torch.nn.Module], inputs_of: list[torch.nn.Module], total_tokens: int,
+                 rows: Callable[[torch.Tensor, str], torch.Tensor]) -> None:
+        self.sites: dict[torch.nn.Module, SiteSample] = {m: SiteSample(total_tokens) for m in outputs_of + inputs_of}
+        self.handles = [m.register_forward_hook(lambda mod, a, out: self._add(mod, out)) for m in outputs_of]
+        self.handles += [m.register_forward_pre_hook(lambda mod, a: self._add(mod, a[0])) for m in inputs_of]
+        self._rows = rows
+
+    def _add(self, mod: torch.nn.Module, x: torch.Tensor) -> None:
+        try:
+            rows = self._rows(x.detach(), "smoothing site")
+        except RuntimeError:  # not one row per token (per-head q/k norms): never a smoothing site
+            return
+        self.sites[mod].update(rows)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def smoothing_mode(value: float | str | None, act_quantized: bool) -> float | str | None:
+    """None (off), "auto" (searched per site) or a fixed alpha; weight-only schemes never smooth."""
+    if not act_quantized or value in (None, "off"):
+        return None
+    return value
+
+
+def parse_smooth(value: str | None) -> float | str | None:
+    """--smooth-quant auto | off | ALPHA."""
+    if value is None or value == "auto":
+        return "auto"
+    if value == "off":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise UserError(f"--smooth-quant {value!r} is not auto, off or a number",
+                        hint="e.g. --smooth-quant auto (default), --smooth-quant 0.5") from None
