@@ -35,16 +35,17 @@ SEQ = 512
 # name -> (CLI arguments, target increase in %, or None when judged against another row)
 SCHEMES: dict[str, tuple[list[str], float | None]] = {
     "W8A16": (["--scheme", "w8a16"], 0.2),
-    "W8A8 static (--bits 8)": (["--bits", "8"], 2.0),
+    "W8A8 static (--bits 8)": (["--bits", "8"], 2.0),  # engine mindie (default): down_proj float
+    "W8A8 static (--bits 8 --engine vllm-ascend)": (["--bits", "8", "--engine", "vllm-ascend"], 2.0),  # dynamic down
     "W8A8_DYNAMIC": (["--scheme", "w8a8_dynamic"], 1.5),
     "W4A16 g64 GPTQ": (["--scheme", "w4a16", "--group-size", "64", "--method", "gptq"], None),
     "W4A16 g64 RTN": (["--scheme", "w4a16", "--group-size", "64", "--method", "rtn"], None),
     # not in the default table: static everywhere (what an engine that reads one type per model gets)
     "W8A8 static, uniform recipe": (["--bits", "8", "--recipe", "uniform"], 2.0),
 }
-KEYS = {"w8a16": "W8A16", "w8a8": "W8A8 static (--bits 8)", "w8a8_dynamic": "W8A8_DYNAMIC",
+KEYS = {"w8a16": "W8A16", "w8a8": "W8A8 static (--bits 8)", "w8a8_vllm": "W8A8 static (--bits 8 --engine vllm-ascend)", "w8a8_dynamic": "W8A8_DYNAMIC",
         "gptq": "W4A16 g64 GPTQ", "rtn": "W4A16 g64 RTN", "uniform": "W8A8 static, uniform recipe"}
-DEFAULT_KEYS = ("w8a16", "w8a8", "w8a8_dynamic", "gptq", "rtn")
+DEFAULT_KEYS = ("w8a16", "w8a8", "w8a8_vllm", "w8a8_dynamic", "gptq", "rtn")
 
 
 def fixture_dir() -> Path:

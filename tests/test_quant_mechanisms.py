@@ -150,7 +150,9 @@ def test_default_static_handles_the_outlier_channel(qwen_outlier, tmp_path):
     base = dict(calib_samples=8, seq_len=48, fallback=0)
     old_opts = QuantOptions(**base, smooth_alpha=None, recipe="uniform", act_method="minmax")
     stage.run(QuantRequest(qwen_outlier, tmp_path / "minmax", old_opts, progress=False))
-    s = stage.run(QuantRequest(qwen_outlier, tmp_path / "default", QuantOptions(**base), progress=False)).summary
+    # vLLM-Ascend reads per-layer types: the mixed recipe's down_proj is dynamic there (float under MindIE, below)
+    s = stage.run(QuantRequest(qwen_outlier, tmp_path / "default", QuantOptions(**base, engine="vllm-ascend"),
+                               progress=False)).summary
     old = json.loads((tmp_path / "minmax" / "quant_report.json").read_text())
     new = json.loads((tmp_path / "default" / "quant_report.json").read_text())
     q = "model.layers.0.self_attn.q_proj"
@@ -172,6 +174,9 @@ def test_uniform_recipe_keeps_every_linear_static(qwen_outlier):
 
     ck = Checkpoint.open(qwen_outlier)
     assert {lp.qtype for lp in make_plan(ck, "w8a8", recipe="uniform").linears.values()} == {"W8A8"}
+    one_type = make_plan(ck, "w8a8", mix_ok=False)  # MindIE: one quantized type per region, down_proj float
+    assert {lp.qtype for lp in one_type.linears.values()} == {"W8A8"}
+    assert all(m.endswith("down_proj") for m in one_type.ignored) and len(one_type.ignored) > 0
     mixed = make_plan(ck, "w8a8").linears.values()
     assert {lp.qtype for lp in mixed if lp.slot == "down"} == {"W8A8_DYNAMIC"}
     assert {lp.qtype for lp in make_plan(ck, "w8a8_dynamic").linears.values()} == {"W8A8_DYNAMIC"}

@@ -111,6 +111,9 @@ class Family:
     #: export tolerance defaults where a family needs its own: ("onnx", dtype) -> absolute atol,
     #: ("mindir", dtype) -> atol relative to the largest reference logit (the formats' own defaults otherwise)
     export_atol: dict[tuple[str, str], float] = {}
+    # RMSNorm computes x * (norm_offset + weight): Gemma stores weights as offsets from 1. Folding a scale into a norm
+    # (SmoothQuant) must scale the effective weight, not the stored one.
+    norm_offset: float = 0.0
     #: where transformers' fused 3-D experts live (relative to the layer) and renames of their siblings
     fused_experts: str = "mlp.experts"
     fused_renames: dict[str, str] = {}

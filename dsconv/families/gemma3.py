@@ -20,6 +20,7 @@ class Gemma3(Family):
             "layer_types": ["sliding_attention", "full_attention"]}
     # fp32 ONNX: onnxruntime vs PyTorch differ by 4.2e-4 on gemma-3-270m, whose logits reach 180 (2e-6 relative)
     export_atol = {("onnx", "fp32"): 2e-3}
+    norm_offset = 1.0
 
     def _facts(self, c):
         f = super()._facts({"head_dim": 256, "tie_word_embeddings": True, **c})  # Gemma3TextConfig's defaults

@@ -413,11 +413,13 @@ class Calibrator:
                 s = torch.from_numpy(smooth_scales(probe.absmax[norm].numpy(), w_absmax.numpy(),
                                                    self.opts.smooth_alpha))
             n = norm.weight.detach().clone()
+            off = ck.family.norm_offset  # effective weight off + n (Gemma: 1 + n)
             dt = torch_dtype(ck.info(norm_name).dtype)
-            n_new = (n / s).to(dt).float()
-            ok = (n_new != 0) & torch.isfinite(n_new)
+            n_new = ((off + n) / s - off).to(dt).float()
+            ok = (off + n_new != 0) & torch.isfinite(n_new)
             n_new = torch.where(ok, n_new, n)
-            s_eff = torch.where(ok, n / torch.where(ok, n_new, torch.ones_like(n_new)), torch.ones_like(n))
+            s_eff = torch.where(ok, (off + n) / torch.where(ok, off + n_new, torch.ones_like(n_new)),
+                                torch.ones_like(n))
             norm.weight.copy_(n_new)
             modified[norm_name] = n_new.to(dt)
             for c in linears:

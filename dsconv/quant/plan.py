@@ -161,13 +161,13 @@ def make_plan(ck: Any, scheme: str, group_size: int | None = None, method: str =
                 hit = next((p.pattern for p in patterns if p.search(r.module)), None)
                 if hit is not None:
                     reason = f"--ignore {hit}"
-            layer_type, explicit = qtype, False
+            layer_type = qtype
             if reason is None and assign is not None:
                 t, why = assign(r)
                 reason = why if t == FLOAT else None
-                layer_type, explicit = (t if t not in (None, FLOAT) else qtype), t is not None
-            if reason is None and not explicit:
-                layer_type = planned_type(qtype, r.role, recipe, mix_ok)
+                layer_type = t if t not in (None, FLOAT) else qtype
+            if reason is None:  # the recipe refines a static W8A8 layer, whoever chose it
+                layer_type = planned_type(layer_type, r.role, recipe, mix_ok)
                 if layer_type == FLOAT:
                     reason = RECIPE_FLOAT_REASON
             if reason is None:
