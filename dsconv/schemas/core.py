@@ -194,58 +194,39 @@ class Fields:
             return default
         return v
 
-    def int(self, key: str, lo: int, hi: int, default: Any = MISSING) -> Any:
-        must = f"an integer in {lo}..{hi}"
+    def _checked(self, key: str, default: Any, must: str, ok: Callable[[Any], bool]) -> Any:
+        """The value of `key` if `ok` accepts it; the default when absent; else the one-line error."""
         v = self._get(key, default, must)
         if v is default and default is not MISSING:
             return v
-        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        if not ok(v):
             raise self.fail(key, must, v)
         return v
 
+    def int(self, key: str, lo: int, hi: int, default: Any = MISSING) -> Any:
+        return self._checked(key, default, f"an integer in {lo}..{hi}", is_int(lo, hi))
+
     def number(self, key: str, lo: float, hi: float, default: Any = MISSING) -> Any:
-        must = f"a finite number in {lo:g}..{hi:g}"
-        v = self._get(key, default, must)
-        if v is default and default is not MISSING:
-            return v
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
-            raise self.fail(key, must, v)
-        return v
+        return self._checked(key, default, f"a finite number in {lo:g}..{hi:g}",
+                             lambda v: not isinstance(v, bool) and isinstance(v, (int, float))
+                             and math.isfinite(v) and lo <= v <= hi)
 
     def str(self, key: str, default: Any = MISSING, choices: Iterable[str] | None = None, max_len: int = 4096) -> Any:
         allowed = tuple(choices) if choices is not None else None
         must = f"one of {', '.join(allowed)}" if allowed else "a non-empty string"
-        v = self._get(key, default, must)
-        if v is default and default is not MISSING:
-            return v
-        if not isinstance(v, str) or not v or len(v) > max_len or (allowed and v not in allowed):
-            raise self.fail(key, must, v)
-        return v
+        return self._checked(key, default, must, lambda v: isinstance(v, str) and 0 < len(v) <= max_len
+                             and (not allowed or v in allowed))
 
     def bool(self, key: str, default: Any = MISSING) -> Any:
-        v = self._get(key, default, "true or false")
-        if v is default and default is not MISSING:
-            return v
-        if not isinstance(v, bool):
-            raise self.fail(key, "true or false", v)
-        return v
+        return self._checked(key, default, "true or false", lambda v: isinstance(v, bool))
 
     def obj(self, key: str, default: Any = MISSING) -> Any:
-        v = self._get(key, default, "an object")
-        if v is default and default is not MISSING:
-            return v
-        if not isinstance(v, dict):
-            raise self.fail(key, "an object", v)
-        return v
+        return self._checked(key, default, "an object", lambda v: isinstance(v, dict))
 
     def list(self, key: str, item: Callable[[Any], bool], must: str, default: Any = MISSING,
              max_len: int = 1 << 20) -> Any:
-        v = self._get(key, default, must)
-        if v is default and default is not MISSING:
-            return v
-        if not isinstance(v, list) or len(v) > max_len or not all(item(x) for x in v):
-            raise self.fail(key, must, v)
-        return v
+        return self._checked(key, default, must, lambda v: isinstance(v, list) and len(v) <= max_len
+                             and all(item(x) for x in v))
 
     def only(self, allowed: Iterable[str]) -> None:
         """Unknown keys are typos until proven otherwise (onnxruntime's stringly options are the counter-example)."""
