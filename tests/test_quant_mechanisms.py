@@ -166,6 +166,15 @@ def test_default_static_handles_the_outlier_channel(qwen_outlier, tmp_path):
     assert {t for m, t in types.items() if m.endswith("down_proj")} == {"W8A8_DYNAMIC"}
     assert {t for m, t in types.items() if not m.endswith("down_proj")} == {"W8A8"}
     assert s["linears"]["W8A8"] == 6 * s["linears"]["W8A8_DYNAMIC"]
+    # the printed summary says what down_proj became, per engine (dynamic here, float under MindIE)
+    from dsconv.quant.report import decisions_lines, render
+    assert "recipe: mixed (down_proj per-token dynamic, the rest static)" in decisions_lines(s["decisions"])
+    mindie = dict(s["decisions"], recipe_down_proj="float")
+    assert any("down_proj kept float" in line for line in decisions_lines(mindie))
+    from dsconv.quant.report import _layer_order
+    assert sorted(["10", "model", "2", "0"], key=_layer_order) == ["0", "2", "10", "model"]  # not as strings
+    printed = [line.split()[0] for line in render(s).splitlines()[3:] if line[:5].strip().isdigit()]
+    assert printed == sorted(printed, key=int)
 
 
 def test_uniform_recipe_keeps_every_linear_static(qwen_outlier):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dsconv.quant.plan import STATIC, QuantPlan, model_quant_type
+from dsconv.quant.recipe import RECIPE_FLOAT_REASON
 
 REPORT_FILE = "quant_report.json"
 EXPERT_LOAD_FILE = "expert_load.json"
@@ -176,7 +177,7 @@ def render(s: dict[str, Any]) -> str:
     else:
         lines.append("calibration: none needed (round-to-nearest weights, no static activation ranges)")
     lines.append("layer  linears  weight error mean / max  types")
-    for key, d in s["layers"].items():
+    for key, d in sorted(s["layers"].items(), key=lambda kv: _layer_order(kv[0])):
         mean = d["weight_error_mean"]
         err = f"{mean * 100:.2f}% / {d['weight_error_max'] * 100:.2f}%" if mean is not None else "-"
         lines.append(f"{key:>5}  {d['linears']:>7}  {err:>23}  " + ", ".join(f"{t} {n}" for t, n in d["types"].items()))
@@ -216,11 +217,19 @@ def render(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _layer_order(key: str) -> tuple[int, int, str]:
+    """Layers in numeric order (0, 1, 2, ... 10), then named groups such as `model`."""
+    return (0, int(key), "") if key.isdigit() else (1, 0, key)
+
+
 def decisions_summary(report: dict[str, Any]) -> dict[str, Any]:
     """The accuracy decisions in a few numbers (details per site/linear stay in quant_report.json)."""
     out: dict[str, Any] = {}
     if report.get("recipe"):
         out["recipe"] = report["recipe"]
+        if report["recipe"] == "mixed":
+            kept = sum(1 for why in report["kept_float"].values() if why == RECIPE_FLOAT_REASON)
+            out["recipe_down_proj"] = "float" if kept else "W8A8_DYNAMIC"
     searched = [e["search"] for e in report.get("smoothing") or [] if "search" in e]
     if searched:
         out["smoothing_alphas"] = dict(sorted(Counter(str(x["alpha"]) if x["alpha"] is not None else "off"
@@ -238,8 +247,13 @@ def decisions_summary(report: dict[str, Any]) -> dict[str, Any]:
 def decisions_lines(d: dict[str, Any]) -> list[str]:
     lines = []
     if d.get("recipe"):
-        lines.append(f"recipe: {d['recipe']}" + (" (down_proj per-token dynamic, the rest static)"
-                                                 if d["recipe"] == "mixed" else " (every linear static)"))
+        if d["recipe"] != "mixed":
+            lines.append(f"recipe: {d['recipe']} (every linear static)")
+        elif d.get("recipe_down_proj") == "float":
+            lines.append("recipe: mixed (down_proj kept float: the engine reads one quantized type per region; "
+                         "the rest static)")
+        else:
+            lines.append("recipe: mixed (down_proj per-token dynamic, the rest static)")
     if d.get("smoothing_alphas"):
         lines.append("smoothing strength chosen per site by output error: " +
                      ", ".join(f"{a} x{n}" for a, n in d["smoothing_alphas"].items()))
