@@ -2,7 +2,8 @@
 
 It writes the model (MLA, one dense layer then MoE layers with a shared expert and 16 routed experts, a small BPE
 tokenizer trained on the bundled calibration text), initialises a workspace on it, and then runs each stage exactly
-as a user types it - `dsconv quantize --bits 8`, no paths - printing a short summary of each.
+as a user types it - `dsconv quantize --bits 8`, no paths - printing a short summary of each. The INT8 path ends it:
+the quantize output exported as a fake-quant + AMCT deploy ONNX and compiled (profile, static gears) for 310P3.
 """
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ STEPS: list[tuple[str, list[str]]] = [
     ("shard", ["shard", "--ep", "4", "--tp", "2"]),
     ("atc 910B", ["atc", "--soc", "Ascend910B"]),
     ("atc 310P3", ["atc", "--soc", "Ascend310P3", "--cast-fp16"]),
+    # INT8 all the way to OM: the calibrated W8A8 output as AMCT's deploy ONNX, compiled static per gear for 310P3
+    ("export int8", ["export", "--quantized", "out/quant"]),
+    ("atc 310P3 int8", ["atc", "--soc", "Ascend310P3", "--onnx", "out/onnx_int8/model_deploy.onnx",
+                        "--output", "out/atc_int8"]),
 ]
 
 

@@ -21,6 +21,12 @@ def _export(directory: Path, manifest: dict) -> list[str]:
     return verify_onnx(directory, manifest)
 
 
+def _export_int8(directory: Path, manifest: dict) -> list[str]:
+    from dsconv.convert.checks import verify_onnx_int8
+
+    return verify_onnx_int8(directory, manifest)
+
+
 def _safetensors(directory: Path, manifest: dict) -> list[str]:
     from dsconv.convert.checks import verify_safetensors
 
@@ -47,7 +53,7 @@ def _shard(directory: Path, manifest: dict) -> list[str]:
 
 #: manifest "stage" -> the check of that stage's output (eval and atc outputs have only their file hashes checked)
 CHECKS: dict[str, Check] = {
-    "export": _export, "safetensors": _safetensors, "mindir": _mindir, "quantize": _quantize, "shard": _shard,
+    "export": _export, "export_int8": _export_int8, "safetensors": _safetensors, "mindir": _mindir, "quantize": _quantize, "shard": _shard,
 }
 
 

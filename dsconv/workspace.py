@@ -17,7 +17,7 @@ from dsconv.errors import UserError
 from dsconv.writer import MANIFEST
 
 FILENAME = "dsconv.toml"
-STAGE_DIRS = {"export": "onnx", "safetensors": "safetensors", "mindir": "mindir", "quantize": "quant",
+STAGE_DIRS = {"export": "onnx", "export_int8": "onnx_int8", "safetensors": "safetensors", "mindir": "mindir", "quantize": "quant",
               "shard": "shard", "atc": "atc", "eval": "eval"}
 
 

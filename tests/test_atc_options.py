@@ -70,7 +70,8 @@ EVERY_OPTION = {
     "input_shape": "input_ids:-1,-1;attention_mask:-1,-1", "dynamic_dims": "1,128,1,128;4,512,4,512",
     "dynamic_batch_size": "1,2,4", "dynamic_image_size": "224,224;448,448", "input_shape_range": "x:[1~4,3]",
     "precision_mode": "allow_mix_precision", "precision_mode_v2": "mixed_float16",
-    "op_select_implmode": "high_precision", "optypelist_for_implmode": "Pooling,SoftmaxV2",
+    "op_select_implmode": "high_precision", "op_precision_mode": "op_precision.ini",
+    "optypelist_for_implmode": "Pooling,SoftmaxV2",
     "fusion_switch_file": "fusion_switch.cfg", "keep_dtype": "keep_dtype.cfg", "out_nodes": "MatMul_1:0;Add_2:0",
     "output_type": "FP16", "log": "error", "external_weight": "1", "host_env_os": "linux", "host_env_cpu": "aarch64",
 }

@@ -100,6 +100,15 @@ class ModelInfo:
         return ev
 
     @property
+    def deploy_int8(self) -> dict[str, int]:
+        """AMCT deploy form: counts of its Ascend quantization nodes and int8 initializers ({} for other models)."""
+        asc = {op: len(self.nodes_by_type.get(op, [])) for op in ("AscendQuant", "AscendDequant", "AscendAntiQuant")}
+        if not any(asc.values()):
+            return {}
+        asc["int8_initializers"] = sum(1 for t in self.initializers if t.data_type == TensorProto.INT8)
+        return asc
+
+    @property
     def bf16_evidence(self) -> list[str]:
         ev = [f"initializer {t.name}" for t in self.initializers if t.data_type == TensorProto.BFLOAT16][:3]
         ev += [f"input {v.name}" for v in self.inputs if v.elem_type == TensorProto.BFLOAT16]

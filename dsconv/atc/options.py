@@ -185,6 +185,7 @@ OPTIONS: dict[str, OptionSpec] = {o.name: o for o in (
     OptionSpec("precision_mode", _choice(PRECISION_MODES), _S, PRECISION_MODES),
     OptionSpec("precision_mode_v2", _choice(PRECISION_MODES_V2), _S, PRECISION_MODES_V2),
     OptionSpec("op_select_implmode", _choice(IMPLMODES), _S, IMPLMODES),
+    OptionSpec("op_precision_mode", _text, _S, help="ini file: per-op precision modes (e.g. high_precision)"),
     OptionSpec("optypelist_for_implmode", _names, lambda v: ",".join(v)),
     OptionSpec("fusion_switch_file", _text, _S),
     OptionSpec("keep_dtype", _text, _S),
@@ -215,6 +216,7 @@ class AtcOptions:
     precision_mode: str | None = None
     precision_mode_v2: str | None = None
     op_select_implmode: str | None = None
+    op_precision_mode: str | None = None
     optypelist_for_implmode: tuple[str, ...] | None = None
     fusion_switch_file: str | None = None
     keep_dtype: str | None = None

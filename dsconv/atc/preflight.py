@@ -80,6 +80,8 @@ def check_model_size(info: ModelInfo, th: Thresholds) -> list[Finding]:
 
 
 def check_quant_dynamic(info: ModelInfo, plan: ShapePlan) -> list[Finding]:
+    if info.deploy_int8:
+        return []  # check_int8_deploy
     ev = info.quant_evidence
     if ev and plan.dynamic:
         return [Finding("int8-dynamic", FAIL, f"the model is INT8 ({', '.join(ev)}) and the compile uses dynamic "
@@ -88,6 +90,61 @@ def check_quant_dynamic(info: ModelInfo, plan: ShapePlan) -> list[Finding]:
     if ev:
         return [Finding("int8-dynamic", PASS, f"INT8 model ({', '.join(ev)}) with static shapes")]
     return [Finding("int8-dynamic", PASS, "not an INT8 model")]
+
+
+#: high-precision settings an AMCT deploy model must not be compiled with (ATC constraints, docs/amct_facts.md F8)
+INT8_REFUSED_MODES = {"precision_mode": ("force_fp32", "must_keep_origin_dtype"), "precision_mode_v2": ("origin",)}
+INT8_OPSET = (8, 16)  # CANN's ONNX operator list: AscendQuant/AscendDequant "Opset v8..v16" (F7)
+
+
+def check_int8_deploy(info: ModelInfo, o: AtcOptions, plan: ShapePlan, op_precision_text: str | None = None,
+                      implmode_from_user: bool = False) -> list[Finding]:
+    """The ATC constraints on an AMCT deploy model (AscendQuant/AscendDequant nodes): no high-precision modes, no
+    dynamic shapes, an opset CANN registers the Ascend quantization operators for."""
+    asc = info.deploy_int8
+    if not asc:
+        return []
+    out: list[Finding] = []
+    why = "ATC: a quantized (AMCT) deploy model compiled in a high-precision mode gets neither INT8 speed nor the " \
+          "precision"
+    bad = [f"--{k} {getattr(o, k)}" for k, modes in INT8_REFUSED_MODES.items() if getattr(o, k) in modes]
+    if bad:
+        out.append(Finding("int8-precision", FAIL, f"{bad[0]} on an INT8 deploy model ({why})",
+                           "drop it: use the profile's default (allow_mix_precision / force_fp16) or "
+                           "--precision-mode allow_fp32_to_fp16"))
+    else:
+        out.append(Finding("int8-precision", PASS, f"precision mode {o.precision_mode or o.precision_mode_v2} keeps "
+                           "the INT8 layers INT8"))
+    if o.op_precision_mode is not None:
+        text = op_precision_text if op_precision_text is not None else ""
+        if "high_precision" in text:
+            out.append(Finding("int8-op-precision", FAIL, f"--op_precision_mode {o.op_precision_mode} sets "
+                               f"high_precision on an INT8 deploy model ({why})",
+                               "remove the high_precision entries or the option"))
+        else:
+            out.append(Finding("int8-op-precision", PASS, f"--op_precision_mode {o.op_precision_mode} sets no "
+                               "high_precision"))
+    if o.op_select_implmode in ("high_precision", "high_precision_for_all") and implmode_from_user:
+        out.append(Finding("int8-implmode", WARN, f"--op_select_implmode {o.op_select_implmode} on an INT8 deploy "
+                           "model: AMCT asks for no high-precision features",
+                           "use --implmode high_performance unless an accuracy problem needs it"))
+    dyn = [k for k in ("dynamic_batch_size", "dynamic_image_size", "dynamic_dims", "input_shape_range")
+           if getattr(o, k) is not None]
+    if plan.dynamic or dyn:
+        out.append(Finding("int8-dynamic", FAIL, f"INT8 deploy model with dynamic shapes "
+                           f"({', '.join('--' + d for d in dyn) or plan.mode}); ATC does not support DT_INT8 inputs "
+                           "with dynamic shapes",
+                           "drop --dynamic-batch-size/--input-shape-range and -1 in --input-shape: give --batch/--seq "
+                           "values and dsconv compiles one static .om per gear"))
+    lo, hi = INT8_OPSET
+    if not lo <= info.opset <= hi:
+        out.append(Finding("int8-opset", FAIL, f"{info.path.name} declares opset {info.opset}; CANN registers "
+                           f"AscendQuant/AscendDequant for ONNX opsets {lo}-{hi}",
+                           f"re-export the quantized model with --opset {min(max(info.opset, lo), 14)}"))
+    else:
+        out.append(Finding("int8-opset", PASS, f"opset {info.opset}: AscendQuant/AscendDequant are registered "
+                           f"({lo}-{hi})"))
+    return out
 
 
 def check_precision(o: AtcOptions, p: SocProfile) -> list[Finding]:
@@ -214,7 +271,8 @@ def check_soc(o: AtcOptions, p: SocProfile) -> list[Finding]:
 
 
 def run_preflight(info: ModelInfo, profile: SocProfile, opts: AtcOptions, plan: ShapePlan, *, cast_fp16: bool = False,
-                  thresholds: Thresholds = Thresholds()) -> list[Finding]:
+                  thresholds: Thresholds = Thresholds(), op_precision_text: str | None = None,
+                  implmode_from_user: bool = False) -> list[Finding]:
     """Every rule, in the order a user would fix them."""
     findings: list[Finding] = []
     findings += check_opset(info, profile)
@@ -223,6 +281,7 @@ def run_preflight(info: ModelInfo, profile: SocProfile, opts: AtcOptions, plan: 
     findings += plan.findings
     findings += check_combinations(opts)
     findings += check_quant_dynamic(info, plan)
+    findings += check_int8_deploy(info, opts, plan, op_precision_text, implmode_from_user)
     findings += check_precision(opts, profile)
     findings += check_bf16_model(info, profile, cast_fp16)
     findings += check_mixed_int(info)

@@ -49,6 +49,7 @@ class AtcRequest:
     precision_mode: str | None = None
     precision_mode_v2: str | None = None
     implmode: str | None = None
+    op_precision_mode: Path | None = None
     optypelist: Sequence[str] | None = None
     fusion: Sequence[str] = ()
     keep_dtype: Sequence[str] = ()
@@ -74,6 +75,20 @@ class AtcPlan:
     shapes: ShapePlan
     switches: FusionSwitches
     findings: list[Finding]
+    gears: list[Gear] = field(default_factory=list)  # INT8 deploy models: one static compile per gear
+
+
+@dataclass
+class Gear:
+    """One static compile of an INT8 deploy model: its shapes, command and script."""
+
+    label: str          # b1_s128[_p512]
+    shapes: ShapePlan
+    options: AtcOptions
+
+    @property
+    def script(self) -> str:
+        return f"atc_{self.label}.sh"
 
 
 @dataclass
@@ -132,11 +147,31 @@ def plan(req: AtcRequest) -> AtcPlan:
     shapes = plan_shapes(info.inputs, batch=batch, seq=seq, past=past, mode=mode, user_shape=user_shape,
                          max_gears=profile.max_gears, min_gears=profile.min_gears,
                          max_dims_per_gear=profile.max_dims_per_gear)
+    int8 = info.deploy_int8
+    gear_plans: list[ShapePlan] = []
+    if int8 and user_shape is not None and (user_shape.dynamic_count or user_shape.has_ranges):
+        extra.append(Finding("int8-dynamic", FAIL, f"--input-shape {req.input_shape} keeps dynamic dimensions on an "
+                             "INT8 deploy model; ATC does not support DT_INT8 inputs with dynamic shapes",
+                             "give sizes instead of -1/ranges, or use --batch/--seq: dsconv compiles one static .om "
+                             "per gear"))
+    elif int8 and shapes.mode == "dynamic_dims" and shapes.gears:
+        # INT8 deploy models take no dynamic shapes (docs/amct_facts.md F8): each gear becomes its own static compile
+        for g in shapes.gears:
+            gear_plans.append(plan_shapes(info.inputs, batch=(g["batch"],), seq=(g.get("seq", seq[0]),),
+                                          past=(g.get("past", past[0]),), user_shape=user_shape,
+                                          max_gears=profile.max_gears, min_gears=profile.min_gears,
+                                          max_dims_per_gear=profile.max_dims_per_gear))
+        values, shapes = shapes.values, gear_plans[0]
+        shapes.values = values
     for key in ("batch", "seq", "past"):
         if key not in shapes.values:
             d.items[key].note = "not used: no input dimension of the model has this role"
-    d.set("shape_mode", shapes.mode, "--dynamic-batch-size" if req.dynamic_batch_size else
-          "--input-shape-range" if req.input_shape_range else "default: --dynamic_dims gears", shapes.note)
+    if gear_plans:
+        d.set("shape_mode", "static_per_gear", "the model is an INT8 (AMCT) deploy model",
+              f"{len(gear_plans)} static compiles, one .om per gear: ATC takes no dynamic shapes for DT_INT8")
+    else:
+        d.set("shape_mode", shapes.mode, "--dynamic-batch-size" if req.dynamic_batch_size else
+              "--input-shape-range" if req.input_shape_range else "default: --dynamic_dims gears", shapes.note)
     if user_shape is not None:
         d.set("input_shape_given", req.input_shape, "--input-shape")
     # ---- precision
@@ -158,6 +193,11 @@ def plan(req: AtcRequest) -> AtcPlan:
         optypes = tuple(req.optypelist) if req.optypelist else None
         if optypes:
             d.set("optypelist_for_implmode", optypes, "--optypelist")
+    elif int8 and profile.implmode_default.startswith("high_precision"):
+        implmode = d.set("op_select_implmode", "high_performance", "the model is an INT8 (AMCT) deploy model",
+                         f"instead of the profile's {profile.implmode_default}: AMCT deploy models take no "
+                         "high-precision features")
+        optypes = tuple(req.optypelist) if req.optypelist else None
     else:
         implmode = d.set("op_select_implmode", profile.implmode_default, profile.source, "implmode.default")
         optypes = tuple(req.optypelist) if req.optypelist else (profile.optypelist_default or None)
@@ -183,13 +223,30 @@ def plan(req: AtcRequest) -> AtcPlan:
         dynamic_batch_size=shapes.dynamic_batch_size,
         precision_mode=pm.value if pm else None, precision_mode_v2=pm2.value if pm2 else None,
         op_select_implmode=implmode, optypelist_for_implmode=optypes, fusion_switch_file="fusion_switch.cfg",
+        op_precision_mode=str(Path(req.op_precision_mode).absolute()) if req.op_precision_mode else None,
         keep_dtype="keep_dtype.cfg" if req.keep_dtype else None, log=log,
     )
     AtcOptions.from_json(opts.to_json(), where=f"command built from {profile.path.name}")  # every value parses
+    op_text = None
+    if req.op_precision_mode is not None:
+        if not Path(req.op_precision_mode).is_file():
+            raise UserError(f"--op-precision-mode {req.op_precision_mode} does not exist",
+                            hint="pass the ini file ATC's --op_precision_mode reads")
+        op_text = Path(req.op_precision_mode).read_text(errors="replace")
     findings = extra + run_preflight(info, profile, opts, shapes, cast_fp16=req.cast_fp16,
-                                     thresholds=req.thresholds)
+                                     thresholds=req.thresholds, op_precision_text=op_text,
+                                     implmode_from_user=bool(req.implmode))
+    gears = []
+    for gp in gear_plans:
+        g = gp.gears[0]
+        label = "_".join(f"{k[0]}{g[k]}" for k in ("batch", "seq", "past") if k in g and k in shapes.values)
+        gears.append(Gear(label or "static", gp, opts.with_(input_shape=gp.input_shape, output=f"model_{label}")))
+    if gears:
+        findings.append(Finding("int8-gears", PASS, f"INT8 deploy model: {len(gears)} gear(s) compiled as "
+                                f"{len(gears)} static .om (" + ", ".join(f"model_{g.label}.om" for g in gears[:4])
+                                + (" ..." if len(gears) > 4 else "") + ")"))
     raise_failures(findings, where=Path(req.onnx).name)
-    return AtcPlan(profile, info, opts, d, shapes, switches, findings)
+    return AtcPlan(profile, info, opts, d, shapes, switches, findings, gears)
 
 
 def _link_tree(src: Path, dst: Path) -> None:
@@ -217,13 +274,27 @@ def _script(opts: AtcOptions, onnx: Path, soc: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _build_all(gears: list[Gear], onnx: Path, soc: str) -> str:
+    """atc.sh of an INT8 deploy model: every gear's static compile, one after the other."""
+    lines = ["#!/usr/bin/env bash",
+             f"# ATC compiles of the INT8 deploy model {onnx.name} for {soc}, generated by dsconv {__version__}.",
+             "# INT8 (AMCT) deploy models take no dynamic shapes: one static .om per gear (model_<gear>.om).",
+             "# Each gear's command is in atc_<gear>.sh; every option and its source: profile.json.",
+             "# Run it where CANN is installed: source <ascend-toolkit>/set_env.sh && bash atc.sh",
+             "set -euo pipefail",
+             'cd "$(dirname "$0")"']
+    lines += [f'echo "== gear {g.label}" && bash {g.script}' for g in gears]
+    return "\n".join(lines) + "\n"
+
+
 def run(req: AtcRequest) -> AtcResult:
     """Plan, preflight, write OUTPUT/<soc>/, optionally run atc. See the module docstring."""
     warn = req.warn or (lambda m: None)
     atc = find_atc(req.atc_bin) if (req.run or req.atc_bin) else None
-    p = plan(req)
-    profile, info, opts, d, shapes, switches, findings = (p.profile, p.info, p.options, p.decisions, p.shapes,
-                                                          p.switches, p.findings)
+    pl = plan(req)
+    profile, info, opts, d, shapes, switches, findings = (pl.profile, pl.info, pl.options, pl.decisions, pl.shapes,
+                                                          pl.switches, pl.findings)
+    gears = pl.gears
     soc = profile.soc_version
     for f in findings:
         if f.status == WARN:
@@ -272,7 +343,10 @@ def run(req: AtcRequest) -> AtcResult:
         out.write_text(f"{soc}/fusion_switch.cfg", switches.render())
         if req.keep_dtype:
             out.write_text(f"{soc}/keep_dtype.cfg", "\n".join(req.keep_dtype) + "\n")
-        script = out.write_text(f"{soc}/atc.sh", _script(opts, Path(req.onnx), soc))
+        for g in gears:
+            out.write_text(f"{soc}/{g.script}", _script(g.options, Path(req.onnx), soc)).chmod(0o755)
+        script = out.write_text(f"{soc}/atc.sh", _build_all(gears, Path(req.onnx), soc) if gears
+                                else _script(opts, Path(req.onnx), soc))
         script.chmod(0o755)
         profile_json = {
             "tool": f"dsconv {__version__}", "soc_version": soc, "product": profile.product,
@@ -289,6 +363,14 @@ def run(req: AtcRequest) -> AtcResult:
             "atc_options": opts.to_json(),
             "command": "atc " + shlex.join(opts.argv()),
         }
+        if info.deploy_int8:
+            profile_json["int8"] = {
+                "precision": "INT8", "deploy_model": True, **info.deploy_int8,
+                "note": "AMCT deploy model: AscendQuant -> int8 MatMul -> AscendDequant; compiled with static shapes "
+                        "only and without high-precision modes (ATC constraints)",
+                "gears": [{"gear": g.label, "script": g.script, "om": f"model_{g.label}.om",
+                           "input_shape": g.shapes.input_shape.render(),
+                           "command": "atc " + shlex.join(g.options.argv())} for g in gears]}
         out.write_json(f"{soc}/profile.json", profile_json)
         pre = {"soc_version": soc, "model": str(Path(req.onnx).absolute()),
                "findings": [f.to_json() for f in findings],
@@ -304,10 +386,13 @@ def run(req: AtcRequest) -> AtcResult:
         run.log = soc_dir / "atc.log"
     summary = {
         "output": str(final), "soc_dir": str(soc_dir), "soc_version": soc,
-        "decisions": d.to_json(), "shapes": {"mode": shapes.mode, "input_shape": shapes.input_shape.render(),
-                                             "gears": len(shapes.gears)},
+        "decisions": d.to_json(),
+        "shapes": {"mode": "static_per_gear", "input_shape": shapes.input_shape.render(), "gears": len(gears)}
+        if gears else {"mode": shapes.mode, "input_shape": shapes.input_shape.render(), "gears": len(shapes.gears)},
         "preflight": [f.to_json() for f in findings],
-        "files": sorted(p.name for p in soc_dir.iterdir()),
+        "files": sorted(f.name for f in soc_dir.iterdir()),
+        "int8": info.deploy_int8 or None,
+        "gears_static": [g.label for g in gears],
         "command": f"bash {soc_dir / 'atc.sh'}",
         "atc": run.to_json() if run is not None else None,
     }
@@ -324,7 +409,8 @@ def render(result: AtcResult) -> str:
     lines = [f"atc profile for {result.soc_version}{soc_note}: {result.soc_dir}",
              f"  shapes     {s['shapes']['mode']}, {s['shapes']['gears']} gear(s): "
              f"--input_shape={s['shapes']['input_shape']}",
-             f"  precision  {prec['value']} ({prec['source']})",
+             f"  precision  {prec['value']} ({prec['source']})"
+             + (f"; INT8 deploy model, {len(s['gears_static'])} static .om (one per gear)" if s.get("int8") else ""),
              f"  preflight  {counts[PASS]} passed, {counts[WARN]} warning(s): {result.soc_dir / 'preflight.txt'}",
              f"  files      {', '.join(s['files'])}"]
     r = result.run

@@ -49,6 +49,9 @@ def _default_onnx() -> Path:
 @click.option("--precision-mode-v2", default=None, help="ATC --precision_mode_v2 (instead of --precision-mode).")
 @click.option("--implmode", default=None, help="ATC --op_select_implmode.")
 @click.option("--optypelist", default=None, help="ATC --optypelist_for_implmode, e.g. SoftmaxV2.")
+@click.option("--op-precision-mode", "op_precision_mode", type=PATH, default=None,
+              help="ATC --op_precision_mode ini file (per-operator precision); refused with high_precision for "
+                   "INT8 deploy models.")
 @click.option("--fusion", multiple=True, metavar="PASS=on|off",
               help="Fusion switch override; repeatable; UBFusion.PASS=off names the section.")
 @click.option("--keep-dtype", multiple=True, metavar="OP", help="Op name (or OpType::Name) kept in its original "
@@ -64,8 +67,8 @@ def _default_onnx() -> Path:
 @force_option
 def atc(onnx_path: Path | None, soc: str | None, profile_path: Path | None, batch, seq, past, input_shape,
         dynamic_batch_size: bool, input_shape_range: bool, precision_mode, precision_mode_v2, implmode, optypelist,
-        fusion, keep_dtype, cast_fp16: bool, fp16_tolerance: float, log_level, run: bool, atc_bin: Path | None,
-        output: Path | None, as_json: bool, force: bool) -> None:
+        op_precision_mode, fusion, keep_dtype, cast_fp16: bool, fp16_tolerance: float, log_level, run: bool,
+        atc_bin: Path | None, output: Path | None, as_json: bool, force: bool) -> None:
     """Generate and check the ATC (.om) compile profile for one Ascend SoC; run atc where it exists.
 
     Writes OUTPUT/<soc>/: atc.sh (the exact command), fusion_switch.cfg, profile.json (every decision and its
@@ -82,6 +85,7 @@ def atc(onnx_path: Path | None, soc: str | None, profile_path: Path | None, batc
         onnx=onnx, output=out_dir, soc=soc, profile=profile_path, batch=batch, seq=seq, past=past,
         input_shape=input_shape, dynamic_batch_size=dynamic_batch_size, input_shape_range=input_shape_range,
         precision_mode=precision_mode, precision_mode_v2=precision_mode_v2, implmode=implmode,
+        op_precision_mode=op_precision_mode,
         optypelist=tuple(o.strip() for o in optypelist.split(",") if o.strip()) if optypelist else None,
         fusion=tuple(fusion), keep_dtype=tuple(keep_dtype), cast_fp16=cast_fp16, fp16_tolerance=fp16_tolerance,
         log=log_level, run=run, atc_bin=atc_bin, force=force, warn=warn,

@@ -6,8 +6,8 @@ from pathlib import Path
 import click
 
 from dsconv import workspace
-from dsconv.commands.options import emit_json, json_option, model_option, output_option
-from dsconv.convert.stage import FORMATS, STAGE_OF_FORMAT, ExportRequest, render, run
+from dsconv.commands.options import PATH, emit_json, json_option, model_option, output_option
+from dsconv.convert.stage import FORMATS, QUANT_STAGE, STAGE_OF_FORMAT, ExportRequest, render, run
 
 
 @click.command()
@@ -16,6 +16,11 @@ from dsconv.convert.stage import FORMATS, STAGE_OF_FORMAT, ExportRequest, render
 @click.option("--format", "fmt", type=click.Choice(list(FORMATS)), default="onnx",
               show_default=True,
               help="onnx -> <root>/onnx, safetensors -> <root>/safetensors, mindir -> <root>/mindir.")
+@click.option("--quantized", type=PATH, default=None,
+              help="A `dsconv quantize` output to export (W8A8, W8A8_DYNAMIC, W8A16) beside the float --model: "
+                   "writes model_fakequant.onnx (onnxruntime, checked against dsconv's simulation) and "
+                   "model_deploy.onnx + model_deploy.external (AMCT's AscendQuant/AscendDequant form, for "
+                   "`dsconv atc`) into <root>/onnx_int8. --model may also be the quantize output itself.")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
               help="Weights/compute dtype (default: fp32 for onnx and mindir, bf16 for safetensors).")
 @click.option("--opset", type=int, default=None,
@@ -36,16 +41,24 @@ from dsconv.convert.stage import FORMATS, STAGE_OF_FORMAT, ExportRequest, render
               help="Replace a previous dsconv output at --output; for onnx, also export when the RAM estimate "
                    "says it will not fit.")
 @json_option
-def export(model: Path | None, output: Path | None, fmt: str, dtype: str | None, opset: int | None,
-           with_past: bool, position_ids: bool, atol: float | None, external_data_threshold: str,
+def export(model: Path | None, output: Path | None, fmt: str, quantized: Path | None, dtype: str | None,
+           opset: int | None, with_past: bool, position_ids: bool, atol: float | None, external_data_threshold: str,
            allow_pickle: bool, dry_run: bool, force: bool, as_json: bool) -> None:
     """Export the model: ONNX proven equal to PyTorch in onnxruntime, a safetensors dtype rewrite (FP8 weights
-    dequantized, streamed), or MindIR."""
+    dequantized, streamed), or MindIR. A quantize output becomes a fake-quant ONNX (checked against dsconv's
+    simulation) and AMCT's INT8 deploy ONNX for ATC."""
+    from dsconv.convert.quant_onnx import is_quantize_output
+
     model = workspace.resolve_model(model)
-    output = workspace.resolve_output(STAGE_OF_FORMAT[fmt], output)
-    result = run(ExportRequest(model=model, output=output, format=fmt, dtype=dtype, opset=opset, with_past=with_past,
-                               position_ids=position_ids, atol=atol, external_data_threshold=external_data_threshold,
-                               allow_pickle=allow_pickle, dry_run=dry_run, force=force))
+    int8 = fmt == "onnx" and (quantized is not None or is_quantize_output(model))
+    load_source = None
+    if int8:  # the quant stage reads its own output; the export stage traces what it is handed
+        from dsconv.quant.fakequant import load_source
+    output = workspace.resolve_output(QUANT_STAGE if int8 else STAGE_OF_FORMAT[fmt], output)
+    result = run(ExportRequest(model=model, output=output, format=fmt, quantized=quantized, dtype=dtype, opset=opset,
+                               with_past=with_past, position_ids=position_ids, atol=atol, external_data_threshold=external_data_threshold,
+                               allow_pickle=allow_pickle, dry_run=dry_run, force=force,
+                               quant_source=load_source))
     if as_json:
         emit_json(result.summary)
     else:

@@ -72,3 +72,70 @@ def verify_safetensors(directory: Path, manifest: dict) -> list[str]:
     if "quantization_config" in ck.config:
         problems.append("config.json: quantization_config still present")
     return problems
+
+
+def verify_onnx_int8(directory: Path, manifest: dict) -> list[str]:
+    """A quantized export: the fake-quant model passes the ONNX checker and runs one token in onnxruntime; the deploy
+    model (not runnable off-device) reads back with every external tensor in place and the AscendQuant /
+    AscendDequant count export_info.json records."""
+    import json
+
+    import onnx
+
+    from dsconv.convert.quant_onnx import DEPLOY, FAKEQUANT
+    from dsconv.onnx_data import external_location
+
+    fq = directory / FAKEQUANT
+    if not fq.is_file():
+        return [f"{FAKEQUANT}: missing"]
+    problems = _run_one_token(fq, directory)
+    path = directory / DEPLOY
+    if not path.is_file():
+        return problems + [f"{DEPLOY}: missing"]
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # protobuf raises DecodeError and friends
+        return problems + [f"{DEPLOY}: not readable ({type(e).__name__})"]
+    for t in model.graph.initializer:
+        ext = external_location(t)
+        if ext is None:
+            continue
+        f = directory / (ext[0] or "")
+        if not f.is_file() or f.stat().st_size < ext[1] + (ext[2] or 0):
+            problems.append(f"{DEPLOY}: external tensor {t.name} is not in {ext[0]}")
+            break
+    info = json.loads((directory / "export_info.json").read_text()) if (directory / "export_info.json").is_file() \
+        else {}
+    want = info.get("deploy", {}).get("AscendQuant")
+    got = sum(1 for n in model.graph.node if n.op_type == "AscendQuant")
+    if want is not None and got != want:
+        problems.append(f"{DEPLOY}: {got} AscendQuant nodes, export_info.json records {want}")
+    return problems
+
+
+def _run_one_token(path: Path, directory: Path) -> list[str]:
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    try:
+        onnx.checker.check_model(str(path))
+    except Exception as e:  # ValidationError, or protobuf/IO errors for a damaged file
+        return [f"{path.name}: not valid ONNX ({str(e).splitlines()[0][:200]})"]
+    ort.set_default_logger_severity(4)
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 4
+    opts.add_session_config_entry("session.disable_quant_qdq", "1")  # the graph's float semantics (quant_onnx.py)
+    try:
+        session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        feeds = {}
+        for inp in session.get_inputs():
+            if inp.name in ("input_ids", "attention_mask", "position_ids"):
+                feeds[inp.name] = np.ones((1, 1), np.int64) if inp.name == "attention_mask" else \
+                    np.zeros((1, 1), np.int64)
+            else:
+                feeds[inp.name] = np.zeros([1, inp.shape[1], 0, inp.shape[3]], np.float32)
+        logits = session.run(["logits"], feeds)[0]
+    except Exception as e:  # onnxruntime raises its own exception types
+        return [f"{path.name}: onnxruntime cannot run one token ({str(e).splitlines()[0][:200]})"]
+    return [] if np.isfinite(logits).all() else [f"{path.name}: non-finite logits for one token"]

@@ -116,7 +116,8 @@ def export_onnx(model_dir: Path, output: Path, *, dtype: str = "fp32", opset: in
         atol = ck.family.export_atol.get(("onnx", dtype), atol)
     if ck.is_quantized:
         raise UserError(f"{model_dir} is a quantized (msModelSlim layout) output",
-                        hint="export the float checkpoint; quantized deployment goes through ATC's options")
+                        hint="`dsconv export --format onnx` exports it (convert/quant_onnx.py); export_onnx takes "
+                             "float checkpoints")
     mem = memory_estimate(ck, dtype)
     summary: dict[str, Any] = {
         "format": "onnx", "model": str(model_dir), "output": str(output), "family": ck.family.name, "dtype": dtype,

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from dsconv.errors import UserError
 
 FORMATS = ("onnx", "safetensors", "mindir")
 #: the workspace stage (and manifest stage) each format writes
 STAGE_OF_FORMAT = {"onnx": "export", "safetensors": "safetensors", "mindir": "mindir"}
+#: the stage of an ONNX export of a quantize output (fake-quant + AMCT deploy model)
+QUANT_STAGE = "export_int8"
 #: --dtype when none is given
 DEFAULT_DTYPE = {"onnx": "fp32", "safetensors": "bf16", "mindir": "fp32"}
 
@@ -26,6 +28,10 @@ class ExportRequest:
     model: Path
     output: Path
     format: str = "onnx"
+    quantized: Path | None = None  # a `dsconv quantize` output beside the float model (or model itself is one)
+    #: reads a quantize output for the export (dsconv.quant.fakequant.load_source); the command layer hands it in
+    #: because stages do not import each other
+    quant_source: Callable[[Any], Any] | None = None
     dtype: str | None = None
     opset: int | None = None
     with_past: bool = False
@@ -50,6 +56,27 @@ def run(req: ExportRequest) -> ExportResult:
     if fmt not in FORMATS:
         raise UserError(f"--format {fmt} is not an export format", hint=f"use one of {', '.join(FORMATS)}")
     dtype = req.dtype or DEFAULT_DTYPE[fmt]
+    if req.quantized is not None and fmt != "onnx":
+        raise UserError(f"--quantized goes with --format onnx, not {fmt}",
+                        hint="--format onnx writes the fake-quant and AMCT deploy models; other formats take the "
+                             "quantize output as --model")
+    quant_dir = quantized_input(req) if fmt == "onnx" else None
+    if quant_dir is not None:
+        if req.dtype not in (None, "fp32"):
+            raise UserError(f"--dtype {req.dtype}: the quantized ONNX export is fp32 (ATC's precision mode chooses "
+                            "the device float type)", hint="drop --dtype")
+        from dsconv.convert.quant_onnx import export_quantized_onnx
+        from dsconv.tensors import parse_size
+
+        if req.quant_source is None:
+            raise RuntimeError("exporting a quantize output needs ExportRequest.quant_source "
+                               "(dsconv.quant.fakequant.load_source)")
+        summary = export_quantized_onnx(
+            quant_dir, req.output, req.quant_source, model_dir=req.model if req.quantized is not None else None, opset=req.opset,
+            with_past=req.with_past, position_ids=req.position_ids, atol=req.atol,
+            external_data_threshold=parse_size(req.external_data_threshold), force=req.force, dry_run=req.dry_run,
+            progress=req.progress)
+        return ExportResult("onnx-int8", summary)
     if fmt == "onnx":
         from dsconv.convert.onnx import export_onnx
         from dsconv.tensors import parse_size
@@ -76,9 +103,23 @@ def run(req: ExportRequest) -> ExportResult:
     return ExportResult(fmt, summary)
 
 
+def quantized_input(req: ExportRequest) -> Path | None:
+    """The quantize output to export: --quantized DIR, or --model when it is one (quant_model_description.json)."""
+    from dsconv.convert.quant_onnx import is_quantize_output
+
+    if req.quantized is not None:
+        if not is_quantize_output(req.quantized):
+            raise UserError(f"--quantized {req.quantized} is not a dsconv quantize output (no "
+                            "quant_model_description.json)", hint="pass the directory `dsconv quantize` wrote")
+        return Path(req.quantized)
+    return Path(req.model) if is_quantize_output(req.model) else None
+
+
 def render(result: ExportResult) -> str:
     """The terminal text of each format's summary."""
-    if result.format == "onnx":
+    if result.format == "onnx-int8":
+        from dsconv.convert.quant_onnx import render as text
+    elif result.format == "onnx":
         from dsconv.convert.onnx import render as text
     elif result.format == "safetensors":
         from dsconv.convert.fp8 import render as text

@@ -215,7 +215,12 @@ def compare(original: nn.Module, quantized: nn.Module, chunks: list[list[int]], 
 
 def evaluate(model_dir: Path, quant_dir: Path, text: Path | None = None, seq_len: int = DEFAULT_SEQ_LEN,
              samples: int | None = None, progress: bool = True) -> dict[str, Any]:
+    from dsconv.quant.onnx_lm import OnnxLM, fakequant_path
+
     ck = Checkpoint.open(model_dir)
+    onnx_path = fakequant_path(quant_dir)
+    if onnx_path is not None:
+        return _evaluate_onnx(ck, model_dir, onnx_path, OnnxLM(onnx_path), text, seq_len, samples, progress)
     qck = Checkpoint.open(quant_dir)
     if not qck.is_quantized:
         raise UserError(f"{quant_dir} has no quant_model_description*.json", hint="pass the output of dsconv quantize")
@@ -239,6 +244,24 @@ def evaluate(model_dir: Path, quant_dir: Path, text: Path | None = None, seq_len
     return {"model": str(model_dir), "quantized": str(quant_dir), "model_quant_type": desc.get("model_quant_type"),
             "linears": dict(sorted(counts.items())), "text": source, "samples": len(chunks), "seq_len": seq_len,
             **metrics}
+
+
+def _evaluate_onnx(ck: Checkpoint, model_dir: Path, onnx_path: Path, lm: Any, text: Path | None, seq_len: int,
+                   samples: int | None, progress: bool) -> dict[str, Any]:
+    """The fake-quant ONNX (onnxruntime) against the float model, on the same text and metrics."""
+    if ck.is_quantized:
+        raise UserError(f"{model_dir} is itself quantized", hint="--model is the original float checkpoint")
+    if seq_len < 2:
+        raise UserError(f"--seq-len {seq_len} is too short", hint="use 128-2048")
+    tokenizer = load_tokenizer(ck.root)
+    texts, source = eval_texts(text, tokenizer)
+    chunks = token_chunks(texts, tokenizer, seq_len, samples)
+    original = load_original_model(ck)
+    metrics = compare(original, lm, chunks, progress=progress)
+    mqt, linears = lm.describe()
+    return {"model": str(model_dir), "quantized": str(onnx_path), "model_quant_type": mqt or "ONNX",
+            "linears": linears, "runtime": "onnxruntime (fake-quant ONNX)", "text": source, "samples": len(chunks),
+            "seq_len": seq_len, **metrics}
 
 
 def render(r: dict[str, Any]) -> str:
