@@ -132,6 +132,11 @@ class Checkpoint:
         return [self.root / n for n in COPY_FILES if (self.root / n).is_file()]
 
     @property
+    def readable_by_path(self) -> bool:
+        """Every tensor is a byte range of a safetensors file, so a task elsewhere can read it (not pickled)."""
+        return self._pickled is None
+
+    @property
     def is_quantized(self) -> bool:
         return self.quant_description is not None
 
@@ -372,6 +377,11 @@ class ConfigOnly:
 
     def role(self, name: str) -> TensorRole:
         return self.roles[name]
+
+    @property
+    def readable_by_path(self) -> bool:
+        """Every tensor is a byte range of a safetensors file, so a task elsewhere can read it (not pickled)."""
+        return self._pickled is None
 
     @property
     def is_quantized(self) -> bool:

@@ -21,6 +21,10 @@ class DsconvError(Exception):
     def __str__(self) -> str:
         return self.one_line()
 
+    def __reduce__(self):
+        """Pickled whole (hint and details too): a task's error crosses process and host boundaries (dsconv.exec)."""
+        return (type(self), (self.message, self.hint, self.details))
+
     def one_line(self) -> str:
         text = self.message.rstrip(".")
         if self.hint:

@@ -25,13 +25,10 @@ import numpy as np
 
 from dsconv import __version__, schemas
 from dsconv.errors import UserError
+from dsconv.parts import DURABLE, Known, PartLayout, Slot
 from dsconv.tensors import TensorSpec, is_within, safetensors_dtype
 
 MANIFEST = "dsconv_manifest.json"
-# The rename-when-complete protects against crashes of the process; against power loss, parts are fsynced only when
-# DSCONV_FSYNC=1 (it costs 3x on a 2 GB write here, like the tools users compare with, which never fsync), and
-# `dsconv verify` re-checks every sha256 either way.
-DURABLE = os.environ.get("DSCONV_FSYNC", "") not in ("", "0")
 DEFAULT_MAX_SHARD_SIZE = 4 * 1000**3  # the official tools' "4GB"
 
 def _as_bytes(tensor: Any) -> memoryview:
@@ -138,6 +135,24 @@ class TensorSetWriter:
         else:
             self._hash[part] = None  # out of order: hash by reading back at close
         self._written.add(name)
+
+    def layout(self) -> list["PartLayout"]:
+        """Each part as a task may write it on its own (another process or host): path, header length, slots."""
+        slots: list[list[Slot]] = [[] for _ in self.files]
+        for name, (part, offset, nbytes) in self._where.items():
+            slots[part].append(Slot(name, offset, nbytes))
+        return [PartLayout(str(self.root / f), self._cursor[i] if self._hash[i] is not None else 0,
+                           tuple(sorted(slots[i], key=lambda s: s.offset)), self._sizes[i])
+                for i, f in enumerate(self.files)]
+
+    def adopt(self, part: int, names: Sequence[str], sha256: str | None) -> None:
+        """Tensors a task wrote into part `part` (see `layout`); `sha256` of the whole part when the task wrote all
+        of it in order, else None (the part is hashed by reading it back at close)."""
+        for name in names:
+            if name in self._written or self._where[name][0] != part:
+                raise ValueError(f"tensor {name} adopted twice or into the wrong part")
+            self._written.add(name)
+        self._hash[part] = Known(sha256) if sha256 else None
 
     def close(self) -> dict[str, dict[str, Any]]:
         """Check completeness, close the parts, write the index; return {relative file: {sha256, size}}."""

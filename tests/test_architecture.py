@@ -26,7 +26,7 @@ LAYERS: dict[str, int] = {
     "dsconv.calib_data": 0, "dsconv.atc_profiles": 0, "dsconv.process": 0,
     # 1 files and formats, no model knowledge: safetensors bytes (tensorfile), the one writer, validated readers of
     # inputs, the quantized-tensor format math, the ONNX external-data writer, the workspace file
-    "dsconv.tensorfile": 1, "dsconv.writer": 1, "dsconv.onnx_data": 1, "dsconv.schemas": 1, "dsconv.qformat": 1, "dsconv.workspace": 1,
+    "dsconv.tensorfile": 1, "dsconv.writer": 1, "dsconv.parts": 1, "dsconv.onnx_data": 1, "dsconv.schemas": 1, "dsconv.qformat": 1, "dsconv.workspace": 1,
     # 2 the model: the family tables, the checkpoint (which classifies every tensor through its family), the torch
     # model builder, tiny models
     "dsconv.families": 2, "dsconv.checkpoint": 2, "dsconv.model": 2, "dsconv.tiny": 2,

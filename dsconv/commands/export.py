@@ -6,7 +6,8 @@ from pathlib import Path
 import click
 
 from dsconv import workspace
-from dsconv.commands.options import PATH, emit_json, json_option, model_option, output_option
+from dsconv.commands.options import (PATH, emit_json, exec_options, json_option, model_option, output_option,
+                                     resolve_exec)
 from dsconv.convert.stage import FORMATS, QUANT_STAGE, STAGE_OF_FORMAT, ExportRequest, render, run
 
 
@@ -40,10 +41,12 @@ from dsconv.convert.stage import FORMATS, QUANT_STAGE, STAGE_OF_FORMAT, ExportRe
 @click.option("--force", is_flag=True,
               help="Replace a previous dsconv output at --output; for onnx, also export when the RAM estimate "
                    "says it will not fit.")
+@exec_options
 @json_option
 def export(model: Path | None, output: Path | None, fmt: str, quantized: Path | None, dtype: str | None,
            opset: int | None, with_past: bool, position_ids: bool, atol: float | None, external_data_threshold: str,
-           allow_pickle: bool, dry_run: bool, force: bool, as_json: bool) -> None:
+           allow_pickle: bool, dry_run: bool, force: bool, workers: int | None, executor: str | None,
+           ray_address: str | None, as_json: bool) -> None:
     """Export the model: ONNX proven equal to PyTorch in onnxruntime, a safetensors dtype rewrite (FP8 weights
     dequantized, streamed), or MindIR. A quantize output becomes a fake-quant ONNX (checked against dsconv's
     simulation) and AMCT's INT8 deploy ONNX for ATC."""
@@ -58,7 +61,7 @@ def export(model: Path | None, output: Path | None, fmt: str, quantized: Path | 
     result = run(ExportRequest(model=model, output=output, format=fmt, quantized=quantized, dtype=dtype, opset=opset,
                                with_past=with_past, position_ids=position_ids, atol=atol, external_data_threshold=external_data_threshold,
                                allow_pickle=allow_pickle, dry_run=dry_run, force=force,
-                               quant_source=load_source))
+                               quant_source=load_source, execution=resolve_exec(workers, executor, ray_address)))
     if as_json:
         emit_json(result.summary)
     else:

@@ -37,3 +37,45 @@ def json_option(f):
 
 def force_option(f):
     return click.option("--force", is_flag=True, help="Replace a previous dsconv output at --output.")(f)
+
+
+def exec_options(f):
+    """--workers, --executor, --ray-address: how a stage runs its independent jobs (dsconv.exec)."""
+    f = click.option("--ray-address", default=None, metavar="ADDR",
+                     help="Ray cluster to run on (e.g. auto after `ray start --head`); without it --executor ray "
+                          "starts a local Ray instance.")(f)
+    f = click.option("--executor", type=click.Choice(["local", "ray"]), default=None,
+                     help="local: processes on this host (default); ray: tasks on a Ray cluster "
+                          "(pip install 'dsconv[ray]'). Outputs are byte-identical either way.")(f)
+    f = click.option("--workers", type=click.IntRange(min=1), default=None, metavar="N",
+                     help="Parallel jobs (output parts, ranks): 1 runs inline; default: the CPU count "
+                          "(`workers` under [defaults] in dsconv.toml).")(f)
+    return f
+
+
+def resolve_exec(workers: int | None, executor: str | None, ray_address: str | None):
+    """The ExecOptions of a command: its options, else `workers` / `executor` / `ray_address` under [defaults] in
+    dsconv.toml, else local processes on every CPU."""
+    from dsconv import workspace
+    from dsconv.errors import UserError
+    from dsconv.exec import EXECUTORS, ExecOptions
+
+    ws = workspace.find()
+    d = (ws.defaults or {}) if ws is not None else {}
+    if workers is None and "workers" in d:
+        workers = d["workers"]
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+            raise UserError(f"{ws.path}: workers = {workers!r} is not a positive integer", hint="e.g. workers = 8")
+    if executor is None and "executor" in d:
+        executor = d["executor"]
+        if executor not in EXECUTORS:
+            raise UserError(f"{ws.path}: executor = {executor!r} is not one of {', '.join(EXECUTORS)}")
+    if ray_address is None and "ray_address" in d:
+        ray_address = d["ray_address"]
+        if not isinstance(ray_address, str) or not ray_address:
+            raise UserError(f"{ws.path}: ray_address = {ray_address!r} is not an address", hint='e.g. "auto"')
+    opts = ExecOptions(executor or "local", workers, ray_address)
+    from dsconv.exec import check_options
+
+    check_options(opts)
+    return opts

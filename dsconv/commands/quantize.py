@@ -6,7 +6,8 @@ from pathlib import Path
 import click
 
 from dsconv import workspace
-from dsconv.commands.options import PATH, emit_json, force_option, json_option, model_option, output_option, warn
+from dsconv.commands.options import (PATH, emit_json, exec_options, force_option, json_option, model_option,
+                                     output_option, resolve_exec, warn)
 from dsconv.errors import UserError
 
 
@@ -71,6 +72,7 @@ from dsconv.errors import UserError
                    "quant_model_weight_<type>.safetensors + quant_model_description_<type>.json.")
 @click.option("--max-shard-size", default="4GB", show_default=True, help="Size cap of each weights part.")
 @click.option("--dry-run", is_flag=True, help="Print the plan from headers (types, sizes) and write nothing.")
+@exec_options
 @force_option
 @json_option
 def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: str | None, moe_scheme: str | None,
@@ -79,7 +81,8 @@ def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: 
              fallback_threshold: float | None, fallback_to: str, recipe: str, ignore: tuple[str, ...],
              calib: Path | None,
              calib_samples: int | None, seq_len: int, min_expert_tokens: int, all_experts: bool, layout: str,
-             max_shard_size: str, dry_run: bool, force: bool, as_json: bool) -> None:
+             max_shard_size: str, dry_run: bool, workers: int | None, executor: str | None, ray_address: str | None,
+             force: bool, as_json: bool) -> None:
     """Quantize a model to INT8/INT4 in the layout Ascend serving engines load, layer by layer."""
     from dsconv.quant.options import QuantOptions
     from dsconv.quant.plan import BITS, DEFAULT_SCHEME, SCHEMES
@@ -108,7 +111,8 @@ def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: 
                         seq_len=seq_len, min_expert_tokens=min_expert_tokens, all_experts=all_experts, layout=layout,
                         engine=engine, bits_default=bits_default, moe_scheme=moe_scheme,
                         max_shard_size=parse_size(max_shard_size))
-    result = run(QuantRequest(model, output, opts, force=force, progress=not as_json, dry_run=dry_run, warn=warn))
+    result = run(QuantRequest(model, output, opts, force=force, progress=not as_json, dry_run=dry_run, warn=warn,
+                              execution=resolve_exec(workers, executor, ray_address)))
     if as_json:
         emit_json(result.summary)
     else:

@@ -6,7 +6,8 @@ from pathlib import Path
 import click
 
 from dsconv import workspace
-from dsconv.commands.options import PATH, emit_json, force_option, json_option, output_option, warn
+from dsconv.commands.options import (PATH, emit_json, exec_options, force_option, json_option, output_option,
+                                     resolve_exec, warn)
 
 
 def _pos_int(ctx, param, value):
@@ -64,11 +65,13 @@ def _pos_int(ctx, param, value):
 @click.option("--dry-run", is_flag=True, help="Print the plan; write nothing.")
 @click.option("--plot", type=PATH, default=None, help="Also draw the per-card chart into this PNG.")
 @output_option
+@exec_options
 @force_option
 @json_option
 def shard(model: Path | None, config: Path | None, ep, tp, world, nodes, cards_per_node, expert_tp, dp_attention, soc,
           placement, expert_load, redundant, tolerance, max_context, batch, kv_bits, memory_fraction, workspace_gb,
-          hosts, max_shard_size, engine, fmt, dry_run, plot, output, force, as_json) -> None:
+          hosts, max_shard_size, engine, fmt, dry_run, plot, output, workers, executor, ray_address, force,
+          as_json) -> None:
     """Place every tensor on every rank (EP/TP), check balance and HBM fit, write rank_XX/ dirs and cluster files.
 
     A plan that is unbalanced or does not fit exits 3 with the reason per rank and valid layouts for the same world.
@@ -82,7 +85,8 @@ def shard(model: Path | None, config: Path | None, ep, tp, world, nodes, cards_p
                        placement=placement, expert_load=expert_load, redundant=redundant, tolerance=tolerance,
                        max_context=max_context, batch=batch, kv_bits=int(kv_bits), memory_fraction=memory_fraction,
                        workspace_gb=workspace_gb, hosts=hosts, output=output, force=force,
-                       max_shard_size=max_shard_size, dry_run=dry_run, plot=plot, engine=engine, format=fmt)
+                       max_shard_size=max_shard_size, dry_run=dry_run, plot=plot, engine=engine, format=fmt,
+                       execution=resolve_exec(workers, executor, ray_address))
     result = run(req)
     for w in result.warnings:
         warn(w)

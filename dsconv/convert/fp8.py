@@ -252,8 +252,10 @@ class _BackgroundWriter:
             raise self._error
 
 
-def rewrite_into(out, ck, plan: RewritePlan, progress: bool | None = None, pipeline: bool = False) -> None:
-    """Stream every planned tensor into `out` (an open OutputDir), then config, index and the small files."""
+def rewrite_into(out, ck, plan: RewritePlan, progress: bool | None = None, pipeline: bool = False,
+                 executor=None) -> None:
+    """Stream every planned tensor into `out` (an open OutputDir), then config, index and the small files. With an
+    executor (dsconv.exec), each part is a job (convert/cast_parts.py) unless the input is pickled."""
     from tqdm import tqdm
 
     from dsconv.tensors import TensorSpec
@@ -265,9 +267,15 @@ def rewrite_into(out, ck, plan: RewritePlan, progress: bool | None = None, pipel
         sets[part.file] = out.tensor_set(specs, prefix=prefix, max_shard_size=sum(s.nbytes for s in specs) + 1)
     bar = tqdm(total=plan.bytes_out, unit="B", unit_scale=True, desc="safetensors", file=sys.stderr,
                disable=(not sys.stderr.isatty()) if progress is None else not progress)
+    by_parts = executor is not None and not pipeline and ck.readable_by_path
     writer = _BackgroundWriter() if pipeline else None
     try:
-        for part in plan.parts:
+        if by_parts:
+            from dsconv.convert.cast_parts import cast_jobs, run_cast_jobs
+
+            jobs = cast_jobs(ck, plan, sets, executor.workers, convert_tensor, check_finite)
+            run_cast_jobs(executor, jobs, sets, bar)
+        for part in (() if by_parts else plan.parts):
             ts = sets[part.file]
             for t in part.tensors:
                 tensor = convert_tensor(ck, t)
@@ -320,9 +328,10 @@ def rewritten_config(config: dict[str, Any], dtype: str) -> dict[str, Any]:
 
 def export_safetensors(model_dir: Path, output: Path, *, dtype: str = "bf16", force: bool = False,
                        allow_pickle: bool = False, dry_run: bool = False, progress: bool | None = None,
-                       stage: str = "safetensors", pipeline: bool = False) -> dict[str, Any]:
+                       stage: str = "safetensors", pipeline: bool = False, execution=None) -> dict[str, Any]:
     """Rewrite `model_dir` into `output` in `dtype` (FP8 dequantized); returns a JSON-ready summary."""
     from dsconv.checkpoint import Checkpoint
+    from dsconv.exec import make_executor
     from dsconv.writer import OutputDir
 
     t0 = time.perf_counter()
@@ -341,7 +350,9 @@ def export_safetensors(model_dir: Path, output: Path, *, dtype: str = "bf16", fo
         return summary
     with ck, OutputDir(output, stage=stage, inputs=[model_dir], force=force, input_identity=ck.identity(),
                        options={"dtype": dtype, "format": "safetensors"}) as out:
-        rewrite_into(out, ck, plan, progress=progress, pipeline=pipeline)
+        with make_executor(execution) as ex:
+            rewrite_into(out, ck, plan, progress=progress, pipeline=pipeline, executor=ex)
+            summary["execution"] = ex.summary()
     seconds = time.perf_counter() - t0
     summary.update(seconds=round(seconds, 3), throughput_in_mb_s=round(plan.bytes_in / seconds / 1e6, 1),
                    peak_rss_bytes=peak_rss_bytes())

@@ -42,6 +42,7 @@ class ExportRequest:
     dry_run: bool = False
     force: bool = False
     progress: bool | None = None
+    execution: Any = None  # dsconv.exec.ExecOptions: how safetensors parts run (default inline)
 
 
 @dataclass
@@ -90,7 +91,8 @@ def run(req: ExportRequest) -> ExportResult:
         from dsconv.convert.fp8 import export_safetensors
 
         summary = export_safetensors(req.model, req.output, dtype=dtype, force=req.force,
-                                     allow_pickle=req.allow_pickle, dry_run=req.dry_run, progress=req.progress)
+                                     allow_pickle=req.allow_pickle, dry_run=req.dry_run, progress=req.progress,
+                                     execution=req.execution)
     else:
         _refuse(fmt, opset=req.opset, position_ids=req.position_ids, dry_run=req.dry_run)
         try:

@@ -15,6 +15,7 @@ from typing import Any, Callable
 from dsconv import engines
 from dsconv.checkpoint import Checkpoint
 from dsconv.errors import UserError
+from dsconv.exec import ExecOptions, make_executor
 from dsconv.quant import report as rep
 from dsconv.quant.calib import load_calib, load_tokenizer, min_tokens_warning
 from dsconv.quant.calibration import Calibrator
@@ -37,6 +38,7 @@ class QuantRequest:
     progress: bool = True
     dry_run: bool = False                                    # plan from headers only; nothing written
     warn: Callable[[str], None] = lambda message: None       # non-fatal notices (e.g. little calibration text)
+    execution: ExecOptions | None = None                     # how independent jobs run (default: inline)
 
 
 @dataclass
@@ -101,13 +103,16 @@ def run(req: QuantRequest) -> QuantResult:
         qw = QuantWriter(out, ck, plan, opts.layout, opts.max_shard_size, staged=policy is not None,
                          name_type=cfg_keys.get("quantize"))
         cal = None
+        ran = {"executor": "inline", "workers": 1, "ran": "inline"}
         t_cal = time.perf_counter()
         if calib is not None:
             cal = Calibrator(ck, plan, opts, calib, qw, req.progress)
             cal.run()
             records = cal.records
         else:
-            records = weight_only(ck, plan, qw, req.progress)
+            with make_executor(req.execution) as ex:
+                records = weight_only(ck, plan, qw, req.progress, ex)
+                ran = ex.summary()
         t_cal = time.perf_counter() - t_cal
         decision = rep.decide(plan, records, policy, SCHEMES[opts.fallback_to])
         desc = qw.finish(decision.types)
@@ -132,5 +137,5 @@ def run(req: QuantRequest) -> QuantResult:
                          seconds=time.perf_counter() - t0, calibration_seconds=t_cal)
     if cal is not None:
         result["timings"] = {k: round(v, 3) for k, v in cal.timings.items()}
-    result.update(engine=prof.name, config_keys=cfg_keys)
+    result.update(engine=prof.name, config_keys=cfg_keys, execution=ran)
     return QuantResult(result)

@@ -1,63 +1,221 @@
 """The weight-only path of `dsconv quantize` (w8a16, w8a8_dynamic, w4a16 with round-to-nearest): nothing depends on
 activations, so tensors stream from the checkpoint straight into the output, one tensor in memory and the next one
-read ahead."""
+read ahead.
+
+Why part jobs: the output parts are planned before their first byte (QuantWriter opens the final set), so each part -
+or, when there are fewer parts than workers, each run of its tensors - can be written by its own task
+(`part_jobs` -> `run_part`), on any executor (dsconv.exec). A job names its inputs by byte range and its output by
+path; the task reads, quantizes, writes and returns the part's sha256 (when it wrote all of it) with the linears'
+error figures. The bytes are the same whoever runs the job.
+"""
 from __future__ import annotations
 
+import mmap
+import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
 from dsconv.checkpoint import Checkpoint
-from dsconv.quant.formats.msmodelslim import LinearResult
-from dsconv.quant.output import QuantWriter
-from dsconv.quant.plan import QuantPlan
+from dsconv.exec import Executor
+from dsconv.parts import PartLayout, PartWriter
+from dsconv.quant.formats.msmodelslim import LinearResult, emit_linear
+from dsconv.quant.output import QuantWriter, as_float
+from dsconv.quant.plan import LinearPlan, QuantPlan, linear_specs
 from dsconv.quant.schemes import dequant_weight, relative_error
 from dsconv.quant.stats import LinearRecord
 from dsconv.quant.weights import quantize_weight
+from dsconv.tensorfile import TensorInfo, TensorReader, dequant_fp8_block
 
 ERROR_SAMPLE_ROWS = 256  # rows used to estimate a big tensor's relative error
+COPY_BLOCK = 16 * 2**20  # pass-through tensors move in blocks of this size (memory flat in the largest tensor)
+VIEWABLE = ("BF16", "F16", "F32")
 
 
-def weight_only(ck: Checkpoint, plan: QuantPlan, qw: QuantWriter, progress: bool = True) -> dict[str, LinearRecord]:
-    """Round-to-nearest without activations: tensors stream in output order, quantized straight from the page cache
-    (`Checkpoint.view`) while the previous tensor is written (pwrite + sha256, both outside the GIL) and the next one is
-    read ahead by the kernel. At most two tensors' outputs are alive at once."""
+@dataclass(frozen=True)
+class Source:
+    """One input of a job, by byte range: a linear (weight, bias, FP8 scale) or a float tensor (`lp` None)."""
+
+    weight: TensorInfo
+    lp: LinearPlan | None = None
+    bias: TensorInfo | None = None
+    scale: TensorInfo | None = None  # FP8 weight_scale_inv
+    out_dtype: str | None = None     # a float's output dtype
+
+
+@dataclass(frozen=True)
+class Params:
+    """The plan's few facts a task needs (the whole QuantPlan would be megabytes per job for DeepSeek)."""
+
+    group_size: int
+    method: str
+    deq_dtype: str
+    fp8_block: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class PartJob:
+    index: int            # the part's index in the output set
+    part: PartLayout      # the slots this job writes (all of the part, or a run of it)
+    sources: tuple[Source, ...]
+    params: Params
+    nbytes: int           # input bytes, for progress
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.part.slots]
+
+
+@dataclass
+class PartResult:
+    sha256: str | None
+    records: list[tuple[str, str, float]]
+
+
+def part_jobs(ck: Checkpoint, plan: QuantPlan, qw: QuantWriter, workers: int) -> list[PartJob]:
+    """One job per output part; parts are cut into runs of whole sources when there are fewer than 2 per worker."""
+    params = Params(plan.group_size, plan.method, plan.deq_dtype, tuple(ck.facts.fp8_block or (128, 128)))
+    weights = {lp.weight: lp for lp in plan.linears.values()}
+    owner: dict[str, int] = {}  # output tensor -> index of the source producing it
+    sources: list[Source] = []
+    for name in ck.names():
+        lp = weights.get(name)
+        if lp is None and name not in plan.floats:
+            continue
+        info = ck.info(name)
+        scale = ck.info(ck.fp8_scales[name]) if name in ck.fp8_scales else None
+        if lp is None:
+            src = Source(info, scale=scale, out_dtype=plan.floats[name].dtype)
+            outs = [name]
+        else:
+            bias = ck.info(lp.bias) if lp.bias else None
+            src = Source(info, lp, bias, scale)
+            outs = [s.name for s in linear_specs(lp, qw.types[lp.module], plan, bias.dtype if bias else None)]
+        for o in outs:
+            owner[o] = len(sources)
+        sources.append(src)
+    layouts = qw.ts.layout()
+    pieces = max(1, -(-2 * workers // len(layouts))) if workers > 1 else 1
+    jobs = []
+    for i, part in enumerate(layouts):
+        idx = list(dict.fromkeys(owner[s.name] for s in part.slots if s.name in owner))
+        size = sum(sources[j].weight.nbytes for j in idx)
+        runs: list[list[int]] = [[]]
+        acc = 0
+        for j in idx:
+            if runs[-1] and acc >= size / pieces * len(runs):
+                runs.append([])
+            runs[-1].append(j)
+            acc += sources[j].weight.nbytes
+        for run in runs:
+            names = {s.name for s in part.slots if owner.get(s.name) in set(run)}
+            sub = part if len(runs) == 1 else part.subset(names)
+            jobs.append(PartJob(i, sub, tuple(sources[j] for j in run), params,
+                                sum(sources[j].weight.nbytes for j in run)))
+    return jobs
+
+
+def weight_only(ck: Checkpoint, plan: QuantPlan, qw: QuantWriter, progress: bool = True,
+                executor: Executor | None = None) -> dict[str, LinearRecord]:
+    """Round-to-nearest without activations: every part job through the executor (inline by default), adopted
+    into the output set in order."""
     from tqdm import tqdm
 
-    weights = {lp.weight: lp for lp in plan.linears.values()}
-    order = [n for n in ck.names() if n in weights or n in plan.floats]
+    assert not qw.staged, "weight-only runs never wait for fallback decisions"
+    ex = executor or Executor(1)
+    jobs = part_jobs(ck, plan, qw, ex.workers)
     records: dict[str, LinearRecord] = {}
-    total = sum(ck.info(n).nbytes for n in order)
-    with ThreadPoolExecutor(1) as writer, tqdm(total=total, unit="B", unit_scale=True, desc="quantize",
-                                                disable=None if progress else True, leave=False) as bar:
-        pending = None
-        done: list[str] = []
-        for j, name in enumerate(order):
-            if j + 1 < len(order):
-                ck.prefetch(order[j + 1])
-            t = ck.view(name)
-            lp = weights.get(name)
-            if lp is None:
-                job = (qw.float, name, t)
-            else:
-                q, scale = quantize_weight(lp, t, plan, None, 0.0)
-                records[lp.module] = LinearRecord(lp.module, lp.qtype, _sampled_error(t, q, scale))
-                job = (qw.linear, lp, LinearResult(q=q, scale=scale, bias=ck.load(lp.bias) if lp.bias else None))
-            if pending is not None:
-                pending.result()  # one write in flight: bounded memory, output in order
-                for n in done:
-                    ck.release(n)
-                done = []
-            pending = writer.submit(*job)
-            done.append(name)
-            bar.update(ck.info(name).nbytes)
-            del t, job
-        if pending is not None:
-            pending.result()
-        for n in done:
-            ck.release(n)
+    total = sum(j.nbytes for j in jobs)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="quantize", disable=None if progress else True,
+              leave=False) as bar:
+        for job, res in zip(jobs, ex.map(run_part, jobs, work_bytes=total)):
+            qw.ts.adopt(job.index, job.names, res.sha256)
+            qw.written.update(job.names)
+            for module, qtype, err in res.records:
+                records[module] = LinearRecord(module, qtype, err)
+            bar.update(job.nbytes)
     return records
+
+
+# ---- the task ---------------------------------------------------------------------------------------------------
+def run_part(job: PartJob) -> PartResult:
+    """Read, quantize and write one job's tensors (quantized straight from the page cache while the previous tensor
+    is written on a thread and the next is read ahead by the kernel: at most two tensors' outputs alive)."""
+    reader = TensorReader()
+    out = PartWriter(job.part)
+    wanted = set(job.names)
+    records: list[tuple[str, str, float]] = []
+    try:
+        with ThreadPoolExecutor(1) as writer:
+            pending = None
+            for j, src in enumerate(job.sources):
+                if j + 1 < len(job.sources):
+                    reader.advise(job.sources[j + 1].weight, getattr(mmap, "MADV_WILLNEED", 3))
+                items = _produce(reader, src, job.params, records)
+                if pending is not None:
+                    pending.result()  # one write in flight: bounded memory, output in order
+                pending = writer.submit(_write_items, out, [(n, a) for n, a in items if n in wanted], reader, src)
+                del items
+            if pending is not None:
+                pending.result()
+        return PartResult(out.close(), records)
+    except BaseException:
+        out.abort()
+        raise
+    finally:
+        reader.close()
+
+
+def _write_items(out: PartWriter, items: list[tuple[str, Any]], reader: TensorReader, src: Source) -> None:
+    for name, arr in items:
+        if isinstance(arr, TensorInfo):
+            out.write_chunks(name, _copy_blocks(arr))
+        else:
+            out.write(name, arr)
+    reader.advise(src.weight, getattr(mmap, "MADV_DONTNEED", 4))
+
+
+def _copy_blocks(info: TensorInfo) -> Iterator[memoryview]:
+    """A stored tensor's bytes in blocks, through one reused buffer (pread: nothing of it stays mapped)."""
+    buf = bytearray(min(COPY_BLOCK, max(info.nbytes, 1)))
+    view = memoryview(buf)
+    fd = os.open(info.file, os.O_RDONLY)
+    try:
+        pos = info.start
+        while pos < info.end:
+            n = os.preadv(fd, [view[: min(len(buf), info.end - pos)]], pos)
+            if n <= 0:
+                raise OSError(f"{info.file}: short read at {pos}")
+            yield view[:n]
+            pos += n
+    finally:
+        os.close(fd)
+
+
+def _produce(reader: TensorReader, src: Source, params: Params, records: list) -> list[tuple[str, Any]]:
+    """The (name, array) pairs of one source, in the output's order; a float kept as stored is its TensorInfo
+    (copied block by block when written)."""
+    info = src.weight
+    if src.lp is None:
+        if src.scale is None and info.dtype == src.out_dtype:
+            return [(info.name, info)]
+        t = dequant_fp8_block(reader.read(info), reader.read(src.scale), params.fp8_block) \
+            if src.scale is not None else reader.read(info)
+        return [(info.name, as_float(t, src.out_dtype))]
+    lp = src.lp
+    if src.scale is not None:
+        t = dequant_fp8_block(reader.read(info), reader.read(src.scale), params.fp8_block)
+    elif info.dtype in VIEWABLE and info.numel:
+        t = reader.view(info)
+    else:
+        t = reader.read(info)
+    q, scale = quantize_weight(lp, t, params, None, 0.0)  # type: ignore[arg-type]  # Params has what it reads
+    records.append((lp.module, lp.qtype, _sampled_error(t, q, scale)))
+    bias = reader.read(src.bias) if src.bias is not None else None
+    return list(emit_linear(lp.module, lp.qtype, LinearResult(q=q, scale=scale, bias=bias), params.deq_dtype))
 
 
 def _sampled_error(w: torch.Tensor, q: np.ndarray, scale: np.ndarray) -> float:

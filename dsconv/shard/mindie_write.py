@@ -10,8 +10,12 @@ from __future__ import annotations
 import json
 import sys
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from dsconv.exec import Executor
+from dsconv.parts import PartLayout, PartWriter
 
 from dsconv.errors import UserError
 from dsconv.shard.mindie_sharded import (COPY_MARKS, DESCRIPTION, FOLDER_KINDS, MAX_SHARD, METADATA, Item,
@@ -88,29 +92,97 @@ class _Loader:
         return t
 
 
+@dataclass(frozen=True)
+class FolderJob:
+    """One part of one folder: its items and the byte ranges of every source tensor they read."""
+
+    folder: str
+    index: int
+    part: PartLayout
+    items: tuple[Item, ...]
+    infos: dict[str, Any]    # source name -> TensorInfo (FP8 scales included)
+    scales: dict[str, str]   # FP8 weight -> its scale
+    block: tuple[int, int]
+
+
+class _PathLoad(_Loader):
+    """_Loader by byte ranges (a task's: no checkpoint object), FP8 dequantized like Checkpoint.load."""
+
+    def __init__(self, job: FolderJob) -> None:
+        from dsconv.tensorfile import TensorReader
+
+        self.job, self.reader = job, TensorReader()
+        super().__init__(self)
+
+    def load(self, name: str, dequantize: bool = True):
+        from dsconv.tensorfile import dequant_fp8_block
+
+        t = self.reader.read(self.job.infos[name])
+        scale = self.job.scales.get(name)
+        return t if scale is None else dequant_fp8_block(t, self.reader.read(self.job.infos[scale]), self.job.block)
+
+
+def folder_part(job: FolderJob) -> str | None:
+    """Make and write one folder part's tensors by path; its sha256."""
+    load = _PathLoad(job)
+    out = PartWriter(job.part)
+    try:
+        for it in job.items:
+            out.write(it.name, make(it, load))
+        return out.close()
+    except BaseException:
+        out.abort()
+        raise
+    finally:
+        load.reader.close()
+
+
+def _folder_jobs(src: Any, folder: str, items: list[Item], ts: Any) -> list[FolderJob]:
+    by_name = {it.name: it for it in items}
+    jobs = []
+    for i, part in enumerate(ts.layout()):
+        chosen = tuple(by_name[s.name] for s in part.slots)
+        names = {p.src for it in chosen for g in it.groups for p in g}
+        scales = {n: src.fp8_scales[n] for n in names if n in src.fp8_scales}
+        infos = {n: src.info(n) for n in (*names, *scales.values())}
+        jobs.append(FolderJob(folder, i, part, chosen, infos, scales, tuple(src.facts.fp8_block or (128, 128))))
+    return jobs
+
+
 def write(src: Any, plan: MindiePlan, output: Path, *, head: dict[str, Any], files: dict[str, Any], force: bool,
-          options: dict[str, Any], progress: bool | None = None) -> dict[str, Any]:
+          options: dict[str, Any], progress: bool | None = None, executor: Executor | None = None) -> dict[str, Any]:
+    """Every folder (its parts as jobs through the executor when the source is readable by path), then the
+    metadata, description, config and the small files."""
     from tqdm import tqdm
 
     from dsconv.tensors import TensorSpec
     from dsconv.writer import OutputDir
 
     load = _Loader(src)
+    ex = executor or Executor(1)
     total = sum(TensorSpec(it.name, it.dtype, it.shape).nbytes for _, it in plan.items())
     listing: dict[str, list[str]] = {}
     with OutputDir(output, stage="shard", inputs=[src.root], force=force, options=options,
                    input_identity=src.identity()) as out:
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="shard (mindie)", file=sys.stderr,
                    disable=not (sys.stderr.isatty() if progress is None else progress))
+        jobs, sets = [], {}
         for folder, items in plan.folders.items():
             specs = [TensorSpec(it.name, it.dtype, it.shape) for it in items]
             # MindIE writes no index inside the folders; ours (only for > 10 GB) is hidden, which its loader skips
             ts = out.tensor_set(specs, prefix="model", subdir=folder, max_shard_size=MAX_SHARD,
                                 index_name=".model.safetensors.index.json")
-            for it, spec in zip(items, specs):
-                ts.write(it.name, make(it, load))
-                bar.update(spec.nbytes)
+            sets[folder] = ts
+            if getattr(src, "readable_by_path", False):
+                jobs += _folder_jobs(src, folder, items, ts)
+            else:
+                for it, spec in zip(items, specs):
+                    ts.write(it.name, make(it, load))
+                    bar.update(spec.nbytes)
             listing[folder] = list(ts.files)
+        for job, digest in zip(jobs, ex.map(folder_part, jobs, work_bytes=total)):
+            sets[job.folder].adopt(job.index, [it.name for it in job.items], digest)
+            bar.update(job.part.size - job.part.header)
         bar.close()
         if plan.description is not None:
             out.write_json(DESCRIPTION, plan.description)
@@ -132,7 +204,7 @@ def write(src: Any, plan: MindiePlan, output: Path, *, head: dict[str, Any], fil
         for rel, obj in files.items():
             out.write_json(rel, obj)
     return {"output": str(Path(output).absolute()), "ranks": rk.world, "bytes_written": total,
-            "folders": len(plan.folders), "format": "mindie"}
+            "folders": len(plan.folders), "format": "mindie", "execution": ex.summary()}
 
 
 # ------------------------------------------------------------------------------------------------ verify

@@ -44,10 +44,11 @@ class ShardRequest:
     progress: bool | None = None
     engine: str | None = None    # dsconv.engines profile (default: dsconv.toml, else mindie)
     format: str | None = None    # mindie | ranks | plan (default: what the engine loads, engine_formats.py)
+    execution: Any = None        # dsconv.exec.ExecOptions: how rank parts are written (default inline)
 
     def options(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()
-                if k not in ("model", "config", "output", "force", "progress")}
+                if k not in ("model", "config", "output", "force", "progress", "execution")}
 
 
 @dataclass
@@ -206,20 +207,24 @@ def run(req: ShardRequest) -> ShardResult:
         files["expert_map.json"] = balance.expert_map(plan.experts)
     if dry_run:
         return result
+    from dsconv.exec import make_executor
     from dsconv.shard.write import write_shards
 
-    if fmt == "mindie":
-        from dsconv.shard import mindie_write
+    with make_executor(req.execution) as ex:
+        if fmt == "mindie":
+            from dsconv.shard import mindie_write
 
-        result.written = mindie_write.write(src, mplan, output, head=obj, files=files, force=req.force,
-                                            options=req.options(), progress=req.progress)
-    elif fmt == "plan":
-        from dsconv.shard.engine_formats import write_plan_only
+            result.written = mindie_write.write(src, mplan, output, head=obj, files=files, force=req.force,
+                                                options=req.options(), progress=req.progress, executor=ex)
+        elif fmt == "plan":
+            from dsconv.shard.engine_formats import write_plan_only
 
-        result.written = write_plan_only(src, output, head=obj, files=files, force=req.force, options=req.options())
-    else:
-        result.written = write_shards(src, plan, output, head=obj, files=files, force=req.force,
-                                      max_shard_size=max_shard, options=req.options(), progress=req.progress)
+            result.written = write_plan_only(src, output, head=obj, files=files, force=req.force,
+                                             options=req.options())
+        else:
+            result.written = write_shards(src, plan, output, head=obj, files=files, force=req.force,
+                                          max_shard_size=max_shard, options=req.options(), progress=req.progress,
+                                          executor=ex)
     result.written["files"] = sorted(files) + ["plan.json"]
     obj["output"] = result.written
     return result

@@ -9,9 +9,17 @@ gets the quant description of its own tensors. `plan.json` records every tensor'
 from __future__ import annotations
 
 import json
+import math
+import mmap
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+
+import numpy as np
+
+from dsconv.exec import Executor
+from dsconv.parts import WINDOW, PartLayout, PartWriter
 
 from dsconv.shard.placement import is_first_holder, iter_tensor_ranks, slice_for_rank, tensor_entry
 from dsconv.shard.plan import ShardPlan
@@ -29,9 +37,11 @@ def rank_dir(rank: int, world: int) -> str:
 
 def write_shards(src: Any, plan: ShardPlan, output: Path, *, head: dict[str, Any], files: dict[str, Any],
                  force: bool = False, max_shard_size: int, options: dict[str, Any],
-                 progress: bool | None = None) -> dict[str, Any]:
-    """Write every rank directory plus plan.json and the cluster files (`files`: relative name -> JSON object)."""
-    import torch
+                 progress: bool | None = None, executor: Executor | None = None) -> dict[str, Any]:
+    """Write every rank directory plus plan.json and the cluster files (`files`: relative name -> JSON object).
+
+    Each (rank, part) is a job (`copy_part`) through the executor: whole tensors and row slices are byte ranges of
+    the source copied in the kernel, column slices gathered in large blocks; pickled sources go tensor by tensor."""
     from tqdm import tqdm
 
     from dsconv.tensors import TensorSpec
@@ -52,27 +62,20 @@ def write_shards(src: Any, plan: ShardPlan, output: Path, *, head: dict[str, Any
     total_out = sum(s.nbytes for rank in specs for s in rank)
     if progress is None:
         progress = sys.stderr.isatty()
+    ex = executor or Executor(1)
     with OutputDir(output, stage="shard", inputs=[src.root], force=force, options=options,
                    input_identity=src.identity()) as out:
         sets = [out.tensor_set(specs[r], prefix=prefix, subdir=rank_dir(r, world), max_shard_size=max_shard_size)
                 for r in range(world)]
         bar = tqdm(total=total_out, unit="B", unit_scale=True, desc="shard", disable=not progress, file=sys.stderr)
         try:
-            for name, p, ranks in placed:
-                t = src.load(name)
-                zeros = None
-                for r in ranks:
-                    if p.mode == "split":
-                        lo, hi = p.bounds(tuple(t.shape), r)
-                        piece = t.narrow(p.dim, lo, hi - lo)
-                    elif p.mode == "first" and p.piece(r) != 0:
-                        zeros = torch.zeros_like(t) if zeros is None else zeros
-                        piece = zeros
-                    else:
-                        piece = t
-                    sets[r].write(name, piece)
-                    bar.update(piece.numel() * piece.element_size())
-                del t, zeros
+            if getattr(src, "readable_by_path", False):
+                jobs = copy_jobs(src, placed, sets)
+                for job, digest in zip(jobs, ex.map(copy_part, jobs, work_bytes=total_out)):
+                    sets[job.rank].adopt(job.index, [c.name for c in job.copies], digest)
+                    bar.update(job.part.size - job.part.header)
+            else:
+                _write_loaded(src, placed, sets, bar)
         finally:
             bar.close()
         for r in range(world):
@@ -93,7 +96,111 @@ def write_shards(src: Any, plan: ShardPlan, output: Path, *, head: dict[str, Any
         for rel, obj in files.items():
             out.write_json(rel, obj)
     return {"output": str(Path(output).absolute()), "ranks": world, "bytes_written": total_out,
-            "files_per_rank": [len(ts.files) for ts in sets]}
+            "files_per_rank": [len(ts.files) for ts in sets], "execution": ex.summary()}
+
+
+def _write_loaded(src: Any, placed: list, sets: list, bar: Any) -> None:
+    """Tensor by tensor through memory (sources a task cannot read by path: pickled weights)."""
+    import torch
+
+    for name, p, ranks in placed:
+        t = src.load(name)
+        zeros = None
+        for r in ranks:
+            if p.mode == "split":
+                lo, hi = p.bounds(tuple(t.shape), r)
+                piece = t.narrow(p.dim, lo, hi - lo)
+            elif p.mode == "first" and p.piece(r) != 0:
+                zeros = torch.zeros_like(t) if zeros is None else zeros
+                piece = zeros
+            else:
+                piece = t
+            sets[r].write(name, piece)
+            bar.update(piece.numel() * piece.element_size())
+        del t, zeros
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One rank tensor as bytes of the source: `rows` runs of `width` bytes, `stride` apart, from `start + offset`
+    (one run for whole tensors and slices of the first dimension); `file` None: zeros."""
+
+    name: str
+    file: str | None
+    start: int
+    rows: int
+    stride: int
+    offset: int
+    width: int
+
+
+@dataclass(frozen=True)
+class CopyJob:
+    rank: int
+    index: int           # the part's index in the rank's set
+    part: PartLayout
+    copies: tuple[Copy, ...]
+
+
+def copy_jobs(src: Any, placed: list, sets: list) -> list[CopyJob]:
+    """One job per (rank, part): every slot's source bytes, from headers alone."""
+    ops: list[dict[str, Copy]] = [{} for _ in sets]
+    for name, p, ranks in placed:
+        info = src.info(name)
+        shape = tuple(info.shape)
+        elem = info.nbytes // max(1, math.prod(shape))
+        for r in ranks:
+            if p.mode == "split":
+                lo, hi = p.bounds(shape, r)
+                inner = math.prod(shape[p.dim + 1:]) * elem
+                c = Copy(name, str(info.file), info.start, math.prod(shape[:p.dim]), shape[p.dim] * inner,
+                         lo * inner, (hi - lo) * inner)
+            elif p.mode == "first" and p.piece(r) != 0:
+                c = Copy(name, None, 0, 1, info.nbytes, 0, info.nbytes)
+            else:
+                c = Copy(name, str(info.file), info.start, 1, info.nbytes, 0, info.nbytes)
+            ops[r][name] = c
+    return [CopyJob(r, i, part, tuple(ops[r][s.name] for s in part.slots))
+            for r, ts in enumerate(sets) for i, part in enumerate(ts.layout())]
+
+
+def copy_part(job: CopyJob) -> str | None:
+    """Fill one rank part by path; its sha256."""
+    out = PartWriter(job.part)
+    try:
+        for c in job.copies:
+            nbytes = c.rows * c.width
+            if c.file is None:
+                out.write_chunks(c.name, _zeros(nbytes))
+            elif c.rows == 1:
+                out.copy_from(c.name, c.file, c.start + c.offset, nbytes)
+            else:
+                out.write_chunks(c.name, _gather(c))
+        return out.close()
+    except BaseException:
+        out.abort()
+        raise
+
+
+def _zeros(nbytes: int, block: int = WINDOW) -> Iterator[memoryview]:
+    buf = memoryview(bytearray(min(block, nbytes)))
+    for lo in range(0, nbytes, block):
+        yield buf[: min(block, nbytes - lo)]
+
+
+def _gather(c: Copy) -> Iterator[np.ndarray]:
+    """A column slice, WINDOW bytes of rows at a time: mapped source rows -> one contiguous block."""
+    rows_per = max(1, WINDOW // c.stride)
+    with open(c.file, "rb") as f:
+        for r0 in range(0, c.rows, rows_per):
+            n = min(rows_per, c.rows - r0)
+            lo = c.start + r0 * c.stride
+            base = lo - lo % mmap.ALLOCATIONGRANULARITY
+            with mmap.mmap(f.fileno(), lo - base + n * c.stride, offset=base, access=mmap.ACCESS_READ) as mm:
+                rows = np.frombuffer(mm, np.uint8, n * c.stride, lo - base).reshape(n, c.stride)
+                block = np.ascontiguousarray(rows[:, c.offset:c.offset + c.width])
+                del rows
+            yield block
 
 
 # ------------------------------------------------------------------------------------------------ verify

@@ -1,0 +1,173 @@
+"""Scale-out figures (issue 14), each beside its anchor from the same run.
+
+1. A synthetic DeepSeek-architecture BF16 checkpoint of ~2.5 GB (random bytes): a plain user-space copy of its files
+   (read + write in 16 MiB blocks), then `quantize --scheme w8a16` and `shard --ep 4 --tp 2 --format ranks` with
+   `--workers 1`, `--workers 2` (local processes) and `--executor ray` on a local Ray with 2 CPUs (started once,
+   its start-up reported apart). Speedups are against `--workers 1`; shard throughput (bytes written per second) is
+   against the user-space copy's.
+2. A projection of the FULL DeepSeek-V3 W8A8 job (`--bits 8`: calibrated static attention, dynamic MLP and experts)
+   on 1, 8 and 32 nodes, from costs MEASURED here on a medium DeepSeek-shaped model (calibration forward per FLOP,
+   expert forward per FLOP, quantization per weight byte, I/O per byte) scaled by FLOPs and bytes to the real shapes
+   (61 layers, 256 experts, hidden 7168, moe_intermediate 2048). The model and its assumptions are printed with it.
+
+`python -m benchmarks scale` (`DSCONV_BENCH_DIR` chooses the scratch disk).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import save, scratch
+
+ROOT = Path(__file__).resolve().parent.parent
+SYNTH = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 32000,
+         "hidden_size": 2048, "intermediate_size": 5632, "moe_intermediate_size": 1408, "num_hidden_layers": 8,
+         "num_nextn_predict_layers": 0, "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 1,
+         "n_routed_experts": 16, "kv_lora_rank": 256, "q_lora_rank": 512, "qk_rope_head_dim": 64, "v_head_dim": 128,
+         "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4,
+         "moe_layer_freq": 1, "first_k_dense_replace": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+         "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000}
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+# ------------------------------------------------------------------------------------------------ 1. fan-out
+RUNNER = """
+import json, sys, time
+from dsconv.cli import main
+mode, workers, jobs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+out = {}
+if mode == "ray":
+    import ray
+    t = time.perf_counter()
+    ray.init(num_cpus=int(workers), include_dashboard=False, log_to_driver=False, configure_logging=False)
+    out["ray_start_s"] = time.perf_counter() - t
+extra = ["--workers", workers] + (["--executor", "ray"] if mode == "ray" else [])
+for name, args in jobs:
+    import os
+    os.sync()
+    t = time.perf_counter()
+    try:
+        main(args + extra + ["--force"])
+    except SystemExit as e:
+        assert not e.code, (name, e.code)
+    out[name] = time.perf_counter() - t
+if mode == "ray":
+    ray.shutdown()
+print("@@" + json.dumps(out))
+"""
+
+
+def _runner(mode: str, workers: int, jobs: list) -> dict[str, float]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    p = subprocess.run([sys.executable, "-c", RUNNER, mode, str(workers), json.dumps(jobs)], capture_output=True,
+                       text=True, env=env, cwd=str(ROOT))
+    if p.returncode:
+        raise RuntimeError(f"runner {mode} {workers} failed:\n{p.stderr[-3000:]}")
+    return json.loads(next(x for x in p.stdout.splitlines() if x.startswith("@@"))[2:])
+
+
+def write_synthetic(root: Path) -> tuple[int, int]:
+    import numpy as np
+    import torch
+
+    from dsconv.families import family_for
+    from dsconv.writer import OutputDir
+
+    specs = family_for(SYNTH).synthesize(SYNTH)
+    rng = np.random.default_rng(0)
+    with OutputDir(root, stage="bench", force=True) as out:
+        ts = out.tensor_set(specs, prefix="model", max_shard_size=500 * 10**6)
+        for s in specs:
+            if s.dtype == "BF16":  # normal-ish values, never NaN/Inf: bf16 of float32 normals
+                x = torch.from_numpy(rng.standard_normal(math.prod(s.shape), dtype=np.float32) * 0.02)
+                ts.write(s.name, x.to(torch.bfloat16).reshape(s.shape))
+            else:
+                ts.write(s.name, rng.random(s.shape, dtype=np.float32))
+        out.write_json("config.json", SYNTH)
+    return sum(s.nbytes for s in specs), max(s.nbytes for s in specs)
+
+
+def _dir_bytes(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.rglob("*.safetensors"))
+
+
+def bench_fanout() -> dict[str, Any]:
+    root = scratch("dsconv-scale-")
+    try:
+        src = root / "src"
+        total, largest = write_synthetic(src)
+        files = sorted(src.glob("*.safetensors"))
+
+        def userspace() -> float:
+            (root / "copy").mkdir()
+            os.sync()
+            t = time.perf_counter()
+            for f in files:
+                with open(f, "rb") as fi, open(root / "copy" / f.name, "wb") as fo:
+                    while chunk := fi.read(16 * 2**20):
+                        fo.write(chunk)
+            s = time.perf_counter() - t
+            shutil.rmtree(root / "copy")
+            return s
+
+        for f in files:
+            f.read_bytes()  # page cache warm for every run alike
+        copy_s = min(userspace() for _ in range(2))
+        jobs = [["quantize", ["quantize", "-m", str(src), "-o", str(root / "q"), "--scheme", "w8a16"]],
+                ["shard", ["shard", "-m", str(src), "-o", str(root / "sh"), "--ep", "4", "--tp", "2",
+                           "--format", "ranks"]]]
+        runs = {}
+        for label, mode, w in (("workers_1", "local", 1), ("workers_2", "local", 2), ("ray_2", "ray", 2)):
+            load = _load()
+            r = _runner(mode, w, jobs)
+            r["load_before"] = load
+            runs[label] = r
+        q_out, sh_out = _dir_bytes(root / "q"), _dir_bytes(root / "sh")
+        base = runs["workers_1"]
+        copy_rate = total / copy_s
+        res: dict[str, Any] = {
+            "source_gb": round(total / 1e9, 3), "largest_tensor_mib": round(largest / 2**20, 1),
+            "userspace_copy_s": round(copy_s, 2), "userspace_copy_gbps": round(copy_rate / 1e9, 3),
+            "quantize_out_gb": round(q_out / 1e9, 3), "shard_out_gb": round(sh_out / 1e9, 3)}
+        for label, r in runs.items():
+            res[label] = {
+                "quantize_s": round(r["quantize"], 2), "quantize_speedup": round(base["quantize"] / r["quantize"], 2),
+                "quantize_vs_copy_by_input": round(total / r["quantize"] / copy_rate, 2),
+                "shard_s": round(r["shard"], 2), "shard_speedup": round(base["shard"] / r["shard"], 2),
+                "shard_write_gbps": round(sh_out / r["shard"] / 1e9, 3),
+                "shard_vs_userspace_copy": round(sh_out / r["shard"] / copy_rate, 2),
+                "load_before": r["load_before"], **({"ray_start_s": round(r["ray_start_s"], 1)}
+                                                    if "ray_start_s" in r else {})}
+        return res
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------ 2. projection
+from benchmarks.projection import measure_costs, project  # noqa: E402
+
+
+def main() -> None:
+    print(f"load average before: {_load()}", flush=True)
+    fan = bench_fanout()
+    print(json.dumps(fan, indent=2), flush=True)
+    costs = measure_costs()
+    proj = project(costs)
+    print(proj["text"], flush=True)
+    save("scale", {"load_before": _load(), "fanout_2p5gb_deepseek_shaped": fan, "measured_costs": costs,
+                   "projection_deepseek_v3_w8a8": {k: v for k, v in proj.items() if k != "text"},
+                   "projection_text": proj["text"].splitlines()})
+
+
+if __name__ == "__main__":
+    main()

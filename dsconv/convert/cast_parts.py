@@ -1,0 +1,101 @@
+"""The parts of `dsconv export --format safetensors` as independent jobs (dsconv.exec): each output part - or a run
+of its tensors when there are fewer parts than workers - is read by byte range, converted and written by its own task.
+
+Why the kernel arrives in the job: the conversion (`fp8.convert_tensor`, `fp8.check_finite`) stays in fp8.py, which
+imports this module; a module-level function pickles by reference, so a task in another process calls the same code
+and writes the same bytes as the inline run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable
+
+from dsconv.exec import Executor
+from dsconv.parts import PartLayout, PartWriter
+from dsconv.tensorfile import TensorInfo, TensorReader
+
+
+@dataclass(frozen=True)
+class CastJob:
+    index: str                        # the output part's file name (its tensor set)
+    part: PartLayout                  # the slots this job writes
+    tensors: tuple[Any, ...]          # fp8.TensorPlan, in slot order
+    infos: dict[str, TensorInfo]      # every input the tensors read (FP8 scales included)
+    block: tuple[int, int]
+    root: str                         # the input directory (for messages)
+    threads: int
+    convert: Callable[..., Any]
+    check: Callable[..., None]
+    nbytes: int                       # output bytes, for progress
+
+
+class _ByPath:
+    """What `convert_tensor` asks of a checkpoint - load(name), facts.fp8_block - served from byte ranges."""
+
+    def __init__(self, infos: dict[str, TensorInfo], block: tuple[int, int]) -> None:
+        self.reader = TensorReader()
+        self.infos = infos
+        self.facts = SimpleNamespace(fp8_block=block)
+
+    def load(self, name: str, dequantize: bool = False):
+        return self.reader.read(self.infos[name])
+
+
+def cast_part(job: CastJob) -> str | None:
+    """Convert and write one job's tensors; the part's sha256 when the job wrote all of it."""
+    src = _ByPath(job.infos, job.block)
+    out = PartWriter(job.part)
+    try:
+        for t in job.tensors:
+            tensor = job.convert(src, t, job.threads)
+            job.check(t.name, tensor, Path(job.root))
+            out.write(t.name, tensor)
+            del tensor
+        return out.close()
+    except BaseException:
+        out.abort()
+        raise
+    finally:
+        src.reader.close()
+
+
+def cast_jobs(ck: Any, plan: Any, sets: dict[str, Any], workers: int, convert: Callable[..., Any],
+              check: Callable[..., None]) -> list[CastJob]:
+    """One job per output part, or runs of its tensors (by bytes) when there are fewer than two parts per worker."""
+    import math
+    import os
+
+    from dsconv.tensors import DTYPE_SIZES
+
+    pieces = max(1, -(-2 * workers // max(1, len(plan.parts)))) if workers > 1 else 1
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    block = tuple(ck.facts.fp8_block or (128, 128))
+    jobs = []
+    for part in plan.parts:
+        layout = sets[part.file].layout()[0]
+        sizes = [math.prod(t.shape) * DTYPE_SIZES[t.out_dtype] for t in part.tensors]
+        total = sum(sizes)
+        runs: list[list[int]] = [[]]
+        acc = 0
+        for i, size in enumerate(sizes):
+            if runs[-1] and acc >= total / pieces * len(runs):
+                runs.append([])
+            runs[-1].append(i)
+            acc += size
+        for run in runs:
+            tensors = tuple(part.tensors[i] for i in run)
+            names = {t.name for t in tensors}
+            infos = {t.name: ck.info(t.name) for t in tensors}
+            infos.update({t.scale: ck.info(t.scale) for t in tensors if t.scale})
+            jobs.append(CastJob(part.file, layout if len(runs) == 1 else layout.subset(names), tensors, infos,
+                                block, str(ck.root), threads, convert, check, sum(sizes[i] for i in run)))
+    return jobs
+
+
+def run_cast_jobs(ex: Executor, jobs: list[CastJob], sets: dict[str, Any], bar: Any) -> None:
+    """Every job through the executor; each part adopted into its tensor set as its jobs come back, in order."""
+    for job, digest in zip(jobs, ex.map(cast_part, jobs, work_bytes=sum(j.nbytes for j in jobs))):
+        sets[job.index].adopt(0, [s.name for s in job.part.slots], digest)
+        bar.update(job.nbytes)

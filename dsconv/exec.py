@@ -1,0 +1,215 @@
+"""Running a stage's independent jobs: inline, on local processes, or on Ray (layer 3).
+
+Why one abstraction: every stage that scales has the same shape - a driver plans from headers, cuts the work into
+jobs that need nothing but paths (output parts of a weight-only quantization, FP8 cast parts, shard ranks), and
+collects small results in order. `Executor.map(fn, jobs)` runs `fn(job)` for each and yields the results in job
+order, whichever implementation runs them:
+
+* inline (`--workers 1`): in this process, one after another;
+* local processes (`--workers N`, default the CPU count): a process pool started through forkserver (spawn where
+  there is none) - never a plain fork of a driver that has torch's threads running;
+* Ray (`--executor ray [--ray-address ADDR]`, `pip install 'dsconv[ray]'`): tasks on a Ray cluster, or on a local
+  Ray instance without an address.
+
+Jobs are picklable descriptions (paths on shared storage, names, byte ranges); a task reads its inputs by path and
+either returns bytes or writes its part files into the driver's temporary directory. Tasks never see driver memory,
+and the driver alone owns the output transaction (temporary directory, manifest, sha256, rename). The result of a
+run never depends on the executor: the same task function writes the same bytes whoever calls it.
+"""
+from __future__ import annotations
+
+import os
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+from dsconv.errors import UserError
+
+EXECUTORS = ("local", "ray")
+# Below this much work (bytes a stage's jobs touch) processes cost more to start than they save: run inline.
+INLINE_BELOW = 64 * 2**20
+# Modules the forkserver imports once, so each worker forks ready to run (torch's import is ~1 s).
+PRELOAD = ("numpy", "torch", "dsconv.exec")
+
+
+@dataclass(frozen=True)
+class ExecOptions:
+    """How to run independent jobs (the CLI's --executor, --workers, --ray-address)."""
+
+    executor: str = "local"
+    workers: int | None = None      # None: the CPU count (local), the cluster's CPUs (ray)
+    ray_address: str | None = None  # None: a local Ray instance
+
+    def resolved_workers(self) -> int:
+        return max(1, self.workers or os.cpu_count() or 1)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"executor": self.executor, "workers": self.resolved_workers(),
+                **({"ray_address": self.ray_address} if self.ray_address else {})}
+
+
+def check_options(opts: ExecOptions) -> None:
+    if opts.executor not in EXECUTORS:
+        raise UserError(f"--executor {opts.executor} is not one of {', '.join(EXECUTORS)}")
+    if opts.workers is not None and opts.workers < 1:
+        raise UserError(f"--workers {opts.workers} must be at least 1")
+    if opts.ray_address and opts.executor != "ray":
+        raise UserError("--ray-address applies to --executor ray", hint="add --executor ray or drop --ray-address")
+
+
+class Executor:
+    """Runs `fn(job)` for every job; results come back in job order. Use as a context manager."""
+
+    name = "inline"
+
+    def __init__(self, workers: int = 1) -> None:
+        self.workers = workers
+        self.used = "inline"  # what actually ran the last map (inline when too little work to fan out)
+
+    def map(self, fn: Callable[[Any], Any], jobs: Sequence[Any], work_bytes: int | None = None) -> Iterator[Any]:
+        """`fn(job)` for every job, in order. `work_bytes` (bytes the jobs touch) lets a small run stay inline."""
+        jobs = list(jobs)
+        if len(jobs) <= 1 or self.workers <= 1 or (work_bytes is not None and work_bytes < INLINE_BELOW):
+            self.used = "inline"
+            return (fn(j) for j in jobs)
+        self.used = self.name
+        return self._map(fn, jobs)
+
+    def _map(self, fn: Callable[[Any], Any], jobs: list[Any]) -> Iterator[Any]:
+        return (fn(j) for j in jobs)
+
+    def summary(self) -> dict[str, Any]:
+        return {"executor": self.name, "workers": self.workers, "ran": self.used}
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "Executor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _bounded(submit: Callable[[Any], Any], wait: Callable[[Any], Any], jobs: Iterable[Any],
+             ahead: int) -> Iterator[Any]:
+    """Submit at most `ahead` jobs beyond the one being waited for; yield results in order."""
+    pending: deque = deque()
+    it = iter(jobs)
+    for job in it:
+        pending.append(submit(job))
+        if len(pending) >= ahead:
+            break
+    while pending:
+        head = pending.popleft()
+        nxt = next(it, _END)
+        if nxt is not _END:
+            pending.append(submit(nxt))
+        yield wait(head)
+
+
+_END = object()
+
+
+def _worker_init(threads: int) -> None:
+    """Each worker's torch gets its share of the cores: N workers x all threads would thrash."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(threads)
+
+
+class ProcessExecutor(Executor):
+    """A local process pool (forkserver, else spawn): workers import dsconv afresh and read inputs by path."""
+
+    name = "local"
+
+    def __init__(self, workers: int) -> None:
+        super().__init__(workers)
+        self._pool = None
+
+    def _start(self):
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        if self._pool is None:
+            methods = mp.get_all_start_methods()
+            ctx = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
+            if ctx.get_start_method() == "forkserver":
+                ctx.set_forkserver_preload(list(PRELOAD))
+            share = max(1, (os.cpu_count() or 1) // self.workers)
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_worker_init,
+                                             initargs=(share,))
+        return self._pool
+
+    def _map(self, fn: Callable[[Any], Any], jobs: list[Any]) -> Iterator[Any]:
+        pool = self._start()
+        return _bounded(lambda j: pool.submit(fn, j), lambda f: f.result(), jobs, 2 * self.workers)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+
+class RayExecutor(Executor):
+    """Ray tasks (one CPU each). Connects to `address` (e.g. "auto" after `ray start --head`), or starts a local
+    instance with `workers` CPUs; a Ray already initialised in this process (a test's) is used as it is."""
+
+    name = "ray"
+
+    def __init__(self, workers: int | None, address: str | None) -> None:
+        ray = import_ray()
+        self._own = not ray.is_initialized()
+        if self._own:
+            kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+            if address:
+                kw["address"] = address
+            elif workers:
+                kw["num_cpus"] = workers
+            try:
+                ray.init(**kw)
+            except ConnectionError as e:
+                raise UserError(f"cannot reach the Ray cluster at {address}: {e}",
+                                hint="start it with `ray start --head` or fix --ray-address") from None
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+        super().__init__(workers or cpus)
+        self._ray = ray
+
+    def _map(self, fn: Callable[[Any], Any], jobs: list[Any]) -> Iterator[Any]:
+        ray = self._ray
+        remote = ray.remote(num_cpus=1, max_retries=0)(fn)
+
+        def wait(ref: Any) -> Any:
+            try:
+                return ray.get(ref)
+            except ray.exceptions.RayTaskError as e:  # the task's own exception (a UserError stays exit 2)
+                cause = getattr(e, "cause", None)
+                raise (cause if isinstance(cause, BaseException) else e) from None
+
+        return _bounded(lambda j: remote.remote(j), wait, jobs, 2 * self.workers)
+
+    def close(self) -> None:
+        if self._own and self._ray.is_initialized():
+            self._ray.shutdown()
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise UserError("--executor ray needs Ray, which is not installed",
+                        hint="pip install 'dsconv[ray]' (on the driver and every node), or use --executor local") \
+            from None
+    return ray
+
+
+def make_executor(opts: ExecOptions | None) -> Executor:
+    """The executor the options ask for (inline for one worker)."""
+    opts = opts or ExecOptions(workers=1)
+    check_options(opts)
+    if opts.executor == "ray":
+        return RayExecutor(opts.workers, opts.ray_address)
+    n = opts.resolved_workers()
+    return ProcessExecutor(n) if n > 1 else Executor(1)

@@ -1,0 +1,187 @@
+"""Planned safetensors parts that tasks fill on their own (layer 1, beside the writer).
+
+Why apart from writer.py: the driver plans a set of parts (`TensorSetWriter`: headers written, files sized) and keeps
+the transaction; a task in another process or on another host (dsconv.exec) gets a `PartLayout` - a path and the byte
+slots of its tensors - and fills it with a `PartWriter`, hashing the whole part on the way when it writes all of it, so
+the driver never reads the bytes back. Nothing here needs the driver's memory.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+
+# The rename-when-complete protects against crashes of the process; against power loss, parts are fsynced only when
+# DSCONV_FSYNC=1 (it costs 3x on a 2 GB write here, like the tools users compare with, which never fsync), and
+# `dsconv verify` re-checks every sha256 either way.
+DURABLE = os.environ.get("DSCONV_FSYNC", "") not in ("", "0")
+
+
+def as_bytes(tensor: Any) -> memoryview:
+    """A zero-copy byte view of a contiguous torch tensor, numpy array or bytes-like object."""
+    if isinstance(tensor, (bytes, bytearray, memoryview)):
+        return memoryview(tensor).cast("B")
+    if isinstance(tensor, np.ndarray):
+        return memoryview(np.ascontiguousarray(tensor)).cast("B")
+    import torch
+
+    t = tensor.detach().cpu().contiguous()
+    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+
+
+class Known:
+    """A part's digest computed elsewhere (by the task that wrote it)."""
+
+    def __init__(self, digest: str) -> None:
+        self.digest = digest
+
+    def hexdigest(self) -> str:
+        return self.digest
+
+    def update(self, data: Any) -> None:
+        raise ValueError("a part written by a task takes no further writes")
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    offset: int  # absolute, in the part file
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class PartLayout:
+    """A planned part: the driver created the file (header written, size set); tasks fill its slots by path."""
+
+    path: str
+    header: int  # bytes [0, header) are the safetensors header
+    slots: tuple[Slot, ...]
+    size: int
+
+    def subset(self, names: set[str]) -> "PartLayout":
+        return PartLayout(self.path, self.header, tuple(s for s in self.slots if s.name in names), self.size)
+
+    @property
+    def whole(self) -> bool:
+        """True when the slots are all the data: a task writing them in order can hash the whole file."""
+        return self.header > 0 and (sum(s.nbytes for s in self.slots) == self.size - self.header)
+
+
+class PartWriter:
+    """The task side of a planned part: write slots at their offsets in order (hashing the whole part when it has all
+    of them), by path, without the driver's memory. `close()` returns the part's sha256, or None for a subset."""
+
+    def __init__(self, part: PartLayout) -> None:
+        self.part = part
+        self._next = 0
+        self._fd = os.open(part.path, os.O_WRONLY)
+        self._hash = None
+        if part.whole:
+            self._hash = hashlib.sha256()
+            with open(part.path, "rb") as f:
+                self._hash.update(f.read(part.header))
+
+    def _slot(self, name: str) -> Slot:
+        if self._next >= len(self.part.slots) or self.part.slots[self._next].name != name:
+            want = self.part.slots[self._next].name if self._next < len(self.part.slots) else "nothing"
+            raise ValueError(f"{self.part.path}: wrote {name}, the plan's next tensor is {want}")
+        self._next += 1
+        return self.part.slots[self._next - 1]
+
+    def write(self, name: str, tensor: Any) -> None:
+        self.write_chunks(name, (as_bytes(tensor),))
+
+    def write_chunks(self, name: str, chunks: Iterable[Any]) -> None:
+        """One slot from byte chunks (memoryviews, bytes, contiguous arrays), so no tensor need be whole in memory."""
+        slot = self._slot(name)
+        pos = slot.offset
+        for chunk in chunks:
+            data = memoryview(chunk).cast("B")
+            if pos + len(data) > slot.offset + slot.nbytes:
+                raise ValueError(f"tensor {name}: more than its planned {slot.nbytes} bytes")
+            done = 0
+            while done < len(data):
+                done += os.pwrite(self._fd, data[done:], pos + done)
+            if self._hash is not None:
+                self._hash.update(data)
+            pos += len(data)
+        if pos != slot.offset + slot.nbytes:
+            raise ValueError(f"tensor {name}: {pos - slot.offset} bytes written, {slot.nbytes} planned")
+
+    def copy_from(self, name: str, path: str, start: int, nbytes: int) -> None:
+        """One slot copied from a byte range of another file, in the kernel (copy_file_range; pread/pwrite where
+        the file system refuses), hashed on the way from the page cache by a window-at-a-time mmap."""
+        slot = self._slot(name)
+        if nbytes != slot.nbytes:
+            raise ValueError(f"tensor {name}: {nbytes} bytes to copy, {slot.nbytes} planned")
+        src = os.open(path, os.O_RDONLY)
+        try:
+            if self._hash is None or not nbytes:
+                copy_range(src, self._fd, start, slot.offset, nbytes)
+                return
+            t = threading.Thread(target=_hash_range, args=(self._hash, src, start, nbytes))
+            t.start()  # hashing (outside the GIL) beside the copy
+            try:
+                copy_range(src, self._fd, start, slot.offset, nbytes)
+            finally:
+                t.join()
+        finally:
+            os.close(src)
+
+    def close(self) -> str | None:
+        if self._next != len(self.part.slots):
+            raise RuntimeError(f"{self.part.path}: {len(self.part.slots) - self._next} planned tensors never written")
+        if DURABLE:
+            os.fsync(self._fd)
+        os.close(self._fd)
+        return self._hash.hexdigest() if self._hash is not None else None
+
+    def abort(self) -> None:
+        os.close(self._fd)
+
+
+WINDOW = 64 * 2**20
+
+
+def copy_range(src: int, dst: int, src_off: int, dst_off: int, nbytes: int) -> None:
+    """nbytes from src at src_off to dst at dst_off: copy_file_range, else pread/pwrite in WINDOW blocks."""
+    done = 0
+    try:
+        while done < nbytes:
+            n = os.copy_file_range(src, dst, min(nbytes - done, 1 << 30), src_off + done, dst_off + done)
+            if n == 0:
+                raise OSError(errno.EIO, f"source ended {nbytes - done} bytes early")
+            done += n
+        return
+    except (AttributeError, OSError) as e:
+        if isinstance(e, OSError) and e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP,
+                                                      errno.EBADF):
+            raise
+    buf = bytearray(min(WINDOW, nbytes - done))
+    view = memoryview(buf)
+    while done < nbytes:
+        n = os.preadv(src, [view[: min(len(buf), nbytes - done)]], src_off + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"source ended {nbytes - done} bytes early")
+        w = 0
+        while w < n:
+            w += os.pwrite(dst, view[w:n], dst_off + done + w)
+        done += n
+
+
+def _hash_range(h: Any, fd: int, start: int, nbytes: int) -> None:
+    """Feed a file's byte range to `h` from the page cache, one mapped window at a time (nothing stays mapped)."""
+    pos, end = start, start + nbytes
+    while pos < end:
+        lo = pos - pos % mmap.ALLOCATIONGRANULARITY
+        hi = min(end, lo + WINDOW)
+        with mmap.mmap(fd, hi - lo, offset=lo, access=mmap.ACCESS_READ) as mm:
+            with memoryview(mm) as mv:
+                h.update(mv[pos - lo:hi - lo])
+        pos = hi
