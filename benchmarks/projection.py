@@ -5,13 +5,11 @@ Measured here, on a medium DeepSeek-shaped model (random weights, the bundled ca
   * c_fwd  - seconds per FLOP of the calibration forward outside the routed experts (attention, dense and shared MLP,
              router), from the Calibrator's `forward` timing;
   * c_exp  - seconds per FLOP of the routed-expert forward (`experts` timing);
-  * c_q    - seconds per weight byte of quantizing a linear (`quantize` timing over the quantized bytes);
-  * c_io   - seconds per byte of moving checkpoint bytes (the rest of the run: read, write, hash, over the bytes).
+  * c_q    - seconds per FLOP of quantizing the linears (`quantize` timing: smoothing and range searches measure
+             output errors on the calibration rows, so it grows with tokens x parameters);
+  * the rest of the run as a fixed cost; checkpoint I/O per byte from bench_scale's weight-only quantize.
 Scaled to the real shapes (61 layers, 3 dense, 256 experts top-8, hidden 7168, moe_intermediate 2048, MLA) with the
-same calibration tokens. On N nodes (a node = this host), per layer: the non-expert forward stays on the driver
-(it produces the next layer's input); expert forward and every quantization are independent jobs spread over the
-nodes (per-layer barrier, whole experts per node); routed activations travel driver <-> nodes once per MoE layer; and
-checkpoint I/O splits over the nodes up to the shared storage's bandwidth.
+same calibration tokens. The parallel scheme on N nodes (a node = this host) is printed with the figures.
 """
 from __future__ import annotations
 
@@ -98,51 +96,61 @@ def measure_costs() -> dict[str, Any]:
         f = flops(cfg, tokens, min(SEQ, max(1, tokens // max(1, s["calibration"]["samples"]))))
         w = weight_bytes(cfg)
         t = s["timings"]
-        rest = max(0.0, s["seconds"] - t["forward"] - t["experts"] - t["quantize"])
+        rest = max(0.0, s["seconds"] - t["forward"] - t["experts"] - t["quantize"])  # start-up, reading, writing
         return {"load_before": load, "medium_config": MEDIUM, "calib_tokens": tokens,
                 "calib_samples": s["calibration"]["samples"], "timings_s": t, "total_s": s["seconds"],
                 "c_fwd_s_per_gflop": t["forward"] / f["other"] * 1e9,
                 "c_exp_s_per_gflop": t["experts"] / f["experts"] * 1e9,
-                "c_q_s_per_gb": t["quantize"] / w["quantized"] * 1e9,
-                "c_io_s_per_gb": rest / w["total"] * 1e9}
+                # quantizing a calibrated linear measures its output error on the calibration rows: FLOP-bound
+                "c_q_s_per_gflop": t["quantize"] / (f["other"] + f["experts"]) * 1e9,
+                "fixed_s": rest, "medium_weight_gb": round(w["total"] / 1e9, 3)}
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def project(m: dict[str, Any], nodes: tuple[int, ...] = (1, 8, 32)) -> dict[str, Any]:
+def project(m: dict[str, Any], io_s_per_gb: float, nodes: tuple[int, ...] = (1, 8, 32)) -> dict[str, Any]:
+    """Hours of the real job on each node count, from the measured rates (see the module docstring)."""
     tokens = m["calib_tokens"]
     seq = min(SEQ, max(1, tokens // max(1, m["calib_samples"])))
     f = flops(REAL, tokens, seq)
     w = weight_bytes(REAL)
-    moe = f["moe_layers"]
-    fwd = f["other"] * m["c_fwd_s_per_gflop"] / 1e9           # driver, serial
-    exp = f["experts"] * m["c_exp_s_per_gflop"] / 1e9          # spread over nodes
-    quant = w["quantized"] * m["c_q_s_per_gb"] / 1e9           # spread over nodes
-    io = w["total"] * m["c_io_s_per_gb"] / 1e9                 # spread, capped by storage
-    io_floor = w["total"] * 1.5 / (STORAGE_GBPS * 1e9)         # read BF16 + write ~half as much int8
-    act = moe * 2 * tokens * REAL["num_experts_per_tok"] * REAL["hidden_size"] * 2  # routed bf16 activations, both ways
+    moe, E = f["moe_layers"], REAL["n_routed_experts"]
+    layers = REAL["num_hidden_layers"]
+    # per layer (attention, dense/shared MLP, router) and per routed expert, forward + measurement-based quantization
+    layer_s = f["other"] / layers * (m["c_fwd_s_per_gflop"] + m["c_q_s_per_gflop"]) / 1e9
+    expert_s = f["experts"] / (moe * E) * (m["c_exp_s_per_gflop"] + m["c_q_s_per_gflop"]) / 1e9
+    io = w["total"] * io_s_per_gb / 1e9
+    io_floor = w["total"] * 1.5 / (STORAGE_GBPS * 1e9)       # read BF16 + write ~half as much int8
+    dense_bytes = w["total"] - moe * E * w["per_expert"]      # every node reads these for its samples
     rows = []
     for n in nodes:
-        per_node = math.ceil(REAL["n_routed_experts"] / n) / REAL["n_routed_experts"]  # whole experts: imbalance
-        comm = 0.0 if n == 1 else act / (NET_GBPS * 1e9)
-        total = fwd + (exp + quant) * per_node + max(io / n, io_floor if n > 1 else 0.0) + comm
-        rows.append({"nodes": n, "hours": round(total / 3600, 2), "serial_forward_h": round(fwd / 3600, 2),
-                     "experts_and_quantize_h": round((exp + quant) * per_node / 3600, 2),
-                     "io_h": round(max(io / n, io_floor if n > 1 else 0.0) / 3600, 2),
-                     "activations_h": round(comm / 3600, 3)})
-    base = rows[0]["hours"]
+        per_node = math.ceil(E / n) / E                        # whole experts per node: the fullest node
+        a2a = 0.0 if n == 1 else moe * 2 * tokens * REAL["num_experts_per_tok"] * REAL["hidden_size"] * 2 \
+            * (n - 1) / n / n / (NET_GBPS * 1e9)               # routed activations to and from expert nodes
+        replicated = 0.0 if n == 1 else dense_bytes * n / (STORAGE_GBPS * 1e9)
+        parts = {"layers_h": layers * layer_s / n, "experts_h": moe * E * expert_s * per_node,
+                 "io_h": max(io / n, io_floor if n > 1 else 0.0) + replicated, "all_to_all_h": a2a,
+                 "fixed_h": m["fixed_s"]}
+        total = sum(parts.values())
+        rows.append({"nodes": n, "hours": round(total / 3600, 2), **{k: round(v / 3600, 3) for k, v in parts.items()}})
     for r in rows:
-        r["speedup"] = round(base / r["hours"], 1) if r["hours"] else None
-    text = [f"DeepSeek-V3 --bits 8 projection ({tokens} calibration tokens, seq {seq}; node = this host; "
-            f"measured c_fwd {m['c_fwd_s_per_gflop']:.4f} s/GFLOP, c_exp {m['c_exp_s_per_gflop']:.4f} s/GFLOP, "
-            f"c_q {m['c_q_s_per_gb']:.2f} s/GB, c_io {m['c_io_s_per_gb']:.2f} s/GB, load {m['load_before']}):",
-            f"  real model: {w['total'] / 1e12:.2f} TB BF16, {w['quantized'] / 1e12:.2f} TB quantized linears, "
-            f"{f['other'] / 1e12:.1f} TFLOP outside experts, {f['experts'] / 1e12:.1f} TFLOP in routed experts",
-            "  assumptions: non-expert forward serial on the driver; experts and quantization spread in whole "
-            f"experts; activations over a {NET_GBPS} GB/s driver link; shared storage {STORAGE_GBPS} GB/s"]
-    text += [f"  {r['nodes']:>3} node(s): {r['hours']:8.2f} h  (speedup {r['speedup']}x; driver forward "
-             f"{r['serial_forward_h']} h, experts+quantize {r['experts_and_quantize_h']} h, I/O {r['io_h']} h, "
-             f"activations {r['activations_h']} h)" for r in rows]
-    return {"rows": rows, "assumptions": {"net_gbps": NET_GBPS, "storage_gbps": STORAGE_GBPS, "seq": seq,
-                                          "node": "this host (measured rates)"},
+        r["speedup"] = round(rows[0]["hours"] / r["hours"], 1) if r["hours"] else None
+    text = [f"DeepSeek-V3 W8A8 (--bits 8) projection; node = this host at the measured rates (load {m['load_before']})",
+            f"  measured on a medium DeepSeek-shaped model ({tokens} calibration tokens, {m['calib_samples']} samples): "
+            f"forward {m['c_fwd_s_per_gflop']:.4f} s/GFLOP outside experts, {m['c_exp_s_per_gflop']:.4f} s/GFLOP in "
+            f"experts, quantization with its error measurements {m['c_q_s_per_gflop']:.4f} s/GFLOP; checkpoint I/O "
+            f"{io_s_per_gb:.2f} s/GB (weight-only quantize of the fan-out checkpoint, inline)",
+            f"  real shapes: {w['total'] / 1e12:.2f} TB BF16; {layers} layers at {layer_s / 60:.1f} min each "
+            f"(attention, dense/shared MLP, router: forward + quantize); {moe} x {E} routed experts at "
+            f"{expert_s:.1f} s each",
+            "  scheme: per layer, the forward is data-parallel over calibration samples (statistics merged), routed "
+            "experts expert-parallel in whole experts (activations all-to-all over "
+            f"{NET_GBPS} GB/s links), every linear's quantization its own job; I/O split up to "
+            f"{STORAGE_GBPS} GB/s of shared storage, the non-expert weights read by every node. dsconv fans out "
+            "weight-only parts, casts and shard ranks today; the calibrated layer loop is still one process."]
+    text += [f"  {r['nodes']:>3} node(s): {r['hours']:8.2f} h  speedup {r['speedup']}x  (layers {r['layers_h']} h, "
+             f"experts {r['experts_h']} h, I/O {r['io_h']} h, all-to-all {r['all_to_all_h']} h)" for r in rows]
+    return {"rows": rows, "per_layer_s": round(layer_s, 1), "per_expert_s": round(expert_s, 2),
+            "assumptions": {"net_gbps": NET_GBPS, "storage_gbps": STORAGE_GBPS, "seq": seq,
+                            "node": "this host (measured rates)"},
             "real_tb_bf16": round(w["total"] / 1e12, 3), "text": "\n".join(text)}

@@ -105,10 +105,18 @@ class PartWriter:
             data = memoryview(chunk).cast("B")
             if pos + len(data) > slot.offset + slot.nbytes:
                 raise ValueError(f"tensor {name}: more than its planned {slot.nbytes} bytes")
-            done = 0
-            while done < len(data):
-                done += os.pwrite(self._fd, data[done:], pos + done)
-            if self._hash is not None:
+            t = None
+            if self._hash is not None and len(data) >= 2**20:  # hash beside the write (both outside the GIL)
+                t = threading.Thread(target=self._hash.update, args=(data,))
+                t.start()
+            try:
+                done = 0
+                while done < len(data):
+                    done += os.pwrite(self._fd, data[done:], pos + done)
+            finally:
+                if t is not None:
+                    t.join()
+            if self._hash is not None and t is None:
                 self._hash.update(data)
             pos += len(data)
         if pos != slot.offset + slot.nbytes:
