@@ -261,18 +261,21 @@ def _export(run_cli, model: Path, out: Path, *extra):
 
 
 def _fail_after_first_tensor(monkeypatch, exc: BaseException) -> None:
-    from dsconv import writer
+    """The second tensor written fails, whichever writes it: the driver's set or a job's part (dsconv.parts)."""
+    from dsconv import parts, writer
 
-    real = writer.TensorSetWriter.write
     calls = []
 
-    def write(self, name, tensor):
-        calls.append(name)
-        if len(calls) > 1:
-            raise exc
-        return real(self, name, tensor)
+    def failing(real):
+        def write(self, name, tensor):
+            calls.append(name)
+            if len(calls) > 1:
+                raise exc
+            return real(self, name, tensor)
+        return write
 
-    monkeypatch.setattr(writer.TensorSetWriter, "write", write)
+    monkeypatch.setattr(writer.TensorSetWriter, "write", failing(writer.TensorSetWriter.write))
+    monkeypatch.setattr(parts.PartWriter, "write_chunks", failing(parts.PartWriter.write_chunks))
 
 
 def test_force_keeps_the_old_output_until_the_new_one_is_complete(tiny_model, tmp_path, run_cli, monkeypatch):

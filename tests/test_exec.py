@@ -112,6 +112,18 @@ def test_two_processes_write_the_same_bytes(case, inline, run_cli, models, tmp_p
     assert sum(f.endswith(".safetensors") for f in files) >= 2
 
 
+def test_cli_starts_and_stops_its_own_local_ray(inline, run_cli, models, tmp_path, fan_out):
+    """Without a Ray in the process, `--executor ray` starts a local instance and shuts it down when done (runs
+    before the module's shared instance starts)."""
+    import ray
+
+    assert not ray.is_initialized()
+    files, summary = _run(run_cli, tmp_path, models, CASES[0], ["--executor", "ray", "--workers", "2"])
+    assert _ran(summary) == {"executor": "ray", "workers": 2, "ran": "ray"}
+    assert files == inline[CASES[0][0]][0]
+    assert not ray.is_initialized()
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_local_ray_writes_the_same_bytes(case, inline, run_cli, models, tmp_path, fan_out, ray_local):
     files, summary = _run(run_cli, tmp_path, models, case, ["--executor", "ray", "--workers", "2"])
