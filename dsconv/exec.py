@@ -43,10 +43,6 @@ class ExecOptions:
     def resolved_workers(self) -> int:
         return max(1, self.workers or os.cpu_count() or 1)
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"executor": self.executor, "workers": self.resolved_workers(),
-                **({"ray_address": self.ray_address} if self.ray_address else {})}
-
 
 def check_options(opts: ExecOptions) -> None:
     if opts.executor not in EXECUTORS:
