@@ -10,10 +10,15 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from onnx import TensorProto
+from onnx import ModelProto, TensorProto
 
 #: like onnx.save_model's size_threshold: tensors under 1 KiB stay inside the model file
 EMBED_BELOW = 1024
+
+
+def opset_of(model: ModelProto) -> int:
+    """The model's default-domain (ai.onnx) opset, 0 when it declares none; the one lookup convert and atc share."""
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 
 def external_location(t: TensorProto) -> tuple[str | None, int, int | None] | None:

@@ -25,7 +25,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from dsconv.atc.graph import infer_types, walk_nodes
 from dsconv.errors import CheckFailed, UserError
-from dsconv.onnx_data import EMBED_BELOW, ExternalDataWriter, external_location
+from dsconv.onnx_data import EMBED_BELOW, ExternalDataWriter, external_location, opset_of
 
 FP16_MAX = 65504.0
 CHUNK = 1 << 24  # elements per conversion chunk (64 MB of fp32)
@@ -133,7 +133,7 @@ def cast_model(src: Path, dst: Path, target: int = TensorProto.FLOAT16) -> CastR
     g = model.graph
     for t in g.initializer:
         types.setdefault(t.name, t.data_type)
-    opset = next((i.version for i in model.opset_import if i.domain in ("", "ai.onnx")), 0)
+    opset = opset_of(model)
     to_fp16 = target == TensorProto.FLOAT16
     sources = SOURCE_FLOATS if to_fp16 else TO_FP32_SOURCES
     result = CastResult(dst)

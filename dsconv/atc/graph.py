@@ -16,7 +16,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from dsconv.errors import UserError
-from dsconv.onnx_data import external_location
+from dsconv.onnx_data import external_location, opset_of
 
 FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
 QUANT_OPS = {"QuantizeLinear", "DequantizeLinear", "MatMulInteger", "ConvInteger", "QLinearMatMul", "QLinearConv",
@@ -177,12 +177,8 @@ def read_model(path: Path) -> ModelInfo:
         raise UserError(f"{path} is not a readable ONNX model ({type(e).__name__})",
                         hint="re-export it; a model over 2 GB must be saved with external data") from None
     g = model.graph
-    opset, other = 0, {}
-    for imp in model.opset_import:
-        if imp.domain in ("", "ai.onnx"):
-            opset = imp.version
-        else:
-            other[imp.domain] = imp.version
+    opset = opset_of(model)
+    other = {imp.domain: imp.version for imp in model.opset_import if imp.domain not in ("", "ai.onnx")}
     if not opset:
         raise UserError(f"{path} declares no ai.onnx opset", hint="re-export it with an opset_version")
     init_names = {t.name for t in g.initializer}

@@ -30,7 +30,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from dsconv.errors import UserError
-from dsconv.onnx_data import EMBED_BELOW, ExternalDataWriter, external_location
+from dsconv.onnx_data import EMBED_BELOW, ExternalDataWriter, external_location, opset_of
 
 EXTERNAL_DATA = "model.onnx_data"
 ALIGN = 4096  # onnxruntime maps external tensors at page-aligned offsets
@@ -250,10 +250,6 @@ def int32_users(model: onnx.ModelProto) -> list[str]:
         if any(types.get(v) == TensorProto.INT32 for v in list(node.input) + list(node.output)):
             found.append(f"{node.op_type} {node.name or node.output[0]}")
     return found
-
-
-def opset_of(model: onnx.ModelProto) -> int:
-    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
 
 
 # ---- writing -------------------------------------------------------------------------------------------------
