@@ -42,6 +42,18 @@ def _run_cli(args: list[str], cwd: Path | None = None) -> CliResult:
     return CliResult(code, out.getvalue(), err.getvalue())
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models: a parallel region costs more than the matmul (and a time slice when the other core is busy).
+    A module opts in with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def run_cli() -> Callable[..., CliResult]:
     """`run_cli(["inspect", "--model", d], cwd=...)` -> CliResult(code, out, err), exit codes as the shell sees them."""

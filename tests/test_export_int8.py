@@ -28,12 +28,7 @@ DENSE = ("llama", "qwen2", "qwen3", "gemma3")
 FAMILIES = DENSE + ("deepseek_v3",)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -24,13 +24,7 @@ CASES = [("llama", False), ("qwen2", False), ("qwen3", False), ("qwen2_moe", Tru
 MOE = {"qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models: a parallel region costs more than the matmul (and a time slice when the other core is busy)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def session(path: Path) -> ort.InferenceSession:

@@ -229,11 +229,7 @@ def evaluate(model_dir: Path, quant_dir: Path, text: Path | None = None, seq_len
     if ck.config.get("model_type") != qck.config.get("model_type") or ck.facts.num_layers != qck.facts.num_layers:
         raise UserError(f"{quant_dir} is not a quantization of {model_dir} (model_type / layers differ)",
                         hint="pass the original model the quantized output was made from")
-    if seq_len < 2:
-        raise UserError(f"--seq-len {seq_len} is too short", hint="use 128-2048")
-    tokenizer = load_tokenizer(ck.root)
-    texts, source = eval_texts(text, tokenizer)
-    chunks = token_chunks(texts, tokenizer, seq_len, samples)
+    chunks, source = _eval_chunks(ck, text, seq_len, samples)
     original = load_original_model(ck)
     quantized, types = load_quantized_model(qck)
     metrics = compare(original, quantized, chunks, progress=progress)
@@ -251,17 +247,23 @@ def _evaluate_onnx(ck: Checkpoint, model_dir: Path, onnx_path: Path, lm: Any, te
     """The fake-quant ONNX (onnxruntime) against the float model, on the same text and metrics."""
     if ck.is_quantized:
         raise UserError(f"{model_dir} is itself quantized", hint="--model is the original float checkpoint")
-    if seq_len < 2:
-        raise UserError(f"--seq-len {seq_len} is too short", hint="use 128-2048")
-    tokenizer = load_tokenizer(ck.root)
-    texts, source = eval_texts(text, tokenizer)
-    chunks = token_chunks(texts, tokenizer, seq_len, samples)
+    chunks, source = _eval_chunks(ck, text, seq_len, samples)
     original = load_original_model(ck)
     metrics = compare(original, lm, chunks, progress=progress)
     mqt, linears = lm.describe()
     return {"model": str(model_dir), "quantized": str(onnx_path), "model_quant_type": mqt or "ONNX",
             "linears": linears, "runtime": "onnxruntime (fake-quant ONNX)", "text": source, "samples": len(chunks),
             "seq_len": seq_len, **metrics}
+
+
+def _eval_chunks(ck: Checkpoint, text: Path | None, seq_len: int,
+                 samples: int | None) -> tuple[list[list[int]], str]:
+    """The token chunks both evaluations score (the float model's tokenizer) and the text's source name."""
+    if seq_len < 2:
+        raise UserError(f"--seq-len {seq_len} is too short", hint="use 128-2048")
+    tokenizer = load_tokenizer(ck.root)
+    texts, source = eval_texts(text, tokenizer)
+    return token_chunks(texts, tokenizer, seq_len, samples), source
 
 
 def render(r: dict[str, Any]) -> str:
