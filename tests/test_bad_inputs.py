@@ -255,6 +255,62 @@ def test_catalog_size():
     assert {c.cls for c in CASES} == {"parse", "shape", "size", "os", "accepted"}
 
 
+# ----------------------------------------------------------------------------------------------- shard plan.json
+@pytest.fixture(scope="module")
+def a_shard(tiny_model, tmp_path_factory, run_cli):
+    """A 2-rank `--format ranks` shard output of the tiny Llama (verify reads every key of its plan.json)."""
+    out = tmp_path_factory.mktemp("shard") / "s"
+    r = run_cli(["shard", "-m", tiny_model(LLAMA), "-o", out, "--tp", "2", "--format", "ranks"])
+    assert r.code == 0, r.err[-2000:]
+    return out
+
+
+def _first_split(plan: dict) -> dict:
+    return next(e for e in plan["tensors"].values() if e["mode"] == "split")
+
+
+PLAN_EDITS = [
+    ("world-a-string", lambda p: p["layout"].__setitem__("world", "2"), ('"world"',)),
+    ("rank-dir-escapes", lambda p: p["rank_dirs"].__setitem__(1, "../elsewhere"), ('"rank_dirs"',)),
+    ("rank-dirs-short", lambda p: p["rank_dirs"].pop(), ('"rank_dirs"', "one directory per rank")),
+    ("rank-out-of-range", lambda p: next(iter(p["tensors"].values())).__setitem__("ranks", [0, 7]), ('"ranks"',)),
+    ("dim-out-of-range", lambda p: _first_split(p).__setitem__("dim", 5), ('"dim"', "got 5")),
+    ("parts-not-a-divisor", lambda p: _first_split(p).__setitem__("parts", 3), ('"parts"',)),
+    ("group-too-large", lambda p: _first_split(p).__setitem__("group", 2) or _first_split(p).__setitem__("rep", 1)
+     or _first_split(p).__setitem__("parts", 1), ('"group"',)),
+    ("shape-negative", lambda p: next(iter(p["tensors"].values())).__setitem__("shape", [-1, 64]), ('"shape"',)),
+    ("mode-unknown", lambda p: next(iter(p["tensors"].values())).__setitem__("mode", "rows"), ('"mode"',)),
+    ("tensors-a-list", lambda p: p.__setitem__("tensors", []), ('"tensors"',)),
+]
+
+
+@pytest.mark.parametrize("edit,needles", [(e, n) for _, e, n in PLAN_EDITS], ids=[i for i, _, _ in PLAN_EDITS])
+def test_verify_rejects_a_malformed_plan_json(edit, needles, a_shard, tmp_path, run_cli):
+    """plan.json whose sha256 matches the manifest (rewritten with it) but whose content is not a plan: exit 2, one
+    line naming plan.json and the key, never a KeyError/IndexError traceback or a read outside the directory."""
+    import hashlib
+
+    out = tmp_path / "s"
+    shutil.copytree(a_shard, out)
+    plan = json.loads((out / "plan.json").read_text())
+    edit(plan)
+    raw = json.dumps(plan).encode()
+    (out / "plan.json").write_bytes(raw)
+    manifest = json.loads((out / "dsconv_manifest.json").read_text())
+    manifest["files"]["plan.json"] = {"sha256": hashlib.sha256(raw).hexdigest(), "size": len(raw)}
+    (out / "dsconv_manifest.json").write_text(json.dumps(manifest))
+    r = run_cli(["verify", out])
+    assert r.code == 2, (r.code, r.err[-2000:])
+    lines = [ln for ln in r.err.splitlines() if ln.strip() and not ln.startswith("warning:")]
+    assert len(lines) == 1 and "Traceback" not in r.err, r.err[-2000:]
+    for needle in ("plan.json",) + needles:
+        assert needle.lower() in lines[0].lower(), (needle, lines[0])
+
+
+def test_verify_accepts_the_untouched_shard(a_shard, run_cli):
+    assert run_cli(["verify", a_shard]).code == 0
+
+
 # ----------------------------------------------------------------------------------------------- transactions
 def _export(run_cli, model: Path, out: Path, *extra):
     return run_cli(["export", "--format", "safetensors", "--model", model, "--output", out, *extra])

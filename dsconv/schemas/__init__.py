@@ -7,4 +7,4 @@ directory's metadata (safetensors headers, index, config.json, their agreement),
 from dsconv.schemas.core import (Fields, decode_utf8, parse_json, read_bytes, read_json, read_toml)  # noqa: F401
 from dsconv.schemas.model import config, inventory, safetensors_header, safetensors_index  # noqa: F401
 from dsconv.schemas.files import (atc_profile, calibration_rows, expert_load, hosts_file, manifest,  # noqa: F401
-                                  quant_description, workspace_toml)
+                                  quant_description, shard_plan, workspace_toml)

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from dsconv.errors import UserError
-from dsconv.schemas.core import (Fields, decode_utf8, is_finite, parse_json, read_bytes, read_json, read_toml, show,
-                                 type_name)
+from dsconv.schemas.core import (Fields, decode_utf8, is_finite, is_int, parse_json, read_bytes, read_json, read_toml,
+                                 show, type_name)
 
 SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -170,3 +170,56 @@ def atc_profile(path: Path, schema: int) -> dict[str, Any]:
         raise UserError(f"{path}: \"extends\" must name a profile file beside it, e.g. _common_910b.json, got "
                         f"{show(parent)}", hint="fix the profile file")
     return data
+
+
+# ------------------------------------------------------------------------------------------- shard plan.json
+SHARD_FORMATS = ("ranks", "mindie", "plan")
+SLICE_MODES = ("whole", "split", "first")
+
+
+def shard_plan(path: Path) -> dict[str, Any]:
+    """A shard output's `plan.json`, as `dsconv verify` reads it: the layout's world size, the rank directories (inside
+    the output), and every tensor's shape, slice rule and ranks in range, so the checks index nothing out of bounds.
+    Its sha256 matching the manifest proves only that it is the file the stage wrote, not that it was sane."""
+    hint = "the shard output is damaged; rerun `dsconv shard`"
+    data = read_json(path, "plan", hint)
+    f = Fields(data, str(path), hint, what="an object (a shard plan)")
+    fmt = f.str("format", default="ranks", choices=SHARD_FORMATS)
+    layout = Fields(f.obj("layout"), f"{path}: layout", hint)
+    world = layout.int("world", 1, 1 << 20)
+    if fmt == "mindie":
+        for key in ("ep", "tp", "nodes", "cards_per_node"):
+            layout.int(key, 1, world)
+        folders = f.list("rank_folders", lambda fo: isinstance(fo, dict) and all(map(safe_relpath, fo.values())),
+                         "a list of objects of relative folder names inside the output")
+        if len(folders) != world:
+            raise f.fail("rank_folders", f"one entry per rank ({world})", f"{len(folders)} entries")
+        return data
+    if fmt == "plan":
+        return data
+    dirs = f.list("rank_dirs", safe_relpath, "a list of relative directory names inside the output", default=None)
+    if dirs is not None and len(dirs) != world:
+        raise f.fail("rank_dirs", f"one directory per rank ({world})", f"{len(dirs)} entries")
+    for name, entry in f.obj("tensors").items():
+        _plan_tensor(Fields(entry, f"{path}: tensors[{show(name)}]", hint), world)
+    return data
+
+
+def _plan_tensor(e: Fields, world: int) -> None:
+    shape = e.list("shape", is_int(0, 1 << 62), "a list of sizes", max_len=16)
+    mode = e.str("mode", choices=SLICE_MODES)
+    ranks = e.data.get("ranks")
+    if ranks != "all" and not (isinstance(ranks, list) and ranks and all(map(is_int(0, world - 1), ranks))):
+        raise e.fail("ranks", f"\"all\" or a non-empty list of ranks in 0..{world - 1}", ranks)
+    if mode == "whole":
+        return
+    parts, rep, group = e.int("parts", 1, world), e.int("rep", 1, world), e.int("group", 1, world)
+    if mode == "first":  # a row-parallel bias: "dim" is its weight's, only group and rep place it
+        return
+    if not shape:
+        raise e.fail("shape", "at least one dimension for mode 'split'", shape)
+    dim = e.int("dim", 0, len(shape) - 1)
+    if (group - 1) // rep >= parts:
+        raise e.fail("group", f"at most parts * rep = {parts * rep} (a rank's piece index is in range)", group)
+    if shape[dim] % parts:
+        raise e.fail("parts", f"a divisor of shape[{dim}] = {shape[dim]}", parts)

@@ -46,16 +46,14 @@ def write_plan_only(src: Any, output: Path, *, head: dict[str, Any], files: dict
 
 def verify(directory: Path, manifest: dict[str, Any]) -> list[str]:
     """`dsconv verify` of a shard output, by the format its plan.json names."""
+    from dsconv.schemas import shard_plan
     from dsconv.shard.write import verify_shard
 
-    try:
-        doc = json.loads((Path(directory) / "plan.json").read_text())
-    except (OSError, ValueError):
-        doc = {}
+    doc = shard_plan(Path(directory) / "plan.json")
     if doc.get("format") == "mindie":
         from dsconv.shard.mindie_write import verify as verify_mindie
 
         return verify_mindie(Path(directory), manifest, doc)
     if doc.get("format") == "plan":
         return []  # no weights: the manifest's file hashes are all there is
-    return verify_shard(directory, manifest)
+    return verify_shard(directory, manifest, doc)

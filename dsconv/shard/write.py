@@ -233,16 +233,13 @@ def _same(a, b) -> bool:
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
-def verify_shard(directory: Path, manifest: dict[str, Any]) -> list[str]:
+def verify_shard(directory: Path, manifest: dict[str, Any], plan: dict[str, Any]) -> list[str]:
     """Every rank holds exactly the plan's tensors, replicas agree, and each original tensor reassembles bit-exactly
-    from the ranks (compared to the source when it is still there; said so when it is not)."""
+    from the ranks (compared to the source when it is still there; said so when it is not). `plan`: plan.json as
+    schemas.shard_plan validated it."""
     from dsconv.errors import warn
 
     directory = Path(directory)
-    try:
-        plan = json.loads((directory / "plan.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError) as e:
-        return [f"plan.json: unreadable ({e})"]
     world = plan["layout"]["world"]
     dirs = plan.get("rank_dirs") or [rank_dir(r, world) for r in range(world)]
     readers = [_RankReader(directory / d) for d in dirs]
