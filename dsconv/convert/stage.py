@@ -78,6 +78,8 @@ def run(req: ExportRequest) -> ExportResult:
             external_data_threshold=parse_size(req.external_data_threshold), force=req.force, dry_run=req.dry_run,
             progress=req.progress)
         return ExportResult("onnx-int8", summary)
+    if fmt in ("onnx", "mindir") and not req.dry_run:
+        _check_space(req, dtype)
     if fmt == "onnx":
         from dsconv.convert.onnx import export_onnx
         from dsconv.tensors import parse_size
@@ -103,6 +105,26 @@ def run(req: ExportRequest) -> ExportResult:
         summary = export_mindir(req.model, req.output, dtype=dtype, with_past=req.with_past, atol=req.atol,
                                 force=req.force, allow_pickle=req.allow_pickle)
     return ExportResult(fmt, summary)
+
+
+def _check_space(req: ExportRequest, dtype: str) -> None:
+    """Refuse before building the model when the weights alone (at the output dtype, sized from the checkpoint headers)
+    cannot fit where the output goes: the export would otherwise fail with ENOSPC after minutes of tracing."""
+    import math
+
+    from dsconv.checkpoint import Checkpoint
+    from dsconv.writer import check_free_space
+
+    itemsize = 4 if dtype == "fp32" else 2
+    ck = Checkpoint.open(req.model, allow_pickle=req.allow_pickle)
+    try:
+        planned = sum(math.prod(i.shape) * itemsize for i in ck.tensors.values())
+    finally:
+        ck.close()
+    where = Path(req.output).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    check_free_space(where, planned, Path(req.output))
 
 
 def quantized_input(req: ExportRequest) -> Path | None:
