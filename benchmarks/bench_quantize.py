@@ -1,5 +1,7 @@
 """Benchmarks of `dsconv quantize` / `dsconv eval` (figures printed, JSON written to bench-results/quantize.json).
 
+1b. memory (issue 14): peak RSS of w8a16 round-to-nearest on DeepSeek-V3-shaped bf16 checkpoints of ~2, ~5.7 and
+   ~8 GB (the real 1.85 GB embedding and lm_head from 5.7 GB on), beside `cp -r`. Goal <= 1.0 GB and flat.
 1. weight-only throughput and peak RSS: w8a16 round-to-nearest on synthetic Llama-like bf16 checkpoints of ~2 GB and
    ~8 GB (random data, deleted afterwards), against a plain copy of the same files; each run in a child process whose
    peak RSS is its own ru_maxrss. Goals: >= 0.7x the copy's throughput; peak RSS <= 1.5 GB and flat in model size.
@@ -10,7 +12,7 @@
    perplexity, W8A8 within 2%, W4A16 GPTQ clearly better than RTN at the same group size.
 
 Run all: `python -m benchmarks.bench_quantize` (or `python -m benchmarks quantize`); one part: `... throughput`,
-`... calibration`, `... targets`. Sizes: `--sizes 2,8` (GB).
+`... calibration`, `... targets`, `... memory`. Sizes: `--sizes 2,8` (GB).
 """
 from __future__ import annotations
 
@@ -57,14 +59,16 @@ def llama_config(layers: int) -> dict[str, Any]:
             "torch_dtype": "bfloat16", "tie_word_embeddings": False, "hidden_act": "silu"}
 
 
-def write_synthetic(out: Path, layers: int, seed: int = 0) -> int:
-    """A Llama-like bf16 checkpoint of random data in 4 GB parts (+ index), written through dsconv's writer."""
+def write_synthetic(out: Path, layers: int, seed: int = 0, cfg: dict[str, Any] | None = None) -> int:
+    """A Llama-like (or `cfg`-shaped) bf16 checkpoint of random data in 4 GB parts (+ index), written through
+    dsconv's writer."""
     import numpy as np
 
     from dsconv.families import family_for
+    from dsconv.tensors import torch_dtype
     from dsconv.writer import OutputDir
 
-    cfg = llama_config(layers)
+    cfg = cfg or llama_config(layers)
     specs = family_for(cfg).synthesize(cfg)
     rng = np.random.default_rng(seed)
     pool = (rng.standard_normal(1 << 25, dtype=np.float32) * 0.02).view(np.uint32) >> 16
@@ -76,6 +80,11 @@ def write_synthetic(out: Path, layers: int, seed: int = 0) -> int:
             start = (j * 7919) % (pool.size - 1)
             reps = -(-(n + start) // pool.size)
             data = np.tile(pool, reps)[start:start + n] if reps > 1 else pool[start:start + n]
+            if s.dtype != "BF16":  # DeepSeek's float32 router bias
+                import torch
+
+                ts.write(s.name, torch.zeros(s.shape, dtype=torch_dtype(s.dtype)))
+                continue
             if s.name.endswith("norm.weight"):
                 data = np.full(n, 0x3F80, np.uint16)  # 1.0
             ts.write(s.name, _bf16(data.reshape(s.shape)))
@@ -190,6 +199,69 @@ def bench_throughput(sizes: list[int], work: Path) -> dict[str, Any]:
               f"{out[f'{gb}GB']['ratio_vs_dsconv_copy']:.2f}x dsconv's own streaming copy; peak RSS "
               f"{out[f'{gb}GB']['quantize_peak_rss_gib']:.2f} GiB (goal <= 1.5)", flush=True)
         shutil.rmtree(model, ignore_errors=True)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ 1b. memory (issue 14)
+def deepseek_config(vocab: int, moe_layers: int, experts: int = 4) -> dict[str, Any]:
+    """DeepSeek-V3's real dimensions (hidden 7168, MLA, dense MLP 18432, experts 2048) with one dense layer, a few
+    MoE layers of `experts` routed experts, and `vocab` (129280 is the real one: 1.85 GB embedding and lm_head)."""
+    cfg = json.loads((ROOT / "tests" / "data" / "deepseek_v3_config.json").read_text())
+    cfg.pop("quantization_config", None)
+    cfg.update(vocab_size=vocab, num_hidden_layers=1 + moe_layers, first_k_dense_replace=1, n_routed_experts=experts,
+               num_experts_per_tok=2, n_group=1, topk_group=1, num_nextn_predict_layers=0)
+    return cfg
+
+
+MEMORY_SIZES = {"2GB": (32000, 0), "5.7GB": (129280, 1), "8GB": (129280, 4)}  # label: (vocab, MoE layers)
+
+RTN_CHILD = """
+import sys, time
+from pathlib import Path
+from dsconv.quant.options import QuantOptions
+from dsconv.quant.stage import QuantRequest, run
+t = time.perf_counter()
+s = run(QuantRequest(Path(sys.argv[1]), Path(sys.argv[2]), QuantOptions(scheme="w8a16", method="rtn"), force=True,
+                     progress=False)).summary
+RESULT = {"seconds": time.perf_counter() - t, "linears": s["linears"]}
+"""
+
+
+def bench_memory(work: Path, labels: list[str] | None = None) -> dict[str, Any]:
+    """Peak RSS (the child's VmHWM: anonymous and mapped file pages) of `quantize --scheme w8a16 --method rtn` on
+    DeepSeek-V3-shaped bf16 checkpoints of ~2, ~5.7 and ~8 GB, beside `cp -r` of the same directory. Goal: <= 1.0
+    GB for 5.7 GB (round 1: 2.26 GB, the 1.85 GB embedding and lm_head passed through whole) and flat in size."""
+    out: dict[str, Any] = {}
+    for label in labels or list(MEMORY_SIZES):
+        vocab, moe = MEMORY_SIZES[label]
+        model = work / f"deepseek-{label}"
+        t = time.perf_counter()
+        nbytes = write_synthetic(model, 0, cfg=deepseek_config(vocab, moe))
+        print(f"[memory] synthetic DeepSeek-V3-shaped {label} (vocab {vocab}, 1 dense + {moe} MoE layers, "
+              f"{nbytes / 1e9:.2f} GB) written in {time.perf_counter() - t:.0f}s; load {_load()}", flush=True)
+        dst = work / "cp-copy"
+        shutil.rmtree(dst, ignore_errors=True)
+        t = time.perf_counter()
+        subprocess.run(["cp", "-r", str(model), str(dst)], check=True)
+        cp_s = time.perf_counter() - t
+        shutil.rmtree(dst, ignore_errors=True)
+        q = _child(RTN_CHILD, str(model), str(work / "rtn-out"))
+        q_bytes = dir_bytes(work / "rtn-out")
+        shutil.rmtree(work / "rtn-out", ignore_errors=True)
+        shutil.rmtree(model, ignore_errors=True)
+        largest = 2 * vocab * 7168
+        out[label] = {"input_bytes": nbytes, "output_bytes": q_bytes, "largest_tensor_bytes": largest,
+                      "cp_r_seconds": round(cp_s, 2), "quantize_seconds": round(q["seconds"], 2),
+                      "quantize_over_cp_time": round(q["seconds"] / cp_s, 2),
+                      "peak_rss_bytes": q["peak_rss_bytes"], "peak_rss_gb": round(q["peak_rss_bytes"] / 1e9, 3),
+                      "load": _load()}
+        print(f"  => {label}: quantize w8a16 rtn peak RSS {q['peak_rss_bytes'] / 1e9:.2f} GB (goal <= 1.0; round 1 "
+              f"2.26 GB at 5.7 GB), largest tensor {largest / 1e9:.2f} GB; {q['seconds']:.1f}s vs cp -r {cp_s:.1f}s "
+              f"({q['seconds'] / cp_s:.2f}x); load {_load()}", flush=True)
+    peaks = [v["peak_rss_bytes"] for v in out.values()]
+    out["peak_rss_spread_gb"] = round((max(peaks) - min(peaks)) / 1e9, 3)
+    print(f"  => peak RSS from {min(peaks) / 1e9:.2f} to {max(peaks) / 1e9:.2f} GB across "
+          f"{', '.join(k for k in out if k in MEMORY_SIZES)}", flush=True)
     return out
 
 
@@ -404,12 +476,13 @@ def bench_targets(work: Path, steps: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_quantize")
-    ap.add_argument("parts", nargs="*", default=["throughput", "calibration", "targets"])
+    ap.add_argument("parts", nargs="*", default=["memory", "throughput", "calibration", "targets"])
     ap.add_argument("--sizes", default="2,8", help="synthetic model sizes in GB")
+    ap.add_argument("--memory-sizes", default=None, help="of 2GB,5.7GB,8GB (default: all)")
     ap.add_argument("--steps", type=int, default=400, help="training steps of the small model")
     ap.add_argument("--work", default=None, help="scratch directory (default: a temp dir, removed)")
     args = ap.parse_args(argv)
-    known = ("throughput", "calibration", "targets")
+    known = ("memory", "throughput", "calibration", "targets")
     args.parts = [p for p in args.parts if p in known] or list(known)  # `python -m benchmarks quantize`: all
     RESULTS.mkdir(exist_ok=True)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="dsconv-bench-quant-"))
@@ -418,6 +491,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
     results["machine"] = {"cpus": os.cpu_count(), "load_at_start": _load()}
     try:
+        if "memory" in args.parts:
+            results["memory"] = bench_memory(work, args.memory_sizes.split(",") if args.memory_sizes else None)
         if "throughput" in args.parts:
             results["throughput"] = bench_throughput([int(x) for x in args.sizes.split(",")], work)
         if "calibration" in args.parts:

@@ -181,6 +181,24 @@ class Checkpoint:
             return self.load(name, dequantize=True)
         return self._reader.view(info)
 
+    def can_stream(self, name: str) -> bool:
+        """Whether `iter_bytes(name)` works: the tensor's bytes lie as-is in a safetensors file."""
+        return self._pickled is None
+
+    def iter_bytes(self, name: str, chunk: int | None = None):
+        """The tensor's stored bytes in consecutive chunks (see `TensorReader.iter_bytes`): a pass-through copy
+        never holds more than one chunk, whatever the tensor's size."""
+        if self._pickled is not None:
+            raise RuntimeError("pickled checkpoints have no byte ranges to stream")
+        return self._reader.iter_bytes(self.info(name), chunk)
+
+    def release_rows(self, name: str, lo: int, hi: int) -> None:
+        """Drop the pages of rows [lo, hi) of a viewed tensor from this process (a row-block consumer of `view`)."""
+        if self._pickled is None:
+            info = self.info(name)
+            row = info.nbytes // max(1, info.shape[0]) if info.shape else info.nbytes
+            self._reader.release_range(info, lo * row, hi * row)
+
     def prefetch(self, name: str) -> None:
         """Ask the kernel to read a tensor ahead (the next one in a stream)."""
         if self._pickled is None:

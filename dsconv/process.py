@@ -5,7 +5,7 @@ import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 
 @contextlib.contextmanager
@@ -33,3 +33,50 @@ def peak_rss_bytes() -> int:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+_POOLS: dict[tuple[int, int], Any] = {}
+
+
+def _threads(n: int):
+    """A process-wide pool of `n` threads (per pid: a forked worker gets its own). Reused across tensors, so the
+    threads' scratch buffers and malloc arenas are reused too instead of growing with every new pool."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    key = (os.getpid(), n)
+    if key not in _POOLS:
+        _POOLS[key] = ThreadPoolExecutor(n, thread_name_prefix="dsconv-block")
+    return _POOLS[key]
+
+
+def ordered_map(fn, items, threads: int = 2):
+    """`fn` over `items` on `threads` threads, results yielded in order with at most `threads + 1` computed ahead:
+    a streaming consumer (a writer putting row blocks into a file in order) overlaps with the computation while
+    memory stays a few results, never all of them (`Executor.map` would submit everything at once).
+    numpy and pwrite release the GIL, so the threads and the consumer run in parallel. `fn` must not call
+    ordered_map itself (the pool is shared)."""
+    from collections import deque
+
+    if threads <= 1:
+        for item in items:
+            yield fn(item)
+        return
+    pool = _threads(threads)
+    ahead: deque = deque()
+    it = iter(items)
+    try:
+        for item in it:
+            ahead.append(pool.submit(fn, item))
+            if len(ahead) > threads:
+                break
+        while ahead:
+            result = ahead.popleft().result()
+            for item in it:
+                ahead.append(pool.submit(fn, item))
+                break
+            yield result
+            del result
+    finally:
+        for f in ahead:  # an abandoned stream: drop what has not started, wait for what has
+            if not f.cancel():
+                f.exception()

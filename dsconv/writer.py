@@ -30,6 +30,7 @@ from dsconv.tensors import TensorSpec, is_within, safetensors_dtype
 
 MANIFEST = "dsconv_manifest.json"
 DEFAULT_MAX_SHARD_SIZE = 4 * 1000**3  # the official tools' "4GB"
+PARALLEL_HASH_MIN = 1 << 20  # chunks from this size on are hashed on a helper thread while being written
 
 def _as_bytes(tensor: Any) -> memoryview:
     """A zero-copy byte view of a contiguous torch tensor or numpy array."""
@@ -84,6 +85,7 @@ class TensorSetWriter:
         self._cursor: list[int] = []  # next in-order offset per part (for incremental hashing)
         self._sizes: list[int] = []
         self._written: set[str] = set()
+        self._pool: Any = None  # the sha256 helper thread, started by the first big chunk
         for i, part in enumerate(parts):
             entries: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
             offset = 0
@@ -113,24 +115,52 @@ class TensorSetWriter:
 
     def write(self, name: str, tensor: Any) -> None:
         """Write one planned tensor; its dtype and shape must be the planned ones."""
+        self.write_chunks(name, (_as_bytes(tensor),), safetensors_dtype(tensor), tuple(tensor.shape))
+
+    def write_chunks(self, name: str, chunks: Iterable[Any], dtype: str | None = None,
+                     shape: tuple[int, ...] | None = None) -> None:
+        """Write one planned tensor from consecutive byte chunks (any buffer: memoryview, numpy, bytes), so that
+        no caller has to hold a whole tensor: a pass-through embedding streams from the input's mmap, a quantized
+        linear one row block at a time. Chunks arriving in file order are hashed on the fly. `dtype` and `shape`,
+        when given, must be the planned ones; the byte count always must."""
         spec = self.specs.get(name)
         if spec is None:
             raise ValueError(f"tensor {name} was not planned for {self.prefix}")
         if name in self._written:
             raise ValueError(f"tensor {name} written twice")
-        dtype = safetensors_dtype(tensor)
-        shape = tuple(tensor.shape)
-        if dtype != spec.dtype or shape != spec.shape:
+        dtype = spec.dtype if dtype is None else dtype
+        shape = spec.shape if shape is None else shape
+        if dtype != spec.dtype or tuple(shape) != spec.shape:
             raise ValueError(f"tensor {name}: planned {spec.dtype}{list(spec.shape)}, got {dtype}{list(shape)}")
         part, offset, nbytes = self._where[name]
-        data = _as_bytes(tensor)
-        assert len(data) == nbytes
         fd = self._fds[part]
-        done = 0
-        while done < nbytes:
-            done += os.pwrite(fd, data[done:], offset + done)
-        if self._cursor[part] == offset and self._hash[part] is not None:
-            self._hash[part].update(data)
+        in_order = self._cursor[part] == offset and self._hash[part] is not None
+        pos = offset
+        for chunk in chunks:
+            if isinstance(chunk, np.ndarray):  # any numpy dtype, ml_dtypes' bfloat16 included (no buffer format)
+                chunk = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
+            data = chunk if isinstance(chunk, memoryview) else memoryview(chunk)
+            data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+            if pos + len(data) > offset + nbytes:
+                raise ValueError(f"tensor {name}: more than its {nbytes} planned bytes")
+            # sha256 and pwrite both release the GIL: a big chunk is hashed on a helper thread while it is
+            # written, so the pair costs the slower of the two instead of their sum
+            hashing = self._hasher().submit(self._hash[part].update, data) \
+                if in_order and len(data) >= PARALLEL_HASH_MIN else None
+            try:
+                done = 0
+                while done < len(data):
+                    done += os.pwrite(fd, data[done:], pos + done)
+            finally:
+                if hashing is not None:
+                    hashing.result()
+            if in_order and hashing is None:
+                self._hash[part].update(data)
+            pos += len(data)
+            del data, chunk
+        if pos != offset + nbytes:
+            raise ValueError(f"tensor {name}: {pos - offset} bytes written, {nbytes} planned")
+        if in_order:
             self._cursor[part] += nbytes
         else:
             self._hash[part] = None  # out of order: hash by reading back at close
@@ -154,8 +184,21 @@ class TensorSetWriter:
             self._written.add(name)
         self._hash[part] = Known(sha256) if sha256 else None
 
+    def _hasher(self):
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
+        return self._pool
+
+    def _stop_hasher(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
     def close(self) -> dict[str, dict[str, Any]]:
         """Check completeness, close the parts, write the index; return {relative file: {sha256, size}}."""
+        self._stop_hasher()
         missing = [n for n in self.specs if n not in self._written]
         if missing:
             raise RuntimeError(f"{len(missing)} planned tensors never written, e.g. {missing[0]}")
@@ -175,6 +218,7 @@ class TensorSetWriter:
         return out
 
     def abort(self) -> None:
+        self._stop_hasher()
         for fd in self._fds:
             os.close(fd)
         self._fds = []

@@ -28,8 +28,8 @@ LAYERS: dict[str, int] = {
     # inputs, the quantized-tensor format math, the ONNX external-data writer, the workspace file
     "dsconv.tensorfile": 1, "dsconv.writer": 1, "dsconv.parts": 1, "dsconv.onnx_data": 1, "dsconv.schemas": 1, "dsconv.qformat": 1, "dsconv.workspace": 1,
     # 2 the model: the family tables, the checkpoint (which classifies every tensor through its family), the torch
-    # model builder, tiny models
-    "dsconv.families": 2, "dsconv.checkpoint": 2, "dsconv.model": 2, "dsconv.tiny": 2,
+    # model builder, tiny models, a checkpoint tensor copied into a writer in bounded chunks (passthrough)
+    "dsconv.families": 2, "dsconv.checkpoint": 2, "dsconv.model": 2, "dsconv.tiny": 2, "dsconv.passthrough": 2,
     # 3 engine profiles, executor
     "dsconv.engines": 3, "dsconv.exec": 3,
     # 4 stages

@@ -327,14 +327,15 @@ def _fail_after_first_tensor(monkeypatch, exc: BaseException) -> None:
     calls = []
 
     def failing(real):
-        def write(self, name, tensor):
+        def write(self, name, *args, **kwargs):
             calls.append(name)
             if len(calls) > 1:
                 raise exc
-            return real(self, name, tensor)
+            return real(self, name, *args, **kwargs)
         return write
 
-    monkeypatch.setattr(writer.TensorSetWriter, "write", failing(writer.TensorSetWriter.write))
+    # TensorSetWriter.write goes through write_chunks
+    monkeypatch.setattr(writer.TensorSetWriter, "write_chunks", failing(writer.TensorSetWriter.write_chunks))
     monkeypatch.setattr(parts.PartWriter, "write_chunks", failing(parts.PartWriter.write_chunks))
 
 

@@ -2,8 +2,9 @@
 
 Plan from headers, then stream. The plan keeps the input's layout: one output part per input part, with the same
 file name and the same tensors in the same order (minus the FP8 `weight_scale_inv` scales, which are folded into
-their weights), and an index of the same name. Each tensor is then read (mmap, one tensor resident), converted and
-written before the next is read, so peak memory stays near the largest tensor whatever the model size.
+their weights), and an index of the same name. Each tensor is then converted and written in bounded pieces
+(`write_converted`: stripes of FP8 block rows, 64 MiB chunks of cast or kept tensors), so memory is a few pieces,
+not the largest tensor, and the arithmetic of the next stripes overlaps the pwrite + sha256 of the previous ones.
 
 Per tensor:
   * FP8 weight (with its `weight_scale_inv`, wherever the index puts it) -> dequantized to the target dtype;
@@ -19,9 +20,11 @@ presents (transformers' default "original" layout, which it loads as well); ever
 The FP8 -> BF16 kernel is exact (bit-identical to `fp8.to(float32) * scale` rounded to the target dtype) and runs in
 numpy on 128-row stripes, two threads: the e4m3 bits are moved into float32 position with integer ops (the 2^120
 exponent re-bias is folded into the scale, which also makes subnormals exact), then one float32 multiply and one
-round-to-nearest-even store (ml_dtypes for bfloat16). torch's own float8 cast is ~10x slower on CPU.
-`pipeline=True` writes one tensor on a thread while the next converts (two converted tensors alive instead of one);
-it measured no faster on the shared 2-core host (benchmarks/bench_export.py), so it is off by default.
+round-to-nearest-even store (ml_dtypes for bfloat16). torch's own float8 cast is ~10x slower on CPU. NaN/Inf
+checks work on bit patterns (an AND and a max; torch.isfinite on bf16 cost 3.6x the dequantization itself) and are
+skipped for FP8 stripes whose block scales prove them finite.
+`pipeline=True` converts whole tensors and writes one on a thread while the next converts (the round-1 path, kept
+for comparison in benchmarks/bench_export.py).
 """
 from __future__ import annotations
 
@@ -31,7 +34,6 @@ import queue
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -142,48 +144,76 @@ def dequantize_fp8(weight, scale_inv, block: tuple[int, int], out_dtype, name: s
     `weight.float() * scale` rounded once. Falls back to the reference loop for e5m2 or huge scales."""
     import torch
 
+    out = torch.empty(tuple(weight.shape), dtype=out_dtype)
+    out_np = _numpy_view(out) if out.numel() else None
+    for r0, r1, stripe in iter_dequantized_fp8(weight, scale_inv, block, out_dtype, name, threads, out=out_np):
+        if stripe is not None and out_np is not None and not np.may_share_memory(stripe, out_np):
+            out_np[r0:r1] = stripe.view(out_np.dtype)
+    return out
+
+
+def iter_dequantized_fp8(weight, scale_inv, block: tuple[int, int], out_dtype, name: str = "weight",
+                         threads: int = 2, out: np.ndarray | None = None):
+    """`dequantize_fp8` one stripe of whole block rows at a time, in row order: `(row_start, row_stop, array)`,
+    the array in `out_dtype`'s numpy form (bfloat16 through ml_dtypes) and written into `out[row_start:row_stop]`
+    when `out` is given. Stripes are computed by `threads` threads at most a few ahead of the consumer, so a writer
+    consuming them in order overlaps pwrite + sha256 with the arithmetic and never holds the whole output.
+
+    Per stripe: the e4m3 bits move into float32 position with integer ops (the 2^120 exponent re-bias is folded into
+    the scale, which also makes subnormals exact), one float32 multiply by the block scale, one round-to-nearest-even
+    store into the target dtype. A NaN code (0x7F/0xFF) is a UserError naming the first stripe holding one."""
+    import torch
+
+    from dsconv.process import ordered_map
     from dsconv.tensorfile import dequant_fp8_block
 
     scale = scale_inv.to(torch.float32)
     if (weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or scale.numel() == 0
-            or float(scale.abs().max()) >= 2.0 ** 7):  # scale * 2^120 must stay finite
-        return dequant_fp8_block(weight, scale, block, out_dtype=out_dtype)
+            or not float(scale.abs().max()) < 2.0 ** 7):  # scale * 2^120 must stay finite (NaN scales too)
+        whole = dequant_fp8_block(weight, scale, block, out_dtype=out_dtype)
+        yield 0, whole.shape[0], _numpy_view(whole) if whole.numel() else None
+        return
     rows, cols = weight.shape
     b0, b1 = block
     if tuple(scale.shape) != (math.ceil(rows / b0), math.ceil(cols / b1)):
         raise UserError(f"{name}_scale_inv has shape {list(scale.shape)} for a {list(weight.shape)} weight in "
                         f"{b0}x{b1} blocks", hint="the scale does not belong to this weight")
     col_scale = np.repeat((scale.numpy() * np.float32(_REBIAS)).astype(np.float32), b1, axis=1)[:, :cols]
-    out = torch.empty((rows, cols), dtype=out_dtype)
-    out_np = _numpy_view(out)
     i8 = weight.view(torch.int8).numpy()
-    step = b0 * max(1, STRIPE_ROWS // b0)  # whole block rows per stripe
-    bad = []
+    np_out = _numpy_dtype(out_dtype)
+    # a stripe never straddles a block row: a divisor of it, or whole block rows
+    step = STRIPE_ROWS if b0 % STRIPE_ROWS == 0 else b0 * max(1, STRIPE_ROWS // b0)
+    local = threading.local()
 
-    def stripe(r0: int) -> None:
+    def stripe(r0: int):
         x = i8[r0:r0 + step]
-        if np.any((x & 0x7F) == 0x7F):  # e4m3fn NaN codes: the weight is damaged
-            bad.append(r0)
-            return
-        y = x.astype(np.int32)  # sign-extended, so the sign lands in bit 31 after the shift
+        if np.bitwise_and(x, np.int8(0x7F)).max() == 0x7F:  # e4m3fn NaN codes: the weight is damaged
+            raise UserError(f"FP8 weight {name} holds NaN codes (rows from {r0})",
+                            hint="the checkpoint is damaged; re-download it")
+        if not hasattr(local, "y"):
+            local.y = np.empty((step, cols), np.int32)
+        y = local.y[: x.shape[0]]
+        np.copyto(y, x)  # sign-extended, so the sign lands in bit 31 after the shift
         y <<= 20
         y &= _FP8_BITS  # sign, 4 exponent and 3 mantissa bits in float32 position
         f = y.view(np.float32)  # = fp8 value / 2^120, exact (subnormals included)
         for j in range(0, f.shape[0], b0):
             f[j:j + b0] *= col_scale[(r0 + j) // b0]
-        np.copyto(out_np[r0:r0 + step], f, casting="unsafe")  # one round-to-nearest-even into the target dtype
+        dst = out[r0:r0 + x.shape[0]] if out is not None else np.empty(f.shape, np_out)
+        np.copyto(dst, f, casting="unsafe")  # one round-to-nearest-even into the target dtype
+        return r0, r0 + x.shape[0], dst
 
-    starts = range(0, rows, step)
-    if threads > 1 and rows > step:
-        with ThreadPoolExecutor(threads) as ex:
-            list(ex.map(stripe, starts))
-    else:
-        for r0 in starts:
-            stripe(r0)
-    if bad:
-        raise UserError(f"FP8 weight {name} holds NaN codes (rows from {min(bad)})",
-                        hint="the checkpoint is damaged; re-download it")
-    return out
+    yield from ordered_map(stripe, range(0, rows, step), threads if rows > step else 1)
+
+
+def _numpy_dtype(torch_dtype):
+    import torch
+
+    if torch_dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return torch.empty(0, dtype=torch_dtype).numpy().dtype
 
 
 def _numpy_view(t):
@@ -198,8 +228,46 @@ def _numpy_view(t):
     return t.numpy()
 
 
+def write_converted(write_chunks, ck, t: TensorPlan, threads: int = 2) -> int:
+    """One planned tensor converted and written through `write_chunks(name, chunks)` in bounded pieces, checked
+    for NaN/Inf on the way; returns the bytes written. Per tensor, from the checkpoint and the plan entry alone, so
+    a worker can run it. FP8: stripes of block rows (see `iter_dequantized_fp8`), computed while the previous ones
+    are written; cast and kept floats: 64 MiB chunks (dsconv/passthrough.py). Memory is a few stripes or chunks,
+    never the output tensor, and the result's bytes are those of `convert_tensor` + `check_finite`."""
+    from dsconv.passthrough import copy_tensor, first_nonfinite, nonfinite_error
+    from dsconv.tensors import DTYPE_SIZES, torch_dtype
+
+    nbytes = math.prod(t.shape) * DTYPE_SIZES[t.out_dtype]
+    if t.action != "dequantize":
+        copy_tensor(write_chunks, ck, t.name, t.out_dtype, check=ck.root)
+        return nbytes
+    import torch
+
+    w, scale = ck.load(t.name), ck.load(t.scale)
+    # e4m3 products are finite when every scale is finite and < 2^7 (|x| <= 448, so |x * s| < 57344, finite in bf16,
+    # fp16 and fp32): checked once on the scales instead of on every output element
+    s = scale.float()
+    proven = (w.dtype == torch.float8_e4m3fn and s.numel() > 0 and bool(torch.isfinite(s).all())
+              and float(s.abs().max()) < 2.0 ** 7)
+    cols = w.shape[1] if w.dim() == 2 else 1
+
+    def stripes():
+        for r0, _, arr in iter_dequantized_fp8(w, scale, ck.facts.fp8_block or (128, 128),
+                                               torch_dtype(t.out_dtype), t.name, threads):
+            if arr is None:
+                continue
+            if not proven:
+                bad = first_nonfinite(arr, t.out_dtype)
+                if bad is not None:
+                    raise nonfinite_error(ck.root, t.name, r0 * cols + bad, float(arr.reshape(-1)[bad]))
+            yield arr
+
+    write_chunks(t.name, stripes())
+    return nbytes
+
+
 def convert_tensor(ck, t: TensorPlan, threads: int = 2):
-    """One planned tensor, read and converted (the only full-size tensors alive are its input and output)."""
+    """One planned tensor, read and converted whole (the pipelined writer's path; `write_converted` streams)."""
     from dsconv.tensors import torch_dtype
 
     x = ck.load(t.name)
@@ -278,12 +346,12 @@ def rewrite_into(out, ck, plan: RewritePlan, progress: bool | None = None, pipel
         for part in (() if by_parts else plan.parts):
             ts = sets[part.file]
             for t in part.tensors:
+                if writer is None:
+                    bar.update(write_converted(ts.write_chunks, ck, t))
+                    continue
                 tensor = convert_tensor(ck, t)
                 check_finite(t.name, tensor, ck.root)
-                if writer is not None:
-                    writer.put(ts, t.name, tensor)
-                else:
-                    ts.write(t.name, tensor)
+                writer.put(ts, t.name, tensor)
                 bar.update(tensor.numel() * tensor.element_size())
                 del tensor
     finally:
@@ -302,18 +370,27 @@ def rewrite_into(out, ck, plan: RewritePlan, progress: bool | None = None, pipel
 
 def check_finite(name: str, tensor, where: Path, chunk: int = 1 << 24) -> None:
     """NaN/Inf in a weight is a broken checkpoint (or an FP8 NaN code): refuse it by name rather than pass it on.
-    Chunked, so the check costs one bool per element of a 16M-element slice, never of the whole tensor."""
+    Chunked, on the bit patterns (passthrough.first_nonfinite), so the check costs an AND and a max per element."""
     import torch
+
+    from dsconv.passthrough import first_nonfinite, nonfinite_error
+    from dsconv.tensors import safetensors_dtype
 
     if not tensor.is_floating_point() or tensor.numel() == 0:
         return
     flat = tensor.reshape(-1)
+    st = safetensors_dtype(tensor)
+    bits_type = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(tensor.element_size())
     for lo in range(0, flat.numel(), chunk):
         part = flat[lo:lo + chunk]
-        if not bool(torch.isfinite(part).all()):
-            bad = lo + int((~torch.isfinite(part)).nonzero()[0, 0])
-            raise UserError(f"{where}: tensor {name} holds {float(flat[bad])} at element {bad}",
-                            hint="the checkpoint is damaged (NaN/Inf weights); re-download it or fix its source")
+        if bits_type is not None and st in ("BF16", "F16", "F32", "F64"):
+            bad = first_nonfinite(part.contiguous().view(bits_type).numpy(), st)
+        elif not bool(torch.isfinite(part).all()):
+            bad = int((~torch.isfinite(part)).nonzero()[0, 0])
+        else:
+            bad = None
+        if bad is not None:
+            raise nonfinite_error(where, name, lo + bad, float(flat[lo + bad]))
 
 
 def rewritten_config(config: dict[str, Any], dtype: str) -> dict[str, Any]:

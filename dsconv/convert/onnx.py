@@ -3,7 +3,8 @@
 Steps, in one OutputDir transaction (any failure leaves nothing behind):
   1. estimate the peak memory from headers and refuse early when it clearly exceeds the available RAM (tracing needs
      the whole model in memory; `force` tries anyway);
-  2. build transformers' model from the reader (hf_model.py; FP8 dequantized in-stream, MoE as `batched_mm`);
+  2. build transformers' model from the reader (hf_model.py; FP8 dequantized in-stream, MoE experts dense on
+     per-expert views);
   3. trace the I/O wrapper (onnx_wrapper.py) with the TorchScript exporter into a weightless graph, keep integer
      math in int64, convert the opset when the exporter cannot emit the requested one (onnx_opset.py);
   4. stream the weights into model.onnx_data (onnx_graph.py), one tensor at a time, never copied;
@@ -15,9 +16,10 @@ protobuf, so the check adds almost nothing to the peak; the peak is transformers
 benchmarks/bench_export.py: fp32 weights + the mapped pages of a bf16 checkpoint being read + ~0.45 GB of libraries).
 
 Why opset 14 by default: it is inside the range every CANN release's ATC accepts (11-15, reference/atc_and_socs.md),
-it is what optimum uses for decoder LMs, the TorchScript exporter emits it directly for every family here (MoE needs
->= 13 for `repeat_interleave`), and it has bf16/fp16 versions of the arithmetic ops. bf16 graphs need 16 (Where on
-bfloat16 appears at 16), so `--dtype bf16` defaults to 16.
+it is what optimum uses for decoder LMs, the TorchScript exporter emits it directly for every family here (MoE
+included: the dense experts need no `repeat_interleave`, so even 11 is emitted directly), and it has bf16/fp16
+versions of the arithmetic ops. bf16 graphs need 16 (Where on bfloat16 appears at 16), so `--dtype bf16` defaults to
+16.
 """
 from __future__ import annotations
 
@@ -67,16 +69,18 @@ def weight_bytes(ck, dtype: str) -> tuple[int, int]:
 def memory_estimate(ck, dtype: str) -> dict[str, int]:
     """Peak memory of an export, from headers. Measured (benchmarks/bench_export.py) as: the weights in the export
     dtype + the checkpoint's pages that transformers maps while converting them (file-backed, reclaimable) + the
-    libraries + for MoE the expert weights `batched_mm` gathers per (token, expert) pair on the longest check input
-    (33 tokens), in PyTorch and onnxruntime alike. The refusal uses the part that cannot be reclaimed."""
+    libraries. MoE experts run dense on per-expert views of the weights (hf_model.dense_experts_forward), so nothing
+    scales with tokens x experts x weights any more (batched_mm gathered a weight copy per (token, expert) pair: 2.63x
+    the fp32 weights at peak). The refusal uses the part that cannot be reclaimed."""
     import psutil
 
     weights, _ = weight_bytes(ck, dtype)
     # bf16 is checked in fp32 (see _export): the model is widened before the reference run
     held, mapped = weight_bytes(ck, "fp32" if dtype == "bf16" else dtype)
     f = ck.facts
-    gather = 33 * f.experts_per_tok * 3 * f.moe_intermediate_size * f.hidden_size * 4 if f.is_moe else 0
-    anonymous = int(RAM_MARGIN * (held + RAM_BASE + 1.5 * gather))
+    # the dense experts' activations: one expert's [33 tokens, 3 x intermediate] at a time, and the sum
+    gather = 33 * (3 * f.moe_intermediate_size + 2 * f.hidden_size) * 4 if f.is_moe else 0
+    anonymous = int(RAM_MARGIN * (held + RAM_BASE + gather))
     return {"weight_bytes": weights, "checkpoint_pages_bytes": mapped, "moe_gather_bytes": gather,
             "estimated_peak_bytes": anonymous + int(RAM_MARGIN * mapped), "estimated_anonymous_bytes": anonymous,
             "available_bytes": int(psutil.virtual_memory().available)}

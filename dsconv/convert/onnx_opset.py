@@ -1,9 +1,10 @@
 """Opset conversion when the exporter cannot emit the requested opset directly.
 
-The TorchScript exporter emits opset 13-18 for every family here, but not 11-12 for MoE models
-(`repeat_interleave` over a dynamic dimension needs 13). onnx's version converter is tried first; it has no
-down-adapters for most ops (e.g. Sub 13 -> 12, CumSum 14 -> 13), so when it fails this module lowers the graph
-itself, node by node, with the few rewrites the opset history needs between 11 and 18:
+The TorchScript exporter emits opset 13-18 for every family here, but not 11-12 for MoE models run as `batched_mm`
+(`repeat_interleave` over a dynamic dimension needs 13; the dense experts the export uses emit 11 directly). onnx's
+version converter is tried first; it has no down-adapters for most ops (e.g. Sub 13 -> 12, CumSum 14 -> 13), so
+when it fails this module lowers the graph itself, node by node, with the few rewrites the opset history needs
+between 11 and 18:
   * `axes` (Squeeze, Unsqueeze, ReduceSum: input since 13; other Reduce*: input since 18) and Split's `split`
     move from a constant input back to an attribute;
   * Softmax / LogSoftmax over the last axis keep their meaning before 13 (2-D coercion at axis = last);

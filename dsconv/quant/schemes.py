@@ -217,6 +217,54 @@ def quantize_weight_per_group(
     return q, scale, np.zeros_like(scale)
 
 
+def iter_quantized_rows(
+    w: Any, bits: int, group_size: int = 0, name: str = "weight",
+    done: Callable[[int, int], None] | None = None,
+) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
+    """Round-to-nearest one row block at a time, in row order: ``(start, stop, q int8 [rows, k], scale float32
+    [rows, groups])``, the same values as :func:`quantize_weight_per_group` (per channel for ``group_size`` 0 or k):
+    every row is quantized on its own, so blocking cannot change a byte. Why: a streaming writer puts each block's
+    bytes into the output while the next blocks are computed, so memory is a few blocks, not the tensor's int8 copy.
+
+    Large tensors use two threads, at most three blocks ahead of the consumer; ``done(start, stop)`` is called once
+    the consumer has taken a block (to drop its input pages). Blocks hold an even number of rows (but the last):
+    int4 packs pairs of output rows."""
+    n, k = _shape2d(w, name)
+    check_group_size(k, group_size, name)
+    if n == 0 or k == 0:
+        return
+    per_group = group_size not in (0, k)
+    groups = k // group_size if per_group else 1
+    qmin, qmax = qrange(bits)
+    step = max(2, _rows_per_block(n, k) // 2 * 2)
+    threads = min(2, os.cpu_count() or 1) if n * k >= THREAD_MIN_ELEMS else 1
+    local = threading.local()
+
+    def job(s: int) -> tuple[int, int, np.ndarray, np.ndarray]:
+        if not hasattr(local, "buf"):
+            local.buf = np.empty((step, k), np.float32)
+            local.scratch = np.empty((step, k), np.float32)
+        e = min(n, s + step)
+        blk = _fill_float32(local.buf[: e - s], w[s:e])
+        q = np.empty((e - s, k), np.int8)
+        if per_group:
+            shape3 = (e - s, groups, group_size)
+            b3 = blk.reshape(shape3)
+            sc = symmetric_scale(_absmax_rows(b3), bits, name)
+            _round_clip_into(q.reshape(shape3), b3, sc, qmin, qmax, local.scratch[: e - s].reshape(shape3))
+            return s, e, q, sc[..., 0]
+        sc = symmetric_scale(_absmax_rows(blk), bits, name)
+        _round_clip_into(q, blk, sc, qmin, qmax, local.scratch[: e - s])
+        return s, e, q, sc
+
+    from dsconv.process import ordered_map
+
+    for out in ordered_map(job, range(0, n, step), threads):
+        yield out
+        if done is not None:
+            done(out[0], out[1])
+
+
 # ----------------------------------------------------------------------------------------------- activations
 def activation_qparams(min_val: float, max_val: float) -> tuple[np.float32, np.float32]:
     """Per-tensor asymmetric int8 parameters ``(input_scale, input_offset)`` for a calibrated range.

@@ -27,7 +27,7 @@ from dsconv.quant.output import QuantWriter, as_float
 from dsconv.quant.plan import LinearPlan, QuantPlan, linear_specs
 from dsconv.quant.schemes import dequant_weight, relative_error
 from dsconv.quant.stats import LinearRecord
-from dsconv.quant.weights import quantize_weight
+from dsconv.quant.weights import quantize_weight, rtn_linear_into
 from dsconv.tensorfile import TensorInfo, TensorReader, dequant_fp8_block
 
 ERROR_SAMPLE_ROWS = 256  # rows used to estimate a big tensor's relative error
@@ -154,6 +154,12 @@ def run_part(job: PartJob) -> PartResult:
             for j, src in enumerate(job.sources):
                 if j + 1 < len(job.sources):
                     reader.advise(job.sources[j + 1].weight, getattr(mmap, "MADV_WILLNEED", 3))
+                if _by_rows(src, wanted):
+                    if pending is not None:
+                        pending.result()  # output in order
+                        pending = None
+                    records.append(_rtn_rows(reader, src, job.params, out))
+                    continue
                 items = _produce(reader, src, job.params, records)
                 if pending is not None:
                     pending.result()  # one write in flight: bounded memory, output in order
@@ -167,6 +173,28 @@ def run_part(job: PartJob) -> PartResult:
         raise
     finally:
         reader.close()
+
+
+def _by_rows(src: Source, wanted: set[str]) -> bool:
+    """A linear stored as is (not FP8, viewable) streams one row block at a time (weights.rtn_linear_into)."""
+    return (src.lp is not None and src.scale is None and src.weight.dtype in VIEWABLE and src.weight.numel > 0
+            and f"{src.lp.module}.weight" in wanted)
+
+
+def _rtn_rows(reader: TensorReader, src: Source, params: Params, out: PartWriter) -> tuple[str, str, float]:
+    """Round-to-nearest of one linear in row blocks straight into the part (memory: a few blocks, not the weight's
+    int8 copy); each block's input pages dropped once written. The same bytes and error figure as `_produce`."""
+    info, lp = src.weight, src.lp
+    row = info.nbytes // max(1, info.shape[0])
+    w = reader.view(info)
+    bias = reader.read(src.bias) if src.bias is not None else None
+    try:
+        err = rtn_linear_into(w, lp, lp.qtype, params.group_size, params.deq_dtype, bias, out.write_chunks,
+                              out.write, release=lambda a, b: reader.release_range(info, a * row, b * row))
+    finally:
+        del w
+        reader.advise(info, getattr(mmap, "MADV_DONTNEED", 4))
+    return lp.module, lp.qtype, err
 
 
 def _write_items(out: PartWriter, items: list[tuple[str, Any]], reader: TensorReader, src: Source) -> None:

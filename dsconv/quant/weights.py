@@ -1,12 +1,17 @@
 """One linear's weight quantized, the same way on both paths (streamed or calibrated)."""
 from __future__ import annotations
 
+from typing import Any, Callable, Iterable
+
 import numpy as np
 import torch
 
+from dsconv.quant.formats.msmodelslim import LinearResult, emit_linear, pack_weight_rows
 from dsconv.quant.gptq import gptq_quantize
 from dsconv.quant.plan import BITS, LinearPlan, QuantPlan
-from dsconv.quant.schemes import quantize_weight_per_channel, quantize_weight_per_group
+from dsconv.quant.schemes import (dequant_weight, iter_quantized_rows, quantize_weight_per_channel,
+                                  quantize_weight_per_group, relative_error, to_float32)
+from dsconv.quant.stats import LinearRecord
 
 
 def quantize_weight(lp: LinearPlan, w: torch.Tensor, plan: QuantPlan, hessian: np.ndarray | None,
@@ -21,3 +26,59 @@ def quantize_weight(lp: LinearPlan, w: torch.Tensor, plan: QuantPlan, hessian: n
         return quantize_weight_per_channel(w if w.dtype != torch.float32 else w.numpy(), 8, lp.module)
     q, scale, _ = quantize_weight_per_group(w if w.dtype != torch.float32 else w.numpy(), g, 4, lp.module)
     return q, scale
+
+
+ERROR_SAMPLE_ROWS = 256  # rows used to estimate a big tensor's relative error
+
+
+def rtn_linear_into(w: Any, lp: LinearPlan, qtype: str, group_size: int, deq_dtype: str, bias: Any,
+                    write_chunks: Callable[[str, Iterable[Any]], None],
+                    write: Callable[[str, Any], None], release: Callable[[int, int], None] | None = None) -> float:
+    """Round-to-nearest of one linear weight `w` (a zero-copy view is fine), written one row block at a time:
+    `write_chunks(name, chunks)` gets the (packed) int8 weight block by block while two threads compute
+    the next blocks, then `write(name, array)` each small component (scales, offsets, bias) - the same tensors and
+    bytes as `emit_linear(quantize_weight(...))`, with memory a few row blocks instead of the weight's int8 copy.
+    `release(row_start, row_stop)` drops input rows once written. Sink-agnostic and per tensor, so a worker with its
+    own part writer can call it. Returns the relative error from evenly spaced rows (ERROR_SAMPLE_ROWS)."""
+    bits = BITS[lp.qtype]
+    g = group_size if bits == 4 else 0
+    n, k = lp.shape
+    groups = 1 if g in (0, k) else k // g
+    step = max(1, n // ERROR_SAMPLE_ROWS)
+    sampled: list[np.ndarray] = []
+    sampled_w: list[np.ndarray] = []
+    scale = np.ones((n, groups), np.float32)
+
+    def chunks():
+        for s, e, q, sc in iter_quantized_rows(w, bits, g, lp.module, done=release):
+            scale[s:e] = sc
+            first = -(-s // step) * step
+            if first < e:
+                # the sampled rows now, while the block's pages are mapped (a strided read of the whole view later
+                # maps most of its pages again); copies, since a view would keep each whole block alive
+                sampled.append(q[first - s:e - s:step].copy())
+                sampled_w.append(to_float32(w[first:e:step]))
+            yield pack_weight_rows(lp.module, qtype, q, groups)
+
+    write_chunks(f"{lp.module}.weight", chunks())  # the layout's first component, in every type
+    res = LinearResult(q=np.broadcast_to(np.int8(0), (n, k)), scale=scale, bias=bias)
+    for name, arr in emit_linear(lp.module, qtype, res, deq_dtype, skip_weight=True):
+        write(name, arr)
+    rows = slice(0, n, step)
+    q_rows = np.concatenate(sampled) if sampled else np.empty((0, k), np.int8)
+    w_rows = np.concatenate(sampled_w) if sampled_w else np.empty((0, k), np.float32)
+    return relative_error(w_rows, dequant_weight(q_rows, scale[rows]))
+
+
+def rtn_linear(ck: Any, lp: LinearPlan, plan: QuantPlan, qw: Any) -> LinearRecord:
+    """`rtn_linear_into` from a Checkpoint into a QuantWriter (direct mode), the input's pages dropped block by
+    block; the record of the linear."""
+    w = ck.view(lp.weight)
+    try:
+        error = rtn_linear_into(w, lp, qw.types[lp.module], plan.group_size, plan.deq_dtype,
+                                ck.load(lp.bias) if lp.bias else None, qw.put_chunks, qw.put,
+                                release=lambda a, b: ck.release_rows(lp.weight, a, b))
+    finally:
+        del w
+        ck.release(lp.weight)
+    return LinearRecord(lp.module, lp.qtype, error)

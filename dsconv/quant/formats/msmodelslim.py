@@ -103,6 +103,15 @@ class LinearResult:
     bias: Any = None                     # original-dtype bias tensor, or None
 
 
+def pack_weight_rows(module: str, qtype: str, q: np.ndarray, groups: int) -> np.ndarray:
+    """The stored bytes of a block of whole rows of a linear's int8 values (even row count for int4 per group):
+    int8 as is, int4 packed the way `_array` packs the whole weight, so blocks concatenate to the same bytes."""
+    rule = components(qtype)[0][2]
+    if rule[0] != "int4 rows":
+        return q
+    return pack_int4_along_k(q, module) if groups == 1 else pack_int4(q, module)
+
+
 def _array(module: str, suffix: str, dtype: str, rule: tuple[Any, ...], res: LinearResult) -> Any:
     """One component's array, made from the result in the table's dtype and shape."""
     n, k = res.q.shape
@@ -124,9 +133,13 @@ def _array(module: str, suffix: str, dtype: str, rule: tuple[Any, ...], res: Lin
     return np.ascontiguousarray(np.asarray(value, np_dtype).reshape(shape))
 
 
-def emit_linear(module: str, qtype: str, res: LinearResult, deq_dtype: str = "F32") -> Iterator[tuple[str, Any]]:
-    """(name, array) pairs of one linear in `qtype` (or STAGED), in `linear_layout` order."""
+def emit_linear(module: str, qtype: str, res: LinearResult, deq_dtype: str = "F32",
+                skip_weight: bool = False) -> Iterator[tuple[str, Any]]:
+    """(name, array) pairs of one linear in `qtype` (or STAGED), in `linear_layout` order; `skip_weight` leaves
+    out the weight (a row-block writer has streamed it already; `res.q` then only needs the right shape)."""
     for suffix, dtype, rule in components(qtype):
+        if skip_weight and suffix == "weight":
+            continue
         yield f"{module}.{suffix}", _array(module, suffix, deq_dtype if dtype == DEQ else dtype, rule, res)
     if res.bias is not None:
         yield f"{module}.bias", res.bias
