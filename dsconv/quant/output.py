@@ -131,32 +131,12 @@ class QuantWriter:
             self.ts.write(name, arr)
             self.written.add(name)
 
-    def put(self, name: str, arr: Any) -> None:
-        """Write one final tensor (direct mode): the sink per-tensor kernels write into (weights.rtn_linear_into)."""
-        self.ts.write(name, arr)
-        self.written.add(name)
-
-    def put_chunks(self, name: str, chunks: Any) -> None:
-        """Write one final tensor from consecutive byte chunks (direct mode)."""
-        self.ts.write_chunks(name, chunks)
-        self.written.add(name)
-
     def float(self, name: str, tensor: torch.Tensor) -> None:
         t = as_float(tensor, self.plan.floats[name].dtype)
         if self.staged and name in self._stage_files:
             self._stage_set(name).write(name, t)
             return
         self.ts.write(name, t)
-        self.written.add(name)
-
-    def passthrough(self, name: str) -> None:
-        """A float tensor straight from the checkpoint (unchanged or cast), in bounded chunks: the same bytes as
-        `float(name, ck.load(name))` without ever holding the tensor (see dsconv/passthrough.py)."""
-        dtype = self.plan.floats[name].dtype
-        if self.staged and name in self._stage_files:
-            copy_tensor(self._stage_set(name).write_chunks, self.ck, name, dtype)
-            return
-        copy_tensor(self.ts.write_chunks, self.ck, name, dtype)
         self.written.add(name)
 
     # ---- end ----------------------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ from dsconv.quant.gptq import gptq_quantize
 from dsconv.quant.plan import BITS, LinearPlan, QuantPlan
 from dsconv.quant.schemes import (dequant_weight, iter_quantized_rows, quantize_weight_per_channel,
                                   quantize_weight_per_group, relative_error, to_float32)
-from dsconv.quant.stats import LinearRecord
 
 
 def quantize_weight(lp: LinearPlan, w: torch.Tensor, plan: QuantPlan, hessian: np.ndarray | None,
@@ -69,16 +68,3 @@ def rtn_linear_into(w: Any, lp: LinearPlan, qtype: str, group_size: int, deq_dty
     w_rows = np.concatenate(sampled_w) if sampled_w else np.empty((0, k), np.float32)
     return relative_error(w_rows, dequant_weight(q_rows, scale[rows]))
 
-
-def rtn_linear(ck: Any, lp: LinearPlan, plan: QuantPlan, qw: Any) -> LinearRecord:
-    """`rtn_linear_into` from a Checkpoint into a QuantWriter (direct mode), the input's pages dropped block by
-    block; the record of the linear."""
-    w = ck.view(lp.weight)
-    try:
-        error = rtn_linear_into(w, lp, qw.types[lp.module], plan.group_size, plan.deq_dtype,
-                                ck.load(lp.bias) if lp.bias else None, qw.put_chunks, qw.put,
-                                release=lambda a, b: ck.release_rows(lp.weight, a, b))
-    finally:
-        del w
-        ck.release(lp.weight)
-    return LinearRecord(lp.module, lp.qtype, error)
