@@ -210,8 +210,7 @@ class Calibrator:
         choice = None
         x_held = st.held.x if st is not None and st.held is not None else None
         if hess is not None and x_held is not None:  # GPTQ kept only where it beats rounding on held-out prompts
-            cands = {"gptq": (q, scale), "mse": quantize_weight(lp, w, self.plan, None, 0.0, method="mse"),
-                     "rtn": quantize_weight(lp, w, self.plan, None, 0.0, method="rtn")}
+            cands = {"gptq": (q, scale), "rtn": quantize_weight(lp, w, self.plan, None, 0.0, method="rtn")}
             (q, scale), picked, choice = selection.choose(x_held, w, cands)
             self.decisions.setdefault("gptq_or_rtn", {})[lp.module] = picked
         rec = LinearRecord(lp.module, lp.qtype, relative_error(w, dequant_weight(q, scale)),

@@ -6,4 +6,4 @@ Measured end to end on two real models (benchmarks/bench_fidelity.py, README): s
 from __future__ import annotations
 
 METHODS = ("rtn", "mse", "gptq")
-DEFAULT_METHOD = {8: "rtn", 4: "gptq"}
+DEFAULT_METHOD = {8: "rtn", 4: "rtn"}
