@@ -176,6 +176,11 @@ def load_quantized(out: Path) -> tuple[Any, dict[str, int]]:
         eng = EngineLinear(qtype, parts, (lin.out_features, lin.in_features))
         lin.forward = eng  # instance attribute: nn.Module.__call__ picks it up
         counts[qtype] = counts.get(qtype, 0) + 1
+    # decoder linears kept in float (the mixed recipe's down_proj under MindIE) count in the static ratio's total
+    counts["FLOAT"] = sum(1 for n, m in modules.items() if isinstance(m, torch.nn.Linear) and ".layers." in n
+                          and desc.get(n + ".weight") == "FLOAT")
+    if not counts["FLOAT"]:
+        del counts["FLOAT"]
     left = [m for m in missing if not any(m.startswith(p + ".") for p in quantized)]
     if "lm_head.weight" in left and getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
