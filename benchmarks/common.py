@@ -13,12 +13,13 @@ from typing import Any
 RESULTS = Path(__file__).resolve().parent.parent / "bench-results"
 
 
-def save(name: str, figures: dict[str, Any]) -> Path:
+def save(name: str, figures: dict[str, Any], quiet: bool = False) -> Path:
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"
     figures = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **figures}
     path.write_text(json.dumps(figures, indent=2) + "\n")
-    print(json.dumps(figures, indent=2))
+    if not quiet:
+        print(json.dumps(figures, indent=2))
     return path
 
 

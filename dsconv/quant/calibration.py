@@ -7,7 +7,10 @@ quantized as soon as its inputs are seen, so peak memory is one layer without it
 activations ([tokens, hidden] float32, twice).
 
 Activations propagate in float (each layer sees the float model's inputs), so statistics do not depend on the
-order layers are quantized in, and the layer-by-layer results equal a whole-model forward with hooks.
+order layers are quantized in, and the layer-by-layer results equal a whole-model forward with hooks. GPTQ is the
+exception (as in its paper): a dense layer's outputs are recomputed with its quantized weights before the next layer
+calibrates, so each Hessian describes the inputs the quantized model will actually produce (one extra forward per
+layer; MoE layers still pass on float outputs).
 """
 from __future__ import annotations
 
@@ -154,17 +157,23 @@ class Calibrator:
         recorder = ExpertRecorder(self.rows) if experts is not None else None
         if experts is not None:
             install_forward(experts, recorder)
+        propagate = self.plan.method == "gptq" and experts is None and bool(targets)
         for samples in self.batches:
-            self._forward(layer, samples, write=True, recorder=recorder)
+            self._forward(layer, samples, write=not propagate, recorder=recorder)
             hooks.end_batch()
         hooks.remove()
         if self.static and self.opts.act_method == clipping.METHOD:
             clipping.choose_clips(hooks.group, targets, self.decisions.setdefault("clipping", {}))
         for mod, lp in sorted(targets.items(), key=lambda kv: list(lps).index(kv[1].module)):
             st = hooks.group.get(mod)
-            self._quantize(lp, mod.weight.detach(), st)
+            p = self._quantize(lp, mod.weight.detach(), st)
+            if propagate:
+                mod.weight.data.copy_(torch.from_numpy(dequant_weight(p.q, p.scale)))
         for st in set(hooks.group.values()):
             st.free()
+        if propagate:  # the next layer calibrates on what this quantized layer outputs
+            for samples in self.batches:
+                self._forward(layer, samples, write=True)
         if experts is not None:
             self.run_experts(i, experts, recorder, lps, col_scale)
         for fp in floats:
@@ -178,7 +187,7 @@ class Calibrator:
         return self.ck.load(lp.bias) if lp.bias else None
 
     def _quantize(self, lp: LinearPlan, w: torch.Tensor, st: InputStats | None,
-                  qparams: tuple[float, float] | None = None, range_source: str | None = None) -> None:
+                  qparams: tuple[float, float] | None = None, range_source: str | None = None) -> "Pending":
         """Quantize one linear with its input statistics and write it."""
         t = time.perf_counter()
         pending = self._prepare(lp, w, st)
@@ -190,6 +199,7 @@ class Calibrator:
             qparams = activation_qparams(*rng)
         self._finish(pending, qparams, range_source)
         self.timings["quantize"] += time.perf_counter() - t
+        return pending
 
     def _prepare(self, lp: LinearPlan, w: torch.Tensor, st: InputStats | None) -> "Pending":
         """The weight part: int8 values and scales (GPTQ with the input's Hessian), and what measuring the output
@@ -199,9 +209,9 @@ class Calibrator:
         q, scale = quantize_weight(lp, w, self.plan, hess, self.opts.damp)
         choice = None
         x_held = st.held.x if st is not None and st.held is not None else None
-        if hess is not None and x_held is not None:  # GPTQ kept only where it beats RTN on held-out prompts
-            (q, scale), picked, choice = selection.choose(x_held, w, (q, scale),
-                                                          quantize_weight(lp, w, self.plan, None, 0.0))
+        if hess is not None and x_held is not None:  # GPTQ kept only where it beats rounding on held-out prompts
+            cands = {"gptq": (q, scale), "rtn": quantize_weight(lp, w, self.plan, None, 0.0, method="rtn")}
+            (q, scale), picked, choice = selection.choose(x_held, w, cands)
             self.decisions.setdefault("gptq_or_rtn", {})[lp.module] = picked
         rec = LinearRecord(lp.module, lp.qtype, relative_error(w, dequant_weight(q, scale)),
                            tokens=st.tokens if st is not None else 0)

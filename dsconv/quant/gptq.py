@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from dsconv.errors import UserError
+from dsconv.quant.grid import search_scales
 from dsconv.quant.schemes import _MIN_SCALE, _is_torch, check_group_size, qrange, to_float32
 
 
@@ -73,6 +74,8 @@ def gptq_quantize(
     block_size: int = 128,
     act_order: bool = False,
     name: str = "weight",
+    search: bool = False,
+    static_groups: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Quantize ``w [n, k]`` with GPTQ given the Hessian ``H [k, k]`` of its inputs.
 
@@ -83,7 +86,9 @@ def gptq_quantize(
     * Groups: a group's scale is computed from the error-updated weight when the sweep enters the group; with
       ``act_order`` the columns are visited by decreasing Hessian diagonal, so groups are no longer visited as
       contiguous runs and their scales are fixed up front from the original weight ("static groups"), which keeps
-      the contiguous-group layout the format needs (no g_idx).
+      the contiguous-group layout the format needs (no g_idx); ``static_groups`` does the same without act order.
+    * ``search``: every scale (per channel, static or on group entry) is the clip ratio of :mod:`dsconv.quant.grid`
+      that minimises the group's rounding error weighted by the Hessian diagonal, instead of max |w| / qmax.
     * Dead columns (``H[j, j] == 0``: the input channel was always zero in calibration) are not zeroed: they are
       rounded to nearest and, being decoupled in H, pass no error on. Weights stay usable for inputs calibration
       never produced (an expert that saw few tokens); an all-zero H is plain round-to-nearest.
@@ -110,11 +115,12 @@ def gptq_quantize(
     Hm[dead, dead] = 1.0
 
     # scale[:, j] is the scale of original column j's group; static scales are filled now, dynamic ones on entry
-    dynamic = bool(g) and not act_order
-    if not g:
-        scale = _sym_scale(W.abs().amax(dim=1, keepdim=True), qmax)
-    elif act_order:
-        scale = _sym_scale(W.reshape(n, groups, g).abs().amax(dim=2), qmax)
+    dynamic = bool(g) and not (act_order or static_groups)
+    diag = torch.diagonal(Hm).clone()
+    if not dynamic:
+        gs = g or k
+        scale = (search_scales(W.reshape(n, groups, gs), qmin, qmax, diag.reshape(groups, gs)) if search
+                 else _sym_scale(W.reshape(n, groups, gs).abs().amax(dim=2), qmax))
     else:
         scale = torch.empty(n, groups, dtype=torch.float32)
     col_group = torch.arange(k) // g if g else torch.zeros(k, dtype=torch.long)
@@ -137,7 +143,8 @@ def gptq_quantize(
         for i in range(i2 - i1):
             col = i1 + i
             if dynamic and col % g == 0:
-                scale[:, col // g] = _sym_scale(W1[:, i:i + g].abs().amax(dim=1), qmax)
+                scale[:, col // g] = (search_scales(W1[:, None, i:i + g], qmin, qmax, diag[None, col:col + g])[:, 0]
+                                      if search else _sym_scale(W1[:, i:i + g].abs().amax(dim=1), qmax))
             sc = scale[:, col_group[col]]
             wcol = W1[:, i]
             q = torch.round(wcol / sc).clamp_(qmin, qmax)

@@ -10,6 +10,7 @@ from dsconv.quant import report as rep
 from dsconv.quant import clipping
 from dsconv.quant.observers import ACT_METHODS
 from dsconv.quant.plan import ACT_QUANT, FALLBACK_TARGETS, STATIC, QuantPlan
+from dsconv.quant.methods import METHODS
 from dsconv.quant.smoothing import smoothing_mode
 from dsconv.writer import DEFAULT_MAX_SHARD_SIZE
 
@@ -76,8 +77,8 @@ def check_options(opts: QuantOptions, plan: QuantPlan) -> None:
     if isinstance(opts.smooth_alpha, float) and plan.scheme not in ACT_QUANT:
         raise UserError(f"--smooth-quant applies to schemes with quantized activations, not {plan.scheme.lower()}",
                         hint="use it with --scheme w8a8 or w8a8_dynamic")
-    if opts.method not in ("rtn", "gptq"):
-        raise UserError(f"unknown --method {opts.method}", hint="use rtn or gptq")
+    if opts.method not in METHODS:
+        raise UserError(f"unknown --method {opts.method}", hint=f"use {', '.join(METHODS)}")
     if opts.min_expert_tokens < 0:
         raise UserError("--min-expert-tokens must be >= 0")
 

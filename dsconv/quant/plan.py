@@ -81,7 +81,7 @@ class FloatPlan:
 class QuantPlan:
     scheme: str                      # the requested scheme, e.g. "W8A8"
     group_size: int                  # W4A16 group (0 = per channel); 0 for 8-bit schemes
-    method: str                      # rtn | gptq
+    method: str                      # rtn | mse | gptq (methods.py)
     model_dtype: str                 # BF16 / F16 / F32: decides deq_scale storage
     linears: dict[str, LinearPlan]   # by module P, checkpoint order
     floats: dict[str, FloatPlan]     # by tensor name, checkpoint order

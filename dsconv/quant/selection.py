@@ -36,11 +36,10 @@ def held_out_error(x: torch.Tensor, w: torch.Tensor, q: np.ndarray, scale: np.nd
     return num / den if den else 0.0
 
 
-def choose(x_held: torch.Tensor, w: torch.Tensor, gptq: tuple[np.ndarray, np.ndarray],
-           rtn: tuple[np.ndarray, np.ndarray]) -> tuple[tuple[np.ndarray, np.ndarray], str, dict[str, Any]]:
-    """The candidate with the smaller held-out error (GPTQ on a tie), its name and both errors."""
-    e_g = held_out_error(x_held, w, *gptq)
-    e_r = held_out_error(x_held, w, *rtn)
-    if e_r < e_g:
-        return rtn, "rtn", {"held_out_gptq": e_g, "held_out_rtn": e_r}
-    return gptq, "gptq", {"held_out_gptq": e_g, "held_out_rtn": e_r}
+def choose(x_held: torch.Tensor, w: torch.Tensor, candidates: dict[str, tuple[np.ndarray, np.ndarray]]
+           ) -> tuple[tuple[np.ndarray, np.ndarray], str, dict[str, Any]]:
+    """The candidate with the smallest held-out error (the first listed on a tie), its name and every error
+    (``held_out_<name>``). Listing plain round-to-nearest among them makes the choice never worse than it there."""
+    errs = {name: held_out_error(x_held, w, *c) for name, c in candidates.items()}
+    best = min(errs, key=lambda name: (errs[name], list(candidates).index(name)))
+    return candidates[best], best, {f"held_out_{name}": e for name, e in errs.items()}

@@ -22,7 +22,7 @@ from dsconv.quant.calibration import Calibrator
 from dsconv.quant.options import QuantOptions, check_options, fallback_policy, needs_calibration
 from dsconv.quant.output import QuantWriter
 from dsconv.quant.plan import SCHEMES, STATIC, make_plan
-from dsconv.quant.selection import MIN_PROMPTS, held_out_prompts
+from dsconv.quant.selection import HOLD_EVERY, MIN_PROMPTS, held_out_prompts
 from dsconv.quant.streaming import weight_only
 from dsconv.writer import OutputDir
 
@@ -90,8 +90,10 @@ def run(req: QuantRequest) -> QuantResult:
         needs = {}
         if plan.scheme == STATIC:
             needs["static activation ranges"] = 512
-        if plan.method == "gptq":
-            needs["GPTQ Hessians"] = max(lp.k for lp in plan.linears.values())
+        if plan.method == "gptq":  # a Hessian fitted on fewer tokens than ~2x its width overfits them (issue 10)
+            k = max(lp.k for lp in plan.linears.values())
+            needs[f"GPTQ Hessians (2 x the widest input, {k}, after holding out 1/{HOLD_EVERY} of the prompts)"] = \
+                -(-2 * k * HOLD_EVERY // (HOLD_EVERY - 1))
         w = min_tokens_warning(calib, needs)
         if plan.method == "gptq" and held_out_prompts(len(calib.samples)) is None:
             req.warn(f"{len(calib.samples)} calibration prompts are too few to hold some out: GPTQ is used on "

@@ -154,7 +154,7 @@ def run_part(job: PartJob) -> PartResult:
             for j, src in enumerate(job.sources):
                 if j + 1 < len(job.sources):
                     reader.advise(job.sources[j + 1].weight, getattr(mmap, "MADV_WILLNEED", 3))
-                if _by_rows(src, wanted):
+                if _by_rows(src, wanted, job.params.method):
                     if pending is not None:
                         pending.result()  # output in order
                         pending = None
@@ -175,9 +175,10 @@ def run_part(job: PartJob) -> PartResult:
         reader.close()
 
 
-def _by_rows(src: Source, wanted: set[str]) -> bool:
-    """A linear stored as is (not FP8, viewable) streams one row block at a time (weights.rtn_linear_into)."""
-    return (src.lp is not None and src.scale is None and src.weight.dtype in VIEWABLE and src.weight.numel > 0
+def _by_rows(src: Source, wanted: set[str], method: str) -> bool:
+    """A linear stored as is (not FP8, viewable) and rounded to nearest streams one row block at a time
+    (weights.rtn_linear_into); searched scales (`mse`) need the whole weight (`_produce`)."""
+    return (method == "rtn" and src.lp is not None and src.scale is None and src.weight.dtype in VIEWABLE and src.weight.numel > 0
             and f"{src.lp.module}.weight" in wanted)
 
 
