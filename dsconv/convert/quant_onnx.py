@@ -35,6 +35,9 @@ RECORD = "amct_record.txt"
 #: a rounding boundary of x / input_scale can round differently in onnxruntime and PyTorch (one int8 step of one
 #: activation); measured on the tiny models: <= 2e-6 without such a flip. A broken scale moves logits by > 0.1.
 DEFAULT_QUANT_ATOL = 2e-3
+NOISE_REL = 1e-6      # relative nudge of the embeddings that measures the simulation's own float sensitivity
+NOISE_FACTOR = 3.0    # tolerance = max(atol, NOISE_FACTOR x that noise floor)
+NOISE_RULE = "max(atol, 3 x the simulation's own change under a 1e-6 relative nudge of the embeddings)"
 
 
 def is_quantize_output(path: Path) -> bool:
@@ -138,13 +141,15 @@ def _export(qck, quant_dir: Path, output: Path, source: Callable[[Any], Any], *,
         timings["trace"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        ref = _reference(src.simulation, spec, vocab)
+        ref, noise = _reference(src.simulation, spec, vocab)
         hf_model.release(model)
         del wrapper, model, args
         timings["simulation"] = time.perf_counter() - t
         t = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix=".dsconv-check-", dir=out.path.parent):
-            report = onnx_check.onnxruntime_compare(out.path / FAKEQUANT, spec, ref, atol, np.float32)
+            report = onnx_check.onnxruntime_compare(out.path / FAKEQUANT, spec, ref, max(atol, NOISE_FACTOR * noise),
+                                                    np.float32)
+        report.update(atol_requested=atol, noise_floor=noise, noise_rule=NOISE_RULE)
         timings["onnxruntime_check"] = time.perf_counter() - t
         if not report["passed"]:
             msg, details = onnx_check.failure_message(report)
@@ -183,7 +188,16 @@ def _export(qck, quant_dir: Path, output: Path, source: Callable[[Any], Any], *,
 
 
 def _reference(simulation: Callable[[], Any], spec, vocab: int):
-    """dsconv's own simulation of the quantized model (the one `dsconv eval` measures) on the check inputs."""
+    """dsconv's own simulation of the quantized model (the one `dsconv eval` measures) on the check inputs, and its
+    noise floor: the largest output change when the embeddings move by float32 rounding (NOISE_REL, seeded).
+
+    Why: a static quantizer is a step function. On a real model some of its millions of inputs sit within float
+    rounding of a step, so two correct float32 implementations (onnxruntime and PyTorch sum in different orders)
+    round a few of them differently, and 24 layers carry that on: on Qwen2.5-0.5B's W8A8 output, a 1e-6 relative
+    nudge of the embeddings alone moves the simulation's logits by 0.60, and onnxruntime differs from it by 0.68.
+    A tolerance below that floor fails every correct export of a real model; a wrong scale or offset shows far above
+    it (tiny models: floor ~1e-6, a scale x0.2 or a flipped offset sign ~1e-1)."""
+    import numpy as np
     import torch
 
     from dsconv.convert import hf_model, onnx_check, onnx_wrapper
@@ -191,8 +205,17 @@ def _reference(simulation: Callable[[], Any], spec, vocab: int):
     sim = simulation()
     wrapper = onnx_wrapper.ExportWrapper(sim, spec).eval()
     ref = onnx_check.torch_reference(wrapper, spec, vocab, torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    nudge = sim.get_input_embeddings().register_forward_hook(
+        lambda mod, args, out: out * (1 + NOISE_REL * torch.randn(out.shape, generator=gen, dtype=out.dtype)))
+    try:
+        nudged = onnx_check.torch_reference(wrapper, spec, vocab, torch.float32)
+    finally:
+        nudge.remove()
+    noise = max(float(np.max(np.abs(a - b))) if a.size else 0.0
+                for want, got in zip(ref.outputs, nudged.outputs) for a, b in zip(want, got))
     hf_model.release(sim)
-    return ref
+    return ref, noise
 
 
 def render(summary: dict[str, Any]) -> str:
@@ -205,8 +228,9 @@ def render(summary: dict[str, Any]) -> str:
         f"wrote {summary['output']}: {', '.join(summary['files'])} (opset {summary['opset']})",
         f"  linears: {', '.join(f'{n} {t}' for t, n in summary['linears'].items())}"
         + (f" ({summary['load']['expert_linears']} in fused experts)" if summary['load']['expert_linears'] else ""),
-        f"  check passed: max |fake-quant onnx - simulation| {check['worst']['max_abs_err']:.2g} <= atol "
-        f"{check['atol']:g} over {len(check['cases'])} inputs (onnxruntime vs dsconv's quantized model)",
+        f"  check passed: max |fake-quant onnx - simulation| {check['worst']['max_abs_err']:.2g} <= tolerance "
+        f"{check['atol']:.2g} (max of --atol {check['atol_requested']:g} and 3x the simulation's own float noise "
+        f"{check['noise_floor']:.2g}) over {len(check['cases'])} inputs (onnxruntime vs dsconv's quantized model)",
         f"  deploy: {dp['AscendQuant']} AscendQuant / {dp['AscendDequant']} AscendDequant (INT8 matmuls), "
         f"{dp['weight_dequant']} int8 weights dequantized in float; compile with "
         f"`dsconv atc --onnx {Path(summary['output']) / DEPLOY}` (static shapes, one .om per gear)",
