@@ -16,32 +16,13 @@ error, never left random.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator
+from typing import Any
 
 from dsconv.tensors import precision_torch_dtype
 from dsconv.errors import UserError
+from dsconv.model.quiet import quiet_transformers
 
 
-@contextlib.contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """No progress bars or info chatter from transformers while dsconv drives it (restored afterwards)."""
-    import warnings
-
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        hf_logging.set_verbosity(level)
-        if bars:
-            hf_logging.enable_progress_bar()
 
 
 EXPERTS_IMPL = "dsconv_dense"

@@ -153,7 +153,7 @@ def _export(ck, model_dir: Path, output: Path, *, dtype: str, opset: int, with_p
     import torch
     from tqdm import tqdm
 
-    from dsconv.convert import hf_model, onnx_check, onnx_graph, onnx_opset, onnx_wrapper
+    from dsconv.convert import hf_model, onnx_check, onnx_graph, onnx_wrapper
     from dsconv.writer import OutputDir
 
     options = {k: summary[k] for k in ("dtype", "opset", "with_past", "position_ids", "atol")}
@@ -172,15 +172,7 @@ def _export(ck, model_dir: Path, output: Path, *, dtype: str, opset: int, with_p
         args = onnx_wrapper.trace_inputs(spec, vocab, tdtype)
 
         t = time.perf_counter()
-        graph, emitted = onnx_graph.trace_to_onnx(wrapper, args, spec.input_names, spec.output_names,
-                                                  spec.dynamic_axes(), opset)
-        onnx_graph.unify_integer_types(graph)
-        graph, method = onnx_opset.convert_opset(graph, opset)
-        int32_left = onnx_graph.int32_users(graph)
-        if int32_left:
-            raise CheckFailed(f"the graph still mixes int32 and int64 ({len(int32_left)} nodes, e.g. "
-                              f"{int32_left[0]}); ATC rejects that (E89999)", hint="report the model type")
-        onnx_graph.check_graph(graph)
+        graph, emitted, method = onnx_graph.trace_checked(wrapper, args, spec, opset)
         ops = onnx_graph.op_types(graph)
         weights = onnx_graph.attach_weights(graph, dict(wrapper.state_dict(keep_vars=True)))
         total = onnx_graph.count_bytes(weights)

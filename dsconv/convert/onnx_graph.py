@@ -66,6 +66,23 @@ class Weight:
         return t.contiguous()
 
 
+def trace_checked(wrapper: torch.nn.Module, args: tuple, spec: Any, opset: int) -> tuple[onnx.ModelProto, int, str]:
+    """Trace, unify integer types, convert to `opset` and refuse what ATC rejects: (graph, emitted opset, method).
+    The float and the quantized exports share it so that both graphs meet the same ATC rules."""
+    from dsconv.convert import onnx_opset
+    from dsconv.errors import CheckFailed
+
+    graph, emitted = trace_to_onnx(wrapper, args, spec.input_names, spec.output_names, spec.dynamic_axes(), opset)
+    unify_integer_types(graph)
+    graph, method = onnx_opset.convert_opset(graph, opset)
+    left = int32_users(graph)
+    if left:
+        raise CheckFailed(f"the graph still mixes int32 and int64 ({len(left)} nodes, e.g. {left[0]}); ATC rejects "
+                          "that (E89999)", hint="report the model type")
+    check_graph(graph)
+    return graph, emitted, method
+
+
 def trace_to_onnx(wrapper: torch.nn.Module, args: tuple, input_names: list[str], output_names: list[str],
                   dynamic_axes: dict, opset: int) -> tuple[onnx.ModelProto, int]:
     """The weightless graph at `opset`, or at the lowest higher opset the exporter can emit (returned)."""

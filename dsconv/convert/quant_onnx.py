@@ -97,7 +97,7 @@ def _export(qck, quant_dir: Path, output: Path, source: Callable[[Any], Any], *,
     import numpy as np
     import torch
 
-    from dsconv.convert import hf_model, onnx_check, onnx_graph, onnx_opset, onnx_wrapper, quant_graph
+    from dsconv.convert import hf_model, onnx_check, onnx_graph, onnx_wrapper, quant_graph
     from dsconv.writer import OutputDir
 
     options = {k: summary[k] for k in ("opset", "with_past", "position_ids", "atol")}
@@ -114,15 +114,7 @@ def _export(qck, quant_dir: Path, output: Path, source: Callable[[Any], Any], *,
         args = onnx_wrapper.trace_inputs(spec, vocab, torch.float32)
         timings["load"] = time.perf_counter() - t
         t = time.perf_counter()
-        graph, emitted = onnx_graph.trace_to_onnx(wrapper, args, spec.input_names, spec.output_names,
-                                                  spec.dynamic_axes(), opset)
-        onnx_graph.unify_integer_types(graph)
-        graph, method = onnx_opset.convert_opset(graph, opset)
-        left = onnx_graph.int32_users(graph)
-        if left:
-            raise CheckFailed(f"the graph still mixes int32 and int64 ({len(left)} nodes, e.g. {left[0]}); ATC "
-                              "rejects that (E89999)", hint="report the model type")
-        onnx_graph.check_graph(graph)
+        graph, emitted, method = onnx_graph.trace_checked(wrapper, args, spec, opset)
         weights = onnx_graph.attach_weights(graph, dict(wrapper.state_dict(keep_vars=True)))
         arrays = {w.name: w.data().numpy().copy() for w in weights}
         del weights

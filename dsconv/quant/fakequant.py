@@ -24,16 +24,15 @@ scales that a batched gather cannot apply and are refused.
 """
 from __future__ import annotations
 
-import contextlib
-import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from torch import nn
 
 from dsconv.errors import UserError
+from dsconv.model.quiet import quiet_transformers
 
 SUPPORTED = ("W8A8", "W8A8_DYNAMIC", "W8A16")
 ACT_QUANT = ("W8A8", "W8A8_DYNAMIC")
@@ -228,21 +227,6 @@ def _fused_experts(qck: Any, model: nn.Module, mat: Any, layers: dict[str, QLaye
 def _quant_experts_input(module: nn.Module, args: tuple) -> tuple:
     """Per-token quantization of the tokens entering the experts (every routed copy of a token is the same row)."""
     return (dynamic_fake_quant(args[0]), *args[1:])
-
-
-@contextlib.contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """transformers' info chatter and warnings off while the models are built (restored afterwards)."""
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        hf_logging.set_verbosity(level)
 
 
 @dataclass
