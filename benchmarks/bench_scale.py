@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -24,16 +23,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import bench_shard
 from benchmarks.common import save, scratch
 
 ROOT = Path(__file__).resolve().parent.parent
-SYNTH = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 32000,
-         "hidden_size": 2048, "intermediate_size": 5632, "moe_intermediate_size": 1408, "num_hidden_layers": 8,
-         "num_nextn_predict_layers": 0, "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 1,
-         "n_routed_experts": 16, "kv_lora_rank": 256, "q_lora_rank": 512, "qk_rope_head_dim": 64, "v_head_dim": 128,
-         "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4,
-         "moe_layer_freq": 1, "first_k_dense_replace": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-         "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000}
+SYNTH = {**bench_shard.SYNTH, "num_hidden_layers": 8}  # 2.5 GB
 
 
 def _load() -> str:
@@ -88,27 +82,6 @@ def _runner(mode: str, workers: int, jobs: list) -> dict[str, float]:
     return json.loads(next(x for x in p.stdout.splitlines() if x.startswith("@@"))[2:])
 
 
-def write_synthetic(root: Path) -> tuple[int, int]:
-    import numpy as np
-    import torch
-
-    from dsconv.families import family_for
-    from dsconv.writer import OutputDir
-
-    specs = family_for(SYNTH).synthesize(SYNTH)
-    rng = np.random.default_rng(0)
-    with OutputDir(root, stage="bench", force=True) as out:
-        ts = out.tensor_set(specs, prefix="model", max_shard_size=500 * 10**6)
-        for s in specs:
-            if s.dtype == "BF16":  # normal-ish values, never NaN/Inf: bf16 of float32 normals
-                x = torch.from_numpy(rng.standard_normal(math.prod(s.shape), dtype=np.float32) * 0.02)
-                ts.write(s.name, x.to(torch.bfloat16).reshape(s.shape))
-            else:
-                ts.write(s.name, rng.random(s.shape, dtype=np.float32))
-        out.write_json("config.json", SYNTH)
-    return sum(s.nbytes for s in specs), max(s.nbytes for s in specs)
-
-
 def _dir_bytes(d: Path) -> int:
     return sum(p.stat().st_size for p in d.rglob("*.safetensors"))
 
@@ -117,7 +90,7 @@ def bench_fanout() -> dict[str, Any]:
     root = scratch("dsconv-scale-")
     try:
         src = root / "src"
-        total, largest = write_synthetic(src)
+        total, largest = bench_shard.write_synthetic(src, SYNTH, normal=True)
         files = sorted(src.glob("*.safetensors"))
 
         def userspace() -> float:

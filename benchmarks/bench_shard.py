@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from benchmarks.common import run_measured, save, scratch
 
@@ -187,26 +188,29 @@ SYNTH = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"
          "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000}
 
 
-def write_synthetic(root: Path) -> tuple[int, int]:
-    """Random-byte BF16 checkpoint of the SYNTH config through dsconv's writer (500 MB parts + index)."""
+def write_synthetic(root: Path, config: dict[str, Any] = SYNTH, normal: bool = False) -> tuple[int, int]:
+    """A BF16 checkpoint of `config` through dsconv's writer (500 MB parts + index): random bytes (sharding copies
+    them), or with `normal` bf16 of float32 normals x 0.02, never NaN/Inf (for stages that compute on them)."""
     import numpy as np
     import torch
 
     from dsconv.families import family_for
     from dsconv.writer import OutputDir
 
-    fam = family_for(SYNTH)
-    specs = fam.synthesize(SYNTH)
+    specs = family_for(config).synthesize(config)
     rng = np.random.default_rng(0)
     with OutputDir(root, stage="bench", force=True) as out:
         ts = out.tensor_set(specs, prefix="model", max_shard_size=500 * 10**6)
         for s in specs:
-            if s.dtype == "BF16":
+            if s.dtype == "BF16" and normal:
+                x = torch.from_numpy(rng.standard_normal(math.prod(s.shape), dtype=np.float32) * 0.02)
+                ts.write(s.name, x.to(torch.bfloat16).reshape(s.shape))
+            elif s.dtype == "BF16":
                 bits = rng.integers(0, 2**16, size=math.prod(s.shape), dtype=np.uint16).view(np.int16)
                 ts.write(s.name, torch.from_numpy(bits).view(torch.bfloat16).reshape(s.shape))
             else:
                 ts.write(s.name, rng.random(s.shape, dtype=np.float32))
-        out.write_json("config.json", SYNTH)
+        out.write_json("config.json", config)
     return sum(s.nbytes for s in specs), max(s.nbytes for s in specs)
 
 
