@@ -181,13 +181,9 @@ class Checkpoint:
             return self.load(name, dequantize=True)
         return self._reader.view(info)
 
-    def can_stream(self, name: str) -> bool:
-        """Whether `iter_bytes(name)` works: the tensor's bytes lie as-is in a safetensors file."""
-        return self._pickled is None
-
     def iter_bytes(self, name: str, chunk: int | None = None):
-        """The tensor's stored bytes in consecutive chunks (see `TensorReader.iter_bytes`): a pass-through copy
-        never holds more than one chunk, whatever the tensor's size."""
+        """The tensor's stored bytes in consecutive chunks (see `TensorReader.iter_bytes`; needs `readable_by_path`):
+        a pass-through copy never holds more than one chunk, whatever the tensor's size."""
         if self._pickled is not None:
             raise RuntimeError("pickled checkpoints have no byte ranges to stream")
         return self._reader.iter_bytes(self.info(name), chunk)

@@ -56,7 +56,7 @@ def copy_tensor(write_chunks: WriteChunks, ck: Any, name: str, out_dtype: str, c
     chunk = chunk or tensorfile.COPY_CHUNK
     info = ck.info(name)
     floating = out_dtype in _NONFINITE
-    if not ck.can_stream(name) or (info.dtype != out_dtype and info.dtype not in ck.VIEWABLE):
+    if not ck.readable_by_path or (info.dtype != out_dtype and info.dtype not in ck.VIEWABLE):
         t = ck.load(name, dequantize=True)
         want = torch_dtype(out_dtype)
         t = t if t.dtype == want else t.to(want)
