@@ -11,10 +11,9 @@ error figures. The bytes are the same whoever runs the job.
 from __future__ import annotations
 
 import mmap
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -201,27 +200,10 @@ def _rtn_rows(reader: TensorReader, src: Source, params: Params, out: PartWriter
 def _write_items(out: PartWriter, items: list[tuple[str, Any]], reader: TensorReader, src: Source) -> None:
     for name, arr in items:
         if isinstance(arr, TensorInfo):
-            out.write_chunks(name, _copy_blocks(arr))
+            out.write_chunks(name, reader.iter_bytes(arr, COPY_BLOCK))
         else:
             out.write(name, arr)
     reader.advise(src.weight, getattr(mmap, "MADV_DONTNEED", 4))
-
-
-def _copy_blocks(info: TensorInfo) -> Iterator[memoryview]:
-    """A stored tensor's bytes in blocks, through one reused buffer (pread: nothing of it stays mapped)."""
-    buf = bytearray(min(COPY_BLOCK, max(info.nbytes, 1)))
-    view = memoryview(buf)
-    fd = os.open(info.file, os.O_RDONLY)
-    try:
-        pos = info.start
-        while pos < info.end:
-            n = os.preadv(fd, [view[: min(len(buf), info.end - pos)]], pos)
-            if n <= 0:
-                raise OSError(f"{info.file}: short read at {pos}")
-            yield view[:n]
-            pos += n
-    finally:
-        os.close(fd)
 
 
 def _produce(reader: TensorReader, src: Source, params: Params, records: list) -> list[tuple[str, Any]]:
