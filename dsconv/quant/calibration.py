@@ -2,9 +2,11 @@
 
 The calibration tokens are embedded once, then each decoder layer is materialised from the checkpoint, all
 calibration activations are pushed through it with statistics streamed by hooks, its linears are quantized and
-written, and it is freed. Routed experts run one at a time after the rest of the layer (an `ExpertLoop`), each
-quantized as soon as its inputs are seen, so peak memory is one layer without its experts, one expert, and the
-activations ([tokens, hidden] float32, twice).
+written, and it is freed. Routed experts run after the rest of the layer, each as its own job (calib_jobs.py: its
+forward, statistics and quantization), as do the quantization of the layer's other linears once their statistics are
+in; the jobs run on the executor (`--workers`, `--executor ray`), the driver writes their results in order, so peak
+driver memory is one layer without its experts, the jobs in flight, and the activations ([tokens, hidden] float32,
+twice).
 
 Activations propagate in float (each layer sees the float model's inputs), so statistics do not depend on the
 order layers are quantized in, and the layer-by-layer results equal a whole-model forward with hooks. GPTQ is the
@@ -25,12 +27,13 @@ from torch import nn
 from dsconv.checkpoint import Checkpoint
 from dsconv.errors import UserError
 from dsconv.families.roles import Role
-from dsconv.quant import clipping, selection
+from dsconv.exec import Executor
+from dsconv.quant import calib_jobs, clipping, selection
 from dsconv.quant import smoothing as sm
 from dsconv.quant.calib import CalibSet
 from dsconv.quant.formats.msmodelslim import LinearResult
 from dsconv.quant.hooks import ExpertRecorder, FlowProbe, LinearHooks, RowMask
-from dsconv.quant.layers import SLOTS, ExpertLoop, Skeleton, install_forward
+from dsconv.quant.layers import SLOTS, Skeleton, install_forward
 from dsconv.quant.options import QuantOptions, smoothing_of
 from dsconv.quant.output import QuantWriter
 from dsconv.quant.plan import ACT_QUANT, STATIC, LinearPlan, QuantPlan
@@ -64,9 +67,9 @@ class Calibrator:
     """Layer-by-layer calibration and quantization (see the module docstring)."""
 
     def __init__(self, ck: Checkpoint, plan: QuantPlan, opts: QuantOptions, calib: CalibSet, qw: QuantWriter,
-                 progress: bool = True) -> None:
+                 progress: bool = True, executor: Executor | None = None) -> None:
         self.ck, self.plan, self.opts, self.calib, self.qw = ck, plan, opts, calib, qw
-        self.progress = progress
+        self.progress, self.executor = progress, executor
         self.sk = Skeleton(ck)
         lengths = [len(s) for s in calib.samples]
         self.lengths = lengths
@@ -124,10 +127,15 @@ class Calibrator:
     def run(self) -> None:
         from tqdm import tqdm
 
-        with torch.no_grad():
-            for i in tqdm(range(self.sk.num_layers), desc="quantize", unit="layer", disable=None if self.progress
-                          else True, leave=False):
-                self.layer(i)
+        self.jobs = calib_jobs.Dispatch(self, self.executor, self.qw.out.path)  # linears and experts as jobs
+        try:
+            with torch.no_grad():
+                for i in tqdm(range(self.sk.num_layers), desc="quantize", unit="layer", disable=None if self.progress
+                              else True, leave=False):
+                    self.layer(i)
+        finally:
+            self.jobs.close()
+        self.timings["jobs_wall"] = self.jobs.wall
 
     def _stats(self, k: int, name: str) -> InputStats:
         return InputStats(k, name, self.observer_method if self.static else None,
@@ -164,13 +172,10 @@ class Calibrator:
         hooks.remove()
         if self.static and self.opts.act_method == clipping.METHOD:
             clipping.choose_clips(hooks.group, targets, self.decisions.setdefault("clipping", {}))
-        for mod, lp in sorted(targets.items(), key=lambda kv: list(lps).index(kv[1].module)):
-            st = hooks.group.get(mod)
-            p = self._quantize(lp, mod.weight.detach(), st)
+        order = sorted(targets.items(), key=lambda kv: list(lps).index(kv[1].module))
+        for mod, res in self.jobs.linears(i, order, hooks.group):
             if propagate:
-                mod.weight.data.copy_(torch.from_numpy(dequant_weight(p.q, p.scale)))
-        for st in set(hooks.group.values()):
-            st.free()
+                mod.weight.data.copy_(torch.from_numpy(dequant_weight(res.q, res.scale)))
         if propagate:  # the next layer calibrates on what this quantized layer outputs
             for samples in self.batches:
                 self._forward(layer, samples, write=True)
@@ -258,59 +263,17 @@ class Calibrator:
     # ---- experts --------------------------------------------------------------------------------------------
     def run_experts(self, i: int, experts: nn.Module, recorder: ExpertRecorder, lps: dict[str, LinearPlan],
                     col_scale: torch.Tensor | None) -> None:
-        sk, opts = self.sk, self.opts
+        sk = self.sk
         hidden, index, weights, pos = recorder.take()
         E = int(experts.gate_up_proj.shape[0])
         counts = torch.bincount(index.reshape(-1), minlength=E)[:E]
         self.expert_counts[i] = [int(c) for c in counts]
 
-        def load(e: int) -> dict[str, torch.Tensor]:
-            names = sk.expert_weight_names(i, e)
-            w = {s: sk.load(names[s]) for s in SLOTS}
-            if col_scale is not None:
-                w["gate"].mul_(col_scale)
-                w["up"].mul_(col_scale)
-            return w
-
+        names = [sk.expert_weight_names(i, e) for e in range(E)]
         plans = [{s: lps.get(n) for s, n in sk.expert_module_names(i, e).items()} for e in range(E)]
-        deferred: list[tuple[int, dict[str, tuple[Pending, tuple[float, float] | None]]]] = []
-        never: list[int] = []
-        down_ranges: list[tuple[float, float]] = []
-
-        def observe(e: int, x, act, rows, w) -> None:
-            routed = int(counts[e])
-            if x is None:
-                never.append(e)
-                return
-            st = {"in": self._stats(x.shape[-1], f"layer {i} expert {e} gate/up"),
-                  "down": self._stats(act.shape[-1], f"layer {i} expert {e} down")}
-            st["in"].update(x)
-            st["down"].update(act)
-            under = self.static and routed < opts.min_expert_tokens and not opts.all_experts
-            if self.static and st["down"].clip_range() is not None:
-                down_ranges.append(st["down"].clip_range())
-            held = {}
-            for slot in SLOTS:
-                lp = plans[e][slot]
-                if lp is None:
-                    continue
-                s = st["in"] if slot != "down" else st["down"]
-                if under:  # weights now (then freed), activation parameters once the layer's ranges are known
-                    held[slot] = (self._prepare(lp, w[slot], s), s.clip_range())
-                else:
-                    self._quantize(lp, w[slot], s)
-                    self.records[lp.module].tokens = routed
-            if under:
-                deferred.append((e, held))
-            for s in st.values():
-                s.free()
-
-        loop = ExpertLoop(experts, E, load, observe=observe, all_tokens=opts.all_experts)
-        t0, q0 = time.perf_counter(), self.timings["quantize"]
-        out = loop(hidden, index, weights)
-        self.timings["experts"] += time.perf_counter() - t0 - (self.timings["quantize"] - q0)
+        out, deferred, down_ranges = self.jobs.experts(i, hidden, index, weights, names, plans, col_scale)
         self.h.index_add_(0, pos, out)
-        if not (deferred or never):
+        if not deferred:
             return
         union_in = None
         if self.static:  # gate/up of every expert read the same tensor: its range over all MoE tokens
@@ -318,14 +281,7 @@ class Calibrator:
             st.update(hidden)
             union_in = st.clip_range()
         union_down = (min(r[0] for r in down_ranges), max(r[1] for r in down_ranges)) if down_ranges else None
-        for e in never:  # no token at all: weights only (RTN), and for static W8A8 the layer's ranges
-            w = load(e)
-            for slot in SLOTS:
-                lp = plans[e][slot]
-                if lp is not None:
-                    deferred.append((e, {slot: (self._prepare(lp, w[slot], None), None)}))
-            del w
-        for e, held in sorted(deferred, key=lambda d: d[0]):
+        for e, held in deferred:  # under-covered (and never-routed) experts, in expert order
             for slot, (p, own) in held.items():
                 qparams, source = None, None
                 if self.static:

@@ -107,14 +107,14 @@ def run(req: QuantRequest) -> QuantResult:
         cal = None
         ran = {"executor": "inline", "workers": 1, "ran": "inline"}
         t_cal = time.perf_counter()
-        if calib is not None:
-            cal = Calibrator(ck, plan, opts, calib, qw, req.progress)
-            cal.run()
-            records = cal.records
-        else:
-            with make_executor(req.execution) as ex:
+        with make_executor(req.execution) as ex:
+            if calib is not None:  # linears and routed experts of each layer as jobs (calib_jobs.py)
+                cal = Calibrator(ck, plan, opts, calib, qw, req.progress, executor=ex)
+                cal.run()
+                records = cal.records
+            else:
                 records = weight_only(ck, plan, qw, req.progress, ex)
-                ran = ex.summary()
+            ran = ex.summary()
         t_cal = time.perf_counter() - t_cal
         decision = rep.decide(plan, records, policy, SCHEMES[opts.fallback_to])
         desc = qw.finish(decision.types)

@@ -1,0 +1,296 @@
+"""The calibrated path's independent work as executor jobs (dsconv.exec): one job per quantized linear of a layer and
+one per routed expert (issue 14).
+
+Why these cuts: once a layer's calibration forward has run, every linear's statistics (observer, GPTQ Hessian,
+sample rows) are final, and quantizing one linear - GPTQ solve, held-out choice, activation parameters, output-error
+measurement - needs nothing of another. A routed expert needs only the tokens routed to it: its job reads the
+layer's MoE input by path, loads its own weights from the checkpoint, runs the expert's forward, gathers the
+statistics, quantizes its three projections and returns the expert's output rows, which the driver adds to the
+residual stream in expert order (the same sums, in the same order, as the one-process loop).
+
+Transport: inputs are files in the output's temporary directory (`JOBS_DIR`, removed before commit) - weights and
+statistics by `torch.save`, the MoE input as .npy - plus small picklable descriptions; results are returned arrays
+(int8 weights, scales, records). The driver alone writes the output, in job order, so the bytes never depend on the
+executor. A task quantizes with the Calibrator's own `_quantize`/`_prepare` on a stand-in holding only what those
+read, so the two cannot drift apart. Jobs run single-threaded (`JOB_THREADS`) on every executor: MKL's Cholesky
+gives different last bits with 1 and 2 threads, and the output must not depend on how many jobs share the host.
+"""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from dsconv.checkpoint import Checkpoint
+from dsconv.exec import Executor
+from dsconv.quant.formats.msmodelslim import LinearResult
+from dsconv.quant.layers import SLOTS, Skeleton
+from dsconv.quant.options import QuantOptions
+from dsconv.quant.plan import LinearPlan, QuantPlan
+from dsconv.quant.stats import LinearRecord
+
+JOBS_DIR = ".dsconv-calib-jobs"
+JOB_THREADS = 1
+_LOCAL: dict[str, tuple[Checkpoint, Skeleton]] = {}  # the driver's own, so inline jobs open nothing twice
+
+
+@dataclass(frozen=True)
+class Context:
+    """What every task needs of the driver's Calibrator (small: the plan without its per-tensor tables)."""
+
+    cls: type            # the Calibrator class, by reference: its _quantize/_prepare/_finish run in the task
+    root: str            # the checkpoint, opened by path in a worker
+    plan: QuantPlan
+    opts: QuantOptions
+    staged: bool
+    tokens: int          # calibration tokens (InputStats' sample stride)
+    held: bool           # held-out prompts in use (GPTQ's choice)
+    static: bool
+    observer_method: str
+
+
+@dataclass(frozen=True)
+class LinearJob:
+    ctx: Context
+    lp: LinearPlan
+    weight: str              # torch.save'd float weight as the layer holds it (smoothed)
+    stats: str | None        # torch.save'd InputStats (shared by the linears that read one input)
+
+
+@dataclass(frozen=True)
+class ExpertJob:
+    ctx: Context
+    layer: int
+    expert: int
+    names: dict[str, str]                     # slot -> checkpoint weight name
+    plans: dict[str, LinearPlan | None]       # slot -> its plan (None: not quantized)
+    hidden: str                               # .npy of the layer's MoE input [tokens, hidden] float32
+    rows: np.ndarray                          # the token rows routed to this expert
+    col_scale: str | None                     # .npy of the smoothing scale folded into gate/up, if any
+
+
+@dataclass
+class JobResult:
+    written: list[tuple[LinearPlan, LinearResult]] = field(default_factory=list)
+    records: dict[str, LinearRecord] = field(default_factory=dict)
+    decisions: dict[str, Any] = field(default_factory=dict)
+    pending: list[tuple[str, Any, tuple[float, float] | None]] = field(default_factory=list)  # (slot, Pending, own)
+    y: torch.Tensor | None = None             # an expert's output on its routed rows
+    down_range: tuple[float, float] | None = None
+    forward_s: float = 0.0
+    quantize_s: float = 0.0
+
+
+class _Collector:
+    """Stands in for QuantWriter in a task: keeps what `_finish` would have written."""
+
+    def __init__(self, staged: bool) -> None:
+        self.staged = staged
+        self.items: list[tuple[LinearPlan, LinearResult]] = []
+
+    def linear(self, lp: LinearPlan, res: LinearResult) -> None:
+        self.items.append((lp, res))
+
+
+# ---- the driver side -------------------------------------------------------------------------------------------
+class Dispatch:
+    """One calibration run's jobs: their workspace, the executor, and how results go back into the Calibrator."""
+
+    def __init__(self, cal: Any, executor: Executor | None, workspace: Path) -> None:
+        self.cal = cal
+        ck = cal.ck
+        self.ex = executor if executor is not None and ck.readable_by_path else Executor(1)
+        self.dir = workspace / JOBS_DIR
+        self.dir.mkdir(parents=True, exist_ok=True)
+        plan = dataclasses.replace(cal.plan, linears={}, floats={}, dropped=[], ignored={})
+        self.ctx = Context(type(cal), str(ck.root), plan, cal.opts, cal.qw.staged, int(cal.h.shape[0]),
+                           cal.held_tokens is not None, cal.static, cal.observer_method)
+        _LOCAL[str(ck.root)] = (ck, cal.sk)
+        # one decision for the whole run: fan out only when the quantized weights are worth starting processes for
+        self.work = sum(lp.n * lp.k for lp in cal.plan.linears.values()) * 2
+        self.wall = 0.0
+
+    def close(self) -> None:
+        _LOCAL.pop(self.ctx.root, None)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _map(self, fn: Any, jobs: list) -> Iterator[JobResult]:
+        t = time.perf_counter()
+        for res in self.ex.map(fn, jobs, work_bytes=self.work):
+            self.wall += time.perf_counter() - t
+            self._merge(res)
+            yield res
+            t = time.perf_counter()
+        self.wall += time.perf_counter() - t
+
+    def _merge(self, res: JobResult) -> None:
+        cal = self.cal
+        for lp, r in res.written:
+            cal.qw.linear(lp, r)
+        cal.records.update(res.records)
+        for k, v in res.decisions.items():
+            if isinstance(v, dict):
+                cal.decisions.setdefault(k, {}).update(v)
+            else:
+                cal.decisions[k] = v
+        cal.timings["experts"] += res.forward_s
+        cal.timings["quantize"] += res.quantize_s
+
+    def linears(self, i: int, items: list[tuple[Any, LinearPlan]], group: dict[Any, Any]
+                ) -> Iterator[tuple[Any, LinearResult]]:
+        """Quantize and write the layer's linears (in `items` order) as jobs; yield (module, result) in order.
+        The statistics are saved once per distinct input and freed in the driver before the jobs run."""
+        saved: dict[int, str] = {}
+        jobs = []
+        for j, (mod, lp) in enumerate(items):
+            st = group.get(mod)
+            if st is not None and id(st) not in saved:
+                saved[id(st)] = str(self.dir / f"L{i}-s{len(saved)}.pt")
+                torch.save(st, saved[id(st)])
+            w = str(self.dir / f"L{i}-w{j}.pt")
+            torch.save(mod.weight.detach(), w)
+            jobs.append(LinearJob(self.ctx, lp, w, saved.get(id(st)) if st is not None else None))
+        for st in set(group.values()):
+            st.free()
+        try:
+            for (mod, lp), res in zip(items, self._map(run_linear, jobs)):
+                yield mod, res.written[-1][1]
+        finally:
+            for p in self.dir.glob(f"L{i}-*"):
+                p.unlink()
+
+    def experts(self, i: int, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                names: list[dict[str, str]], plans: list[dict[str, LinearPlan | None]],
+                col_scale: torch.Tensor | None) -> tuple[torch.Tensor, list, list]:
+        """Every routed expert of layer i as a job. Returns the MoE output (summed in expert order, as the
+        one-process loop does), the deferred (expert, {slot: (Pending, own range)}) and the down_proj ranges."""
+        hp = self.dir / f"E{i}-hidden.npy"
+        np.save(hp, hidden.float().numpy())
+        cs = None
+        if col_scale is not None:
+            cs = str(self.dir / f"E{i}-colscale.npy")
+            np.save(cs, col_scale.numpy())
+        routes = [torch.where(index == e) for e in range(len(names))]
+        jobs = [ExpertJob(self.ctx, i, e, names[e], plans[e], str(hp), rows.numpy(), cs)
+                for e, (rows, _) in enumerate(routes)]
+        out = torch.zeros_like(hidden)
+        deferred: list = []
+        down: list = []
+        try:
+            for e, res in enumerate(self._map(run_expert, jobs)):
+                rows, pos = routes[e]
+                if res.y is not None:
+                    out.index_add_(0, rows, (res.y * weights[rows, pos, None]).to(out.dtype))
+                if res.down_range is not None:
+                    down.append(res.down_range)
+                if res.pending:
+                    deferred.append((e, {slot: (p, own) for slot, p, own in res.pending}))
+        finally:
+            for p in self.dir.glob(f"E{i}-*"):
+                p.unlink()
+        return out, deferred, down
+
+
+# ---- the task side ---------------------------------------------------------------------------------------------
+@contextmanager
+def _threads(n: int) -> Iterator[None]:
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _open(root: str, skeleton: bool = False) -> tuple[Checkpoint, Skeleton | None]:
+    """The checkpoint (and model skeleton) of `root`: the driver's own when inline, else opened once per process."""
+    hit = _LOCAL.get(root) or _OPENED.get(root)
+    if hit is None:
+        hit = _OPENED[root] = (Checkpoint.open(Path(root)), None)
+    if skeleton and hit[1] is None:
+        hit = _OPENED[root] = (hit[0], Skeleton(hit[0]))
+    return hit
+
+
+_OPENED: dict[str, tuple[Checkpoint, Skeleton | None]] = {}
+
+
+def _env(ctx: Context, ck: Checkpoint) -> Any:
+    """A Calibrator holding only what `_quantize`/`_prepare`/`_finish`/`_stats` read."""
+    env = ctx.cls.__new__(ctx.cls)
+    env.ck, env.plan, env.opts, env.qw = ck, ctx.plan, ctx.opts, _Collector(ctx.staged)
+    env.records, env.decisions = {}, {}
+    env.timings = {"forward": 0.0, "experts": 0.0, "quantize": 0.0}
+    env.static, env.observer_method = ctx.static, ctx.observer_method
+    env.h = torch.empty(ctx.tokens, 0)  # _stats reads its row count only
+    env.held_tokens = torch.empty(0) if ctx.held else None
+    return env
+
+
+def _result(env: Any, **kw: Any) -> JobResult:
+    return JobResult(env.qw.items, env.records, env.decisions, quantize_s=env.timings["quantize"], **kw)
+
+
+def run_linear(job: LinearJob) -> JobResult:
+    """Task: quantize one linear with its statistics (GPTQ, choice, activation parameters, output errors)."""
+    with _threads(JOB_THREADS):
+        env = _env(job.ctx, _open(job.ctx.root)[0])
+        w = torch.load(job.weight, weights_only=True)
+        st = torch.load(job.stats, weights_only=False) if job.stats else None
+        env._quantize(job.lp, w, st)
+        return _result(env)
+
+
+def run_expert(job: ExpertJob) -> JobResult:
+    """Task: one routed expert - forward on its routed rows (all rows with --all-experts), statistics, quantization
+    of gate/up/down (under-covered ones prepared only: their activation ranges are the layer's, decided by the
+    driver), output rows returned."""
+    ctx, opts, e, i = job.ctx, job.ctx.opts, job.expert, job.layer
+    with _threads(JOB_THREADS):
+        ck, sk = _open(ctx.root, skeleton=True)
+        env = _env(ctx, ck)
+        t = time.perf_counter()
+        w = {s: sk.load(job.names[s]) for s in SLOTS}
+        if job.col_scale is not None:
+            cs = torch.from_numpy(np.load(job.col_scale))
+            w["gate"].mul_(cs)
+            w["up"].mul_(cs)
+        if job.rows.size == 0 and not opts.all_experts:  # no token: weights only, ranges borrowed later
+            pending = [(s, env._prepare(job.plans[s], w[s], None), None) for s in SLOTS if job.plans[s] is not None]
+            return _result(env, pending=pending)
+        hidden = np.load(job.hidden, mmap_mode="r")
+        x = torch.from_numpy(np.array(hidden) if opts.all_experts else hidden[job.rows])
+        del hidden
+        experts = sk.experts_module(i)
+        gate, up = x @ w["gate"].T, x @ w["up"].T
+        act = experts._apply_gate(torch.cat([gate, up], dim=-1))
+        y = act @ w["down"].T
+        if opts.all_experts:
+            y = y[torch.from_numpy(job.rows)]
+        fwd = time.perf_counter() - t
+        routed = int(job.rows.size)
+        st = {"in": env._stats(x.shape[-1], f"layer {i} expert {e} gate/up"),
+              "down": env._stats(act.shape[-1], f"layer {i} expert {e} down")}
+        st["in"].update(x)
+        st["down"].update(act)
+        under = env.static and routed < opts.min_expert_tokens and not opts.all_experts
+        down = st["down"].clip_range() if env.static else None
+        pending = []
+        for slot in SLOTS:
+            lp = job.plans[slot]
+            if lp is None:
+                continue
+            s = st["in"] if slot != "down" else st["down"]
+            if under:
+                pending.append((slot, env._prepare(lp, w[slot], s), s.clip_range()))
+            else:
+                env._quantize(lp, w[slot], s)
+                env.records[lp.module].tokens = routed
+        return _result(env, pending=pending, y=y, down_range=down, forward_s=fwd)
