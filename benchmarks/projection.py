@@ -1,15 +1,21 @@
 """The FULL DeepSeek-V3 W8A8 job (`quantize --bits 8`: static attention calibrated, MLP and routed experts dynamic)
-projected on 1, 8 and 32 nodes from costs measured on this host (bench_scale part 2).
+projected on 1, 8 and 32 nodes from costs and a parallel split MEASURED on this host (bench_scale part 2).
 
-Measured here, on a medium DeepSeek-shaped model (random weights, the bundled calibration set):
-  * c_fwd  - seconds per FLOP of the calibration forward outside the routed experts (attention, dense and shared MLP,
-             router), from the Calibrator's `forward` timing;
-  * c_exp  - seconds per FLOP of the routed-expert forward (`experts` timing);
-  * c_q    - seconds per FLOP of quantizing the linears (`quantize` timing: smoothing and range searches measure
-             output errors on the calibration rows, so it grows with tokens x parameters);
+Measured here, on a medium DeepSeek-shaped model (random weights, the bundled calibration set), with `--workers 1`
+and `--workers 2` (the calibrated path's jobs: dsconv/quant/calib_jobs.py):
+  * c_fwd  - seconds per FLOP of the driver's calibration forward outside the routed experts (attention, dense and
+             shared MLP, router): the part that stays serial (`forward` timing);
+  * c_lin  - seconds per (non-expert forward) FLOP of the per-linear jobs (statistics -> activation parameters,
+             smoothing/range searches, output-error measurement, writing): `linear_jobs` wall with one worker;
+  * c_exp  - seconds per FLOP of the routed-expert jobs (each expert's forward, statistics, quantization):
+             `expert_jobs` wall with one worker;
+  * job_speedup - the jobs' wall with 1 worker over 2 workers: what one node (this host) gains by running them
+             in parallel, measured under whatever load the host has (printed);
   * the rest of the run as a fixed cost; checkpoint I/O per byte from bench_scale's weight-only quantize.
 Scaled to the real shapes (61 layers, 3 dense, 256 experts top-8, hidden 7168, moe_intermediate 2048, MLA) with the
-same calibration tokens. The parallel scheme on N nodes (a node = this host) is printed with the figures.
+same calibration tokens. On N nodes: the driver's forward stays serial, a layer's linear jobs spread over at most as
+many workers as the layer has linears, its experts over every worker (whole experts, in rounds), routed activations
+go to the jobs and their outputs back through the driver's link, and the expert weights are read by the jobs.
 """
 from __future__ import annotations
 
@@ -77,6 +83,18 @@ def weight_bytes(c: dict[str, Any]) -> dict[str, float]:
             "per_expert": 2.0 * expert, "attn_per_layer": 2.0 * f["attn_params"]}
 
 
+def _quantize(model: Path, out: Path, workers: int, env: dict) -> dict[str, Any]:
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    p = subprocess.run([sys.executable, "-m", "dsconv", "quantize", "-m", str(model), "-o", str(out), "--bits", "8",
+                        "--seq-len", str(SEQ), "--workers", str(workers), "--force", "--json"], env=env,
+                       cwd=str(ROOT), capture_output=True, text=True)
+    if p.returncode:
+        raise RuntimeError(p.stderr[-3000:])
+    s = json.loads(p.stdout)
+    s["load_before"], s["load_after"] = load, " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return s
+
+
 def measure_costs() -> dict[str, Any]:
     root = scratch("dsconv-proj-")
     try:
@@ -84,73 +102,101 @@ def measure_costs() -> dict[str, Any]:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
         subprocess.run([sys.executable, "-c", CHILD, str(model), json.dumps(MEDIUM)], check=True, env=env,
                        cwd=str(ROOT), capture_output=True)
-        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-        p = subprocess.run([sys.executable, "-m", "dsconv", "quantize", "-m", str(model), "-o", str(root / "q"),
-                            "--bits", "8", "--seq-len", str(SEQ), "--json"], env=env, cwd=str(ROOT),
-                           capture_output=True, text=True)
-        if p.returncode:
-            raise RuntimeError(p.stderr[-3000:])
-        s = json.loads(p.stdout)
+        runs = {w: _quantize(model, root / f"q{w}", w, env) for w in (1, 2)}
+        same = all((root / "q1" / f.name).read_bytes() == f.read_bytes() for f in (root / "q2").glob("*.safetensors"))
+        s = runs[1]
         cfg = {**json.loads((model / "config.json").read_text())}
         tokens = int(s["calibration"]["tokens"])
         f = flops(cfg, tokens, min(SEQ, max(1, tokens // max(1, s["calibration"]["samples"]))))
         w = weight_bytes(cfg)
-        t = s["timings"]
-        rest = max(0.0, s["seconds"] - t["forward"] - t["experts"] - t["quantize"])  # start-up, reading, writing
-        return {"load_before": load, "medium_config": MEDIUM, "calib_tokens": tokens,
-                "calib_samples": s["calibration"]["samples"], "timings_s": t, "total_s": s["seconds"],
+        t, t2 = s["timings"], runs[2]["timings"]
+        jobs1, jobs2 = t["linear_jobs"] + t["expert_jobs"], t2["linear_jobs"] + t2["expert_jobs"]
+        rest = max(0.0, s["seconds"] - t["forward"] - jobs1)  # start-up, reading, writing, saving job inputs
+        moe, E = f["moe_layers"], cfg["n_routed_experts"]
+        return {"load_before": s["load_before"], "medium_config": MEDIUM, "calib_tokens": tokens,
+                "calib_samples": s["calibration"]["samples"],
+                "workers_1": {"total_s": round(s["seconds"], 2), "timings_s": t, "load": s["load_before"]},
+                "workers_2": {"total_s": round(runs[2]["seconds"], 2), "timings_s": t2,
+                              "load": runs[2]["load_before"], "ran": runs[2].get("execution")},
+                "bytes_identical_1_vs_2": same,
+                "speedup_total_2_workers": round(s["seconds"] / runs[2]["seconds"], 2),
+                "job_speedup": round(jobs1 / jobs2, 2) if jobs2 else 1.0,
+                "serial_fraction_1_worker": round((t["forward"] + rest) / s["seconds"], 3),
+                "per_layer_s": round((t["forward"] + t["linear_jobs"]) / cfg["num_hidden_layers"], 3),
+                "per_expert_s": round(t["expert_jobs"] / max(1, moe * E), 4),
                 "c_fwd_s_per_gflop": t["forward"] / f["other"] * 1e9,
-                "c_exp_s_per_gflop": t["experts"] / f["experts"] * 1e9,
-                # quantizing a calibrated linear measures its output error on the calibration rows: FLOP-bound
-                "c_q_s_per_gflop": t["quantize"] / (f["other"] + f["experts"]) * 1e9,
+                "c_lin_s_per_gflop": t["linear_jobs"] / f["other"] * 1e9,
+                "c_exp_s_per_gflop": t["expert_jobs"] / f["experts"] * 1e9,
                 "fixed_s": rest, "medium_weight_gb": round(w["total"] / 1e9, 3)}
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
+WORKERS_PER_NODE = 2     # a node = this host: 2 cores, the measured job_speedup with 2 workers
+LINEARS_PER_LAYER = 8    # DeepSeek-V3 MoE layer outside the experts: 5 attention + 3 shared-expert linears
+
+
 def project(m: dict[str, Any], io_s_per_gb: float, nodes: tuple[int, ...] = (1, 8, 32)) -> dict[str, Any]:
-    """Hours of the real job on each node count, from the measured rates (see the module docstring)."""
+    """Hours of the real job on each node count, from the measured rates and split (see the module docstring)."""
     tokens = m["calib_tokens"]
     seq = min(SEQ, max(1, tokens // max(1, m["calib_samples"])))
     f = flops(REAL, tokens, seq)
     w = weight_bytes(REAL)
     moe, E = f["moe_layers"], REAL["n_routed_experts"]
     layers = REAL["num_hidden_layers"]
-    # per layer (attention, dense/shared MLP, router) and per routed expert, forward + measurement-based quantization
-    layer_s = f["other"] / layers * (m["c_fwd_s_per_gflop"] + m["c_q_s_per_gflop"]) / 1e9
-    expert_s = f["experts"] / (moe * E) * (m["c_exp_s_per_gflop"] + m["c_q_s_per_gflop"]) / 1e9
-    io = w["total"] * io_s_per_gb / 1e9
-    io_floor = w["total"] * 1.5 / (STORAGE_GBPS * 1e9)       # read BF16 + write ~half as much int8
-    dense_bytes = w["total"] - moe * E * w["per_expert"]      # every node reads these for its samples
+    gain = max(1.0, m["job_speedup"])  # one node's job throughput, in single-worker units
+    layer_fwd = f["other"] / layers * m["c_fwd_s_per_gflop"] / 1e9     # serial: the driver's forward
+    layer_lin = f["other"] / layers * m["c_lin_s_per_gflop"] / 1e9     # the layer's linear jobs, one worker
+    expert_s = f["experts"] / (moe * E) * m["c_exp_s_per_gflop"] / 1e9  # one expert's job, one worker
+    expert_bytes = moe * E * w["per_expert"]
+    dense_bytes = w["total"] - expert_bytes
+    routed = 2 * tokens * REAL["num_experts_per_tok"] * REAL["hidden_size"] * 4  # rows to the jobs, outputs back
     rows = []
     for n in nodes:
-        per_node = math.ceil(E / n) / E                        # whole experts per node: the fullest node
-        a2a = 0.0 if n == 1 else moe * 2 * tokens * REAL["num_experts_per_tok"] * REAL["hidden_size"] * 2 \
-            * (n - 1) / n / n / (NET_GBPS * 1e9)               # routed activations to and from expert nodes
-        replicated = 0.0 if n == 1 else dense_bytes * n / (STORAGE_GBPS * 1e9)
-        parts = {"layers_h": layers * layer_s / n, "experts_h": moe * E * expert_s * per_node,
-                 "io_h": max(io / n, io_floor if n > 1 else 0.0) + replicated, "all_to_all_h": a2a,
+        workers = n * WORKERS_PER_NODE
+        lin = layer_lin / min(n * gain, LINEARS_PER_LAYER)
+        exp = math.ceil(E / workers) * expert_s * WORKERS_PER_NODE / gain  # rounds of whole experts
+        io = dense_bytes * io_s_per_gb / 1e9 + max(expert_bytes * io_s_per_gb / 1e9 / n,
+                                                   expert_bytes / (STORAGE_GBPS * 1e9) if n > 1 else 0.0)
+        parts = {"forward_h": layers * layer_fwd, "linear_jobs_h": layers * lin, "expert_jobs_h": moe * exp,
+                 "io_h": io, "routed_transfer_h": 0.0 if n == 1 else moe * routed / (NET_GBPS * 1e9),
                  "fixed_h": m["fixed_s"]}
         total = sum(parts.values())
         rows.append({"nodes": n, "hours": round(total / 3600, 2), **{k: round(v / 3600, 3) for k, v in parts.items()}})
     for r in rows:
         r["speedup"] = round(rows[0]["hours"] / r["hours"], 1) if r["hours"] else None
-    text = [f"DeepSeek-V3 W8A8 (--bits 8) projection; node = this host at the measured rates (load {m['load_before']})",
+    text = [f"DeepSeek-V3 W8A8 (--bits 8) projection; node = this host (2 cores) at the measured rates "
+            f"(load {m['load_before']} before the 1-worker run, {m['workers_2']['load']} before the 2-worker run)",
             f"  measured on a medium DeepSeek-shaped model ({tokens} calibration tokens, {m['calib_samples']} samples): "
-            f"forward {m['c_fwd_s_per_gflop']:.4f} s/GFLOP outside experts, {m['c_exp_s_per_gflop']:.4f} s/GFLOP in "
-            f"experts, quantization with its error measurements {m['c_q_s_per_gflop']:.4f} s/GFLOP; checkpoint I/O "
-            f"{io_s_per_gb:.2f} s/GB (weight-only quantize of the fan-out checkpoint, inline)",
-            f"  real shapes: {w['total'] / 1e12:.2f} TB BF16; {layers} layers at {layer_s / 60:.1f} min each "
-            f"(attention, dense/shared MLP, router: forward + quantize); {moe} x {E} routed experts at "
-            f"{expert_s:.1f} s each",
-            "  scheme: per layer, the forward is data-parallel over calibration samples (statistics merged), routed "
-            "experts expert-parallel in whole experts (activations all-to-all over "
-            f"{NET_GBPS} GB/s links), every linear's quantization its own job; I/O split up to "
-            f"{STORAGE_GBPS} GB/s of shared storage, the non-expert weights read by every node. dsconv fans out "
-            "weight-only parts, casts and shard ranks today; the calibrated layer loop is still one process."]
-    text += [f"  {r['nodes']:>3} node(s): {r['hours']:8.2f} h  speedup {r['speedup']}x  (layers {r['layers_h']} h, "
-             f"experts {r['experts_h']} h, I/O {r['io_h']} h, all-to-all {r['all_to_all_h']} h)" for r in rows]
-    return {"rows": rows, "per_layer_s": round(layer_s, 1), "per_expert_s": round(expert_s, 2),
+            f"--workers 1 {m['workers_1']['total_s']} s, --workers 2 {m['workers_2']['total_s']} s "
+            f"({m['speedup_total_2_workers']}x; jobs alone {m['job_speedup']}x; bytes identical: "
+            f"{m['bytes_identical_1_vs_2']}); serial share with 1 worker {m['serial_fraction_1_worker']:.0%}; "
+            f"per layer {m['per_layer_s']} s (driver forward + linear jobs), per routed expert {m['per_expert_s']} s",
+            f"  rates: driver forward {m['c_fwd_s_per_gflop']:.4f} s/GFLOP, linear jobs {m['c_lin_s_per_gflop']:.4f} "
+            f"s/GFLOP, expert jobs {m['c_exp_s_per_gflop']:.4f} s/GFLOP; checkpoint I/O {io_s_per_gb:.2f} s/GB",
+            f"  real shapes: {w['total'] / 1e12:.2f} TB BF16; {layers} layers at {layer_fwd / 60:.1f} min serial "
+            f"forward + {layer_lin / 60:.1f} min of linear jobs each; {moe} x {E} routed experts at {expert_s:.1f} s "
+            "of one worker each",
+            "  scheme (what dsconv runs today): one driver runs each layer's calibration forward (serial), then the "
+            "layer's linears and routed experts as jobs over every node's workers (--executor ray); routed "
+            f"activations and expert outputs through the driver's {NET_GBPS} GB/s link; expert weights read by the "
+            f"jobs from shared storage (up to {STORAGE_GBPS} GB/s), the rest by the driver."]
+    text += [f"  {r['nodes']:>3} node(s): {r['hours']:8.2f} h  speedup {r['speedup']}x  (forward {r['forward_h']} h, "
+             f"linear jobs {r['linear_jobs_h']} h, expert jobs {r['expert_jobs_h']} h, I/O {r['io_h']} h, "
+             f"routed transfer {r['routed_transfer_h']} h)" for r in rows]
+    return {"rows": rows, "per_layer_serial_s": round(layer_fwd, 1), "per_layer_linear_jobs_s": round(layer_lin, 1),
+            "per_expert_s": round(expert_s, 2),
             "assumptions": {"net_gbps": NET_GBPS, "storage_gbps": STORAGE_GBPS, "seq": seq,
-                            "node": "this host (measured rates)"},
+                            "workers_per_node": WORKERS_PER_NODE, "linears_per_layer": LINEARS_PER_LAYER,
+                            "node": "this host (measured rates and 2-worker job speedup)"},
             "real_tb_bf16": round(w["total"] / 1e12, 3), "text": "\n".join(text)}
+
+
+if __name__ == "__main__":  # the projection alone, with the I/O rate of the last bench_scale run (or 3.2 s/GB)
+    from benchmarks.common import save
+
+    costs = measure_costs()
+    proj = project(costs, float(os.environ.get("DSCONV_IO_S_PER_GB", "3.2")))
+    print(proj["text"], flush=True)
+    save("projection", {"measured_costs": costs, "projection_deepseek_v3_w8a8":
+                        {k: v for k, v in proj.items() if k != "text"}, "projection_text": proj["text"].splitlines()})

@@ -115,20 +115,20 @@ class Dispatch:
         _LOCAL[str(ck.root)] = (ck, cal.sk)
         # one decision for the whole run: fan out only when the quantized weights are worth starting processes for
         self.work = sum(lp.n * lp.k for lp in cal.plan.linears.values()) * 2
-        self.wall = 0.0
+        self.wall = {"linear_jobs": 0.0, "expert_jobs": 0.0}  # driver seconds from first submit to last result
 
     def close(self) -> None:
         _LOCAL.pop(self.ctx.root, None)
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def _map(self, fn: Any, jobs: list) -> Iterator[JobResult]:
+    def _map(self, fn: Any, jobs: list, kind: str) -> Iterator[JobResult]:
         t = time.perf_counter()
         for res in self.ex.map(fn, jobs, work_bytes=self.work):
-            self.wall += time.perf_counter() - t
             self._merge(res)
+            self.wall[kind] += time.perf_counter() - t
             yield res
             t = time.perf_counter()
-        self.wall += time.perf_counter() - t
+        self.wall[kind] += time.perf_counter() - t
 
     def _merge(self, res: JobResult) -> None:
         cal = self.cal
@@ -160,7 +160,7 @@ class Dispatch:
         for st in set(group.values()):
             st.free()
         try:
-            for (mod, lp), res in zip(items, self._map(run_linear, jobs)):
+            for (mod, lp), res in zip(items, self._map(run_linear, jobs, "linear_jobs")):
                 yield mod, res.written[-1][1]
         finally:
             for p in self.dir.glob(f"L{i}-*"):
@@ -184,7 +184,7 @@ class Dispatch:
         deferred: list = []
         down: list = []
         try:
-            for e, res in enumerate(self._map(run_expert, jobs)):
+            for e, res in enumerate(self._map(run_expert, jobs, "expert_jobs")):
                 rows, pos = routes[e]
                 if res.y is not None:
                     out.index_add_(0, rows, (res.y * weights[rows, pos, None]).to(out.dtype))

@@ -95,7 +95,8 @@ class Calibrator:
         self.by_layer = plan.by_layer()
         self.static = plan.scheme == STATIC
         self.observer_method = clipping.observer_method(opts.act_method)
-        # seconds: forward passes with statistics hooks, expert loops, quantizing + measuring + writing linears
+        # seconds: the driver's forward passes with statistics hooks; summed over jobs, the routed experts' forward
+        # and quantizing + measuring linears; after run(), the driver's wall time in linear and expert jobs
         self.timings = {"forward": 0.0, "experts": 0.0, "quantize": 0.0}
 
     # ---- batches --------------------------------------------------------------------------------------------
@@ -135,7 +136,7 @@ class Calibrator:
                     self.layer(i)
         finally:
             self.jobs.close()
-        self.timings["jobs_wall"] = self.jobs.wall
+        self.timings.update(self.jobs.wall, jobs_wall=sum(self.jobs.wall.values()))
 
     def _stats(self, k: int, name: str) -> InputStats:
         return InputStats(k, name, self.observer_method if self.static else None,
