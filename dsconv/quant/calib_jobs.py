@@ -18,6 +18,8 @@ gives different last bits with 1 and 2 threads, and the output must not depend o
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import shutil
 import time
 from contextlib import contextmanager
@@ -47,6 +49,7 @@ class Context:
 
     cls: type            # the Calibrator class, by reference: its _quantize/_prepare/_finish run in the task
     root: str            # the checkpoint, opened by path in a worker
+    key: str             # its fingerprint: a long-lived worker (Ray) never reuses a checkpoint that changed
     plan: QuantPlan
     opts: QuantOptions
     staged: bool
@@ -110,15 +113,17 @@ class Dispatch:
         self.dir = workspace / JOBS_DIR
         self.dir.mkdir(parents=True, exist_ok=True)
         plan = dataclasses.replace(cal.plan, linears={}, floats={}, dropped=[], ignored={})
-        self.ctx = Context(type(cal), str(ck.root), plan, cal.opts, cal.qw.staged, int(cal.h.shape[0]),
+        key = hashlib.sha256(json.dumps([ck.identity(), [p.stat().st_mtime_ns for p in ck.files]],
+                                        sort_keys=True).encode()).hexdigest()
+        self.ctx = Context(type(cal), str(ck.root), key, plan, cal.opts, cal.qw.staged, int(cal.h.shape[0]),
                            cal.held_tokens is not None, cal.static, cal.observer_method)
-        _LOCAL[str(ck.root)] = (ck, cal.sk)
+        _LOCAL[key] = (ck, cal.sk)
         # one decision for the whole run: fan out only when the quantized weights are worth starting processes for
         self.work = sum(lp.n * lp.k for lp in cal.plan.linears.values()) * 2
         self.wall = {"linear_jobs": 0.0, "expert_jobs": 0.0}  # driver seconds from first submit to last result
 
     def close(self) -> None:
-        _LOCAL.pop(self.ctx.root, None)
+        _LOCAL.pop(self.ctx.key, None)
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def _map(self, fn: Any, jobs: list, kind: str) -> Iterator[JobResult]:
@@ -209,13 +214,14 @@ def _threads(n: int) -> Iterator[None]:
         torch.set_num_threads(old)
 
 
-def _open(root: str, skeleton: bool = False) -> tuple[Checkpoint, Skeleton | None]:
-    """The checkpoint (and model skeleton) of `root`: the driver's own when inline, else opened once per process."""
-    hit = _LOCAL.get(root) or _OPENED.get(root)
+def _open(ctx: Context, skeleton: bool = False) -> tuple[Checkpoint, Skeleton | None]:
+    """The run's checkpoint (and model skeleton): the driver's own when inline, else opened once per process."""
+    hit = _LOCAL.get(ctx.key) or _OPENED.get(ctx.key)
     if hit is None:
-        hit = _OPENED[root] = (Checkpoint.open(Path(root)), None)
+        _OPENED.clear()  # one checkpoint per worker at a time
+        hit = _OPENED[ctx.key] = (Checkpoint.open(Path(ctx.root)), None)
     if skeleton and hit[1] is None:
-        hit = _OPENED[root] = (hit[0], Skeleton(hit[0]))
+        hit = _OPENED[ctx.key] = (hit[0], Skeleton(hit[0]))
     return hit
 
 
@@ -241,7 +247,7 @@ def _result(env: Any, **kw: Any) -> JobResult:
 def run_linear(job: LinearJob) -> JobResult:
     """Task: quantize one linear with its statistics (GPTQ, choice, activation parameters, output errors)."""
     with _threads(JOB_THREADS):
-        env = _env(job.ctx, _open(job.ctx.root)[0])
+        env = _env(job.ctx, _open(job.ctx)[0])
         w = torch.load(job.weight, weights_only=True)
         st = torch.load(job.stats, weights_only=False) if job.stats else None
         env._quantize(job.lp, w, st)
@@ -254,7 +260,7 @@ def run_expert(job: ExpertJob) -> JobResult:
     driver), output rows returned."""
     ctx, opts, e, i = job.ctx, job.ctx.opts, job.expert, job.layer
     with _threads(JOB_THREADS):
-        ck, sk = _open(ctx.root, skeleton=True)
+        ck, sk = _open(ctx, skeleton=True)
         env = _env(ctx, ck)
         t = time.perf_counter()
         w = {s: sk.load(job.names[s]) for s in SLOTS}

@@ -33,7 +33,7 @@ from dsconv.quant import smoothing as sm
 from dsconv.quant.calib import CalibSet
 from dsconv.quant.formats.msmodelslim import LinearResult
 from dsconv.quant.hooks import ExpertRecorder, FlowProbe, LinearHooks, RowMask
-from dsconv.quant.layers import SLOTS, Skeleton, install_forward
+from dsconv.quant.layers import Skeleton, install_forward
 from dsconv.quant.options import QuantOptions, smoothing_of
 from dsconv.quant.output import QuantWriter
 from dsconv.quant.plan import ACT_QUANT, STATIC, LinearPlan, QuantPlan
