@@ -5,10 +5,11 @@
    `--workers 1`, `--workers 2` (local processes) and `--executor ray` on a local Ray with 2 CPUs (started once,
    its start-up reported apart). Speedups are against `--workers 1`; shard throughput (bytes written per second) is
    against the user-space copy's.
-2. A projection of the FULL DeepSeek-V3 W8A8 job (`--bits 8`: calibrated static attention, dynamic MLP and experts)
-   on 1, 8 and 32 nodes, from costs MEASURED here on a medium DeepSeek-shaped model (calibration forward per FLOP,
-   expert forward per FLOP, quantization per weight byte, I/O per byte) scaled by FLOPs and bytes to the real shapes
-   (61 layers, 256 experts, hidden 7168, moe_intermediate 2048). The model and its assumptions are printed with it.
+2. The calibrated `quantize --bits 8` of a medium DeepSeek-shaped MoE model with `--workers 1` and `--workers 2`
+   (wall time, the jobs' speedup, per-layer and per-expert cost, whether the outputs are byte-identical), and from
+   those costs and that parallel split a projection of the FULL DeepSeek-V3 W8A8 job on 1, 8 and 32 nodes, scaled by
+   FLOPs and bytes to the real shapes (61 layers, 256 experts, hidden 7168, moe_intermediate 2048); the model and its
+   assumptions are printed with it (benchmarks/projection.py).
 
 `python -m benchmarks scale` (`DSCONV_BENCH_DIR` chooses the scratch disk).
 """

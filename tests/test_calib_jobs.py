@@ -72,16 +72,18 @@ def test_two_processes_write_the_same_bytes(case, inline, run_cli, models, tmp_p
     assert files == inline[case[0]][0]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_local_ray_writes_the_same_bytes(case, inline, run_cli, models, tmp_path, fan_out):
+@pytest.fixture(scope="module")
+def ray_local():
+    """One local Ray for the module, shut down after it (test_exec's own checks start without one)."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    try:
-        files, summary = _run(run_cli, tmp_path / "o", models, case, ["--executor", "ray", "--workers", "2"])
-    finally:
-        if case is CASES[-1]:
-            ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_local_ray_writes_the_same_bytes(case, inline, run_cli, models, tmp_path, fan_out, ray_local):
+    files, summary = _run(run_cli, tmp_path / "o", models, case, ["--executor", "ray", "--workers", "2"])
     assert summary["execution"] == {"executor": "ray", "workers": 2, "ran": "ray"}
     assert files == inline[case[0]][0]
