@@ -162,7 +162,10 @@ def project(m: dict[str, Any], io_s_per_gb: float, nodes: tuple[int, ...] = (1, 
                  "io_h": io, "routed_transfer_h": 0.0 if n == 1 else moe * routed / (NET_GBPS * 1e9),
                  "fixed_h": m["fixed_s"]}
         total = sum(parts.values())
-        rows.append({"nodes": n, "hours": round(total / 3600, 2), **{k: round(v / 3600, 3) for k, v in parts.items()}})
+        # not built: the forward split over calibration samples across nodes (statistics merged), the part left
+        dp = total - parts["forward_h"] * (1 - 1 / n)
+        rows.append({"nodes": n, "hours": round(total / 3600, 2), **{k: round(v / 3600, 3) for k, v in parts.items()},
+                     "hours_if_forward_data_parallel": round(dp / 3600, 2)})
     for r in rows:
         r["speedup"] = round(rows[0]["hours"] / r["hours"], 1) if r["hours"] else None
     text = [f"DeepSeek-V3 W8A8 (--bits 8) projection; node = this host (2 cores) at the measured rates "
@@ -183,7 +186,8 @@ def project(m: dict[str, Any], io_s_per_gb: float, nodes: tuple[int, ...] = (1, 
             f"jobs from shared storage (up to {STORAGE_GBPS} GB/s), the rest by the driver."]
     text += [f"  {r['nodes']:>3} node(s): {r['hours']:8.2f} h  speedup {r['speedup']}x  (forward {r['forward_h']} h, "
              f"linear jobs {r['linear_jobs_h']} h, expert jobs {r['expert_jobs_h']} h, I/O {r['io_h']} h, "
-             f"routed transfer {r['routed_transfer_h']} h)" for r in rows]
+             f"routed transfer {r['routed_transfer_h']} h); with the forward also split over samples (not built): "
+             f"{r['hours_if_forward_data_parallel']} h" for r in rows]
     return {"rows": rows, "per_layer_serial_s": round(layer_fwd, 1), "per_layer_linear_jobs_s": round(layer_lin, 1),
             "per_expert_s": round(expert_s, 2),
             "assumptions": {"net_gbps": NET_GBPS, "storage_gbps": STORAGE_GBPS, "seq": seq,
