@@ -265,7 +265,9 @@ def test_gptq_beats_rtn_on_output_error(models, run):
     out_g, s_g = run(models["ds"], "ds_w4_gptq", method="gptq", **kw)
     out_r, s_r = run(models["ds"], "ds_w4_rtn_cal", method="rtn", **kw)
     assert s_g["method"] == "gptq" and s_r["calibration"] is not None
-    g = json.loads((out_g / "quant_report.json").read_text())["linears"]
+    rep_g = json.loads((out_g / "quant_report.json").read_text())
+    assert rep_g["gptq"] == {"damp": 0.1, "act_order": True, "static_groups": True}
+    g = rep_g["linears"]
     r = json.loads((out_r / "quant_report.json").read_text())["linears"]
     assert set(g) == set(r) and len(g) == 117
     out_err = lambda rep: np.mean([e["output_error"]["weight_only"] for e in rep.values()])  # noqa: E731

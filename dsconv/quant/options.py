@@ -37,7 +37,7 @@ class QuantOptions:
     bits_default: bool = False        # scheme came from --bits (the engine's recipe) rather than --scheme
     moe_scheme: str | None = None     # routed experts' scheme when it differs (--moe-scheme)
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
-    damp: float = 0.01
+    damp: float = 0.1
     batch_tokens: int = 4096   # padded tokens per forward batch
     sample_tokens: int = 128   # calibration rows kept per linear input to measure output error (fallbacks, report)
 

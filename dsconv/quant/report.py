@@ -129,6 +129,8 @@ def build_report(ck: Any, plan: QuantPlan, opts: Any, records: dict[str, Any], d
         "layers": per_layer,
         "linears": linears,
     }
+    if plan.method == "gptq":  # the GPTQ settings (weights.quantize_weight: act order, static groups)
+        report["gptq"] = {"damp": opts.damp, "act_order": True, "static_groups": True}
     if cal is not None:
         report["smoothing"] = cal.smoothing
         report.update({k: v for k, v in getattr(cal, "decisions", {}).items() if v})
@@ -238,6 +240,8 @@ def decisions_summary(report: dict[str, Any]) -> dict[str, Any]:
     if clips:
         out["clipped_inputs"] = sum(1 for c in clips.values() if c["ratio"] < 1.0)
         out["static_inputs"] = len(clips)
+    if report.get("gptq"):
+        out["gptq_damp"] = report["gptq"]["damp"]
     choice = report.get("gptq_or_rtn") or {}
     if choice:
         out["gptq_or_rtn"] = dict(sorted(Counter(choice.values()).items()))
@@ -259,6 +263,8 @@ def decisions_lines(d: dict[str, Any]) -> list[str]:
                      ", ".join(f"{a} x{n}" for a, n in d["smoothing_alphas"].items()))
     if "clipped_inputs" in d:
         lines.append(f"static ranges clipped by output error: {d['clipped_inputs']} of {d['static_inputs']} inputs")
+    if "gptq_damp" in d:
+        lines.append(f"GPTQ: act order, static groups, damping {d['gptq_damp']:g} x mean(diag H)")
     if d.get("gptq_or_rtn"):
         lines.append("weights, chosen per linear on held-out prompts: " +
                      ", ".join(f"{k} {n}" for k, n in d["gptq_or_rtn"].items()))
