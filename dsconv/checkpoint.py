@@ -181,6 +181,12 @@ class Checkpoint:
             return self.load(name, dequantize=True)
         return self._reader.view(info)
 
+    def stored_view(self, name: str):
+        """Read-only zero-copy view in the stored dtype, FP8 included (needs `readable_by_path`): a stripe-wise
+        consumer (the FP8 cast) reads row blocks of it and calls `release_rows` after each, so the tensor is never
+        whole in this process."""
+        return self._reader.view(self.info(name))
+
     def iter_bytes(self, name: str, chunk: int | None = None):
         """The tensor's stored bytes in consecutive chunks (see `TensorReader.iter_bytes`; needs `readable_by_path`):
         a pass-through copy never holds more than one chunk, whatever the tensor's size."""

@@ -102,6 +102,8 @@ class PartWriter:
         slot = self._slot(name)
         pos = slot.offset
         for chunk in chunks:
+            if isinstance(chunk, np.ndarray):  # any numpy dtype, ml_dtypes' bfloat16 included (no buffer format)
+                chunk = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
             data = memoryview(chunk).cast("B")
             if pos + len(data) > slot.offset + slot.nbytes:
                 raise ValueError(f"tensor {name}: more than its planned {slot.nbytes} bytes")

@@ -1,12 +1,15 @@
 """The parts of `dsconv export --format safetensors` as independent jobs (dsconv.exec): each output part - or a run
 of its tensors when there are fewer parts than workers - is read by byte range, converted and written by its own task.
 
-Why the kernel arrives in the job: the conversion (`fp8.convert_tensor`, `fp8.check_finite`) stays in fp8.py, which
-imports this module; a module-level function pickles by reference, so a task in another process calls the same code
-and writes the same bytes as the inline run.
+Why the kernel arrives in the job: the conversion (`fp8.write_converted`) stays in fp8.py, which imports this module;
+a module-level function pickles by reference, so a task in another process calls the same code and writes the same
+bytes as the inline run. A job streams each tensor exactly as the inline writer does - FP8 weights in stripes of
+block rows read from a view of the input, cast and kept tensors in 64 MiB chunks - so a worker's memory is a few
+stripes or chunks, not its largest tensor.
 """
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,33 +29,55 @@ class CastJob:
     block: tuple[int, int]
     root: str                         # the input directory (for messages)
     threads: int
-    convert: Callable[..., Any]
-    check: Callable[..., None]
+    write: Callable[..., Any]         # fp8.write_converted(write_chunks, source, plan entry, threads)
     nbytes: int                       # output bytes, for progress
 
 
 class _ByPath:
-    """What `convert_tensor` asks of a checkpoint - load(name), facts.fp8_block - served from byte ranges."""
+    """What `write_converted` asks of a checkpoint, served from byte ranges by path: load, zero-copy views (stored
+    dtype), chunked bytes, page release, `facts.fp8_block` and `root`. Never pickled: built inside the task."""
 
-    def __init__(self, infos: dict[str, TensorInfo], block: tuple[int, int]) -> None:
+    VIEWABLE = ("BF16", "F16", "F32")  # as Checkpoint.VIEWABLE: dtypes a chunk can be cast from without a copy
+    readable_by_path = True
+
+    def __init__(self, infos: dict[str, TensorInfo], block: tuple[int, int], root: Path) -> None:
         self.reader = TensorReader()
         self.infos = infos
         self.facts = SimpleNamespace(fp8_block=block)
+        self.root = root
+
+    def info(self, name: str) -> TensorInfo:
+        return self.infos[name]
 
     def load(self, name: str, dequantize: bool = False):
-        return self.reader.read(self.infos[name])
+        return self.reader.read(self.infos[name])  # FP8 weights never reach here with dequantize=True
+
+    def stored_view(self, name: str):
+        return self.reader.view(self.infos[name])
+
+    def view(self, name: str):
+        info = self.infos[name]
+        return self.reader.view(info) if info.dtype in self.VIEWABLE and info.numel else self.load(name)
+
+    def iter_bytes(self, name: str, chunk: int | None = None):
+        return self.reader.iter_bytes(self.infos[name], chunk)
+
+    def release_rows(self, name: str, lo: int, hi: int) -> None:
+        info = self.infos[name]
+        row = info.nbytes // max(1, info.shape[0]) if info.shape else info.nbytes
+        self.reader.release_range(info, lo * row, hi * row)
+
+    def release(self, name: str) -> None:
+        self.reader.advise(self.infos[name], getattr(mmap, "MADV_DONTNEED", 4))
 
 
 def cast_part(job: CastJob) -> str | None:
-    """Convert and write one job's tensors; the part's sha256 when the job wrote all of it."""
-    src = _ByPath(job.infos, job.block)
+    """Convert and write one job's tensors, streamed; the part's sha256 when the job wrote all of it."""
+    src = _ByPath(job.infos, job.block, Path(job.root))
     out = PartWriter(job.part)
     try:
         for t in job.tensors:
-            tensor = job.convert(src, t, job.threads)
-            job.check(t.name, tensor, Path(job.root))
-            out.write(t.name, tensor)
-            del tensor
+            job.write(out.write_chunks, src, t, job.threads)
         return out.close()
     except BaseException:
         out.abort()
@@ -61,8 +86,7 @@ def cast_part(job: CastJob) -> str | None:
         src.reader.close()
 
 
-def cast_jobs(ck: Any, plan: Any, sets: dict[str, Any], workers: int, convert: Callable[..., Any],
-              check: Callable[..., None]) -> list[CastJob]:
+def cast_jobs(ck: Any, plan: Any, sets: dict[str, Any], workers: int, write: Callable[..., Any]) -> list[CastJob]:
     """One job per output part, or runs of its tensors (by bytes) when there are fewer than two parts per worker."""
     import math
     import os
@@ -90,7 +114,7 @@ def cast_jobs(ck: Any, plan: Any, sets: dict[str, Any], workers: int, convert: C
             infos = {t.name: ck.info(t.name) for t in tensors}
             infos.update({t.scale: ck.info(t.scale) for t in tensors if t.scale})
             jobs.append(CastJob(part.file, layout if len(runs) == 1 else layout.subset(names), tensors, infos,
-                                block, str(ck.root), threads, convert, check, sum(sizes[i] for i in run)))
+                                block, str(ck.root), threads, write, sum(sizes[i] for i in run)))
     return jobs
 
 

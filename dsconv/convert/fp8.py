@@ -243,7 +243,10 @@ def write_converted(write_chunks, ck, t: TensorPlan, threads: int = 2) -> int:
         return nbytes
     import torch
 
-    w, scale = ck.load(t.name), ck.load(t.scale)
+    # the FP8 weight as a view of the input (pages dropped stripe by stripe below), so no stage of the tensor is
+    # ever whole in memory: not the input, not the output
+    viewed = ck.readable_by_path and ck.info(t.name).numel > 0
+    w, scale = ck.stored_view(t.name) if viewed else ck.load(t.name), ck.load(t.scale)
     # e4m3 products are finite when every scale is finite and < 2^7 (|x| <= 448, so |x * s| < 57344, finite in bf16,
     # fp16 and fp32): checked once on the scales instead of on every output element
     s = scale.float()
@@ -252,8 +255,8 @@ def write_converted(write_chunks, ck, t: TensorPlan, threads: int = 2) -> int:
     cols = w.shape[1] if w.dim() == 2 else 1
 
     def stripes():
-        for r0, _, arr in iter_dequantized_fp8(w, scale, ck.facts.fp8_block or (128, 128),
-                                               torch_dtype(t.out_dtype), t.name, threads):
+        for r0, r1, arr in iter_dequantized_fp8(w, scale, ck.facts.fp8_block or (128, 128),
+                                                torch_dtype(t.out_dtype), t.name, threads):
             if arr is None:
                 continue
             if not proven:
@@ -261,8 +264,14 @@ def write_converted(write_chunks, ck, t: TensorPlan, threads: int = 2) -> int:
                 if bad is not None:
                     raise nonfinite_error(ck.root, t.name, r0 * cols + bad, float(arr.reshape(-1)[bad]))
             yield arr
+            if viewed and w.dim() == 2:
+                ck.release_rows(t.name, r0, r1)
 
-    write_chunks(t.name, stripes())
+    try:
+        write_chunks(t.name, stripes())
+    finally:
+        if viewed:
+            ck.release(t.name)
     return nbytes
 
 
@@ -341,7 +350,7 @@ def rewrite_into(out, ck, plan: RewritePlan, progress: bool | None = None, pipel
         if by_parts:
             from dsconv.convert.cast_parts import cast_jobs, run_cast_jobs
 
-            jobs = cast_jobs(ck, plan, sets, executor.workers, convert_tensor, check_finite)
+            jobs = cast_jobs(ck, plan, sets, executor.workers, write_converted)
             run_cast_jobs(executor, jobs, sets, bar)
         for part in (() if by_parts else plan.parts):
             ts = sets[part.file]

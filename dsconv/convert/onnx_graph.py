@@ -12,7 +12,7 @@ Linear weight into a new tensor: a second model in RAM). This module then
     onnxruntime can map them) or, for small models, into model.onnx itself as protobuf appends (a
     `ModelProto{graph{initializer}}` per tensor, framed by hand around the tensor's own memory: protobuf merges
     repeated fields of concatenated messages), so neither path ever copies the weights (a transposed weight is
-    made contiguous once, one tensor at a time).
+    made contiguous one 16 MiB block at a time).
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from dsconv.onnx_data import EMBED_BELOW, ExternalDataWriter, external_location,
 
 EXTERNAL_DATA = "model.onnx_data"
 ALIGN = 4096  # onnxruntime maps external tensors at page-aligned offsets
+BLOCK = 16 * 2**20  # bytes of a transposed weight made contiguous at a time while writing
 MAX_EXPORTER_OPSET = 18
 
 _TORCH_TO_ONNX = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16,
@@ -64,6 +65,31 @@ class Weight:
         if self.perm:
             t = t.permute(*self.perm)
         return t.contiguous()
+
+    def chunks(self, scratch: torch.Tensor | None = None) -> Iterator[memoryview]:
+        """The stored bytes in order, without a second copy of the tensor: untransposed contiguous tensors are their
+        own memory; a transposed weight is made contiguous one block of its output rows at a time into `scratch`
+        (bytes, reused for every block and weight: fresh 16 MiB blocks stayed in malloc's heap after the write), so
+        writing the largest (the lm_head, transposed) costs one block. Each block is valid until the next is asked
+        for."""
+        t = self.source.detach()
+        if not self.perm and t.is_contiguous():
+            yield _bytes_view(t)
+            return
+        if self.perm:
+            t = t.permute(*self.perm)
+        if t.dim() == 0 or t.numel() == 0:
+            yield _bytes_view(t.contiguous())
+            return
+        row = t[0].numel() * t.element_size()
+        if scratch is None or scratch.numel() < row:
+            scratch = torch.empty(max(BLOCK, row), dtype=torch.uint8)
+        step = scratch.numel() // row
+        for r in range(0, t.shape[0], step):
+            n = min(step, t.shape[0] - r)
+            block = scratch[: n * row].view(t.dtype).view(n, *t.shape[1:])
+            block.copy_(t[r:r + n])
+            yield _bytes_view(block)
 
 
 def trace_checked(wrapper: torch.nn.Module, args: tuple, spec: Any, opset: int) -> tuple[onnx.ModelProto, int, str]:
@@ -301,15 +327,14 @@ def write_onnx(model: onnx.ModelProto, weights: list[Weight], directory: Path, e
     if external:
         files.append(EXTERNAL_DATA)
         writer = ExternalDataWriter(directory / EXTERNAL_DATA, align=ALIGN)
+        scratch = torch.empty(BLOCK, dtype=torch.uint8)
         try:
             for w in weights:
                 if w.nbytes < EMBED_BELOW:
                     tp, _ = _tensor_proto(w, with_data=True)
                 else:
                     tp, _ = _tensor_proto(w, with_data=False)
-                    data = w.data()
-                    writer.write(tp, [_bytes_view(data)])
-                    del data
+                    writer.write(tp, w.chunks(scratch))
                 graph.initializer.append(tp)
                 if progress:
                     progress(w.nbytes)
@@ -317,10 +342,11 @@ def write_onnx(model: onnx.ModelProto, weights: list[Weight], directory: Path, e
             writer.close(fsync=True)
         onnx_path.write_bytes(model.SerializeToString())
         return files
+    scratch = torch.empty(BLOCK, dtype=torch.uint8)
     with open(onnx_path, "wb") as f:
         f.write(model.SerializeToString())
         for w in weights:
-            _append_initializer(f, w)
+            _append_initializer(f, w, scratch)
             if progress:
                 progress(w.nbytes)
     return files
@@ -335,14 +361,14 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
-def _append_initializer(f, w: Weight) -> None:
+def _append_initializer(f, w: Weight, scratch: torch.Tensor | None = None) -> None:
     """Append `ModelProto{graph{initializer{<w>}}}` to an open model file, the tensor bytes written straight from
     the tensor's memory (protobuf merges it into the graph already written). Wire format: field 7 (graph) of
     ModelProto, field 5 (initializer) of GraphProto, field 9 (raw_data) of TensorProto, all length-delimited."""
     tp, _ = _tensor_proto(w, with_data=False)
-    raw = _bytes_view(w.data())
-    f.write(_initializer_frame(tp.SerializeToString(), len(raw)))
-    f.write(raw)
+    f.write(_initializer_frame(tp.SerializeToString(), w.nbytes))
+    for block in w.chunks(scratch):
+        f.write(block)
 
 
 def _initializer_frame(head: bytes, length: int) -> bytes:
