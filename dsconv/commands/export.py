@@ -58,6 +58,13 @@ def export(model: Path | None, output: Path | None, fmt: str, quantized: Path | 
     if int8:  # the quant stage reads its own output; the export stage traces what it is handed
         from dsconv.quant.fakequant import load_source
     output = workspace.resolve_output(QUANT_STAGE if int8 else STAGE_OF_FORMAT[fmt], output)
+    given = [f"--{n}" for n, v in (("workers", workers), ("executor", executor), ("ray-address", ray_address))
+             if v is not None]
+    if given and fmt != "safetensors":
+        from dsconv.errors import warn
+
+        warn(f"{'/'.join(given)} not used: --format {fmt} traces and checks one model in this process "
+             f"(they fan out --format safetensors, quantize and shard)")
     result = run(ExportRequest(model=model, output=output, format=fmt, quantized=quantized, dtype=dtype, opset=opset,
                                with_past=with_past, position_ids=position_ids, atol=atol, external_data_threshold=external_data_threshold,
                                allow_pickle=allow_pickle, dry_run=dry_run, force=force,
