@@ -143,19 +143,21 @@ SYNTH = dict(model_type="deepseek_v3", vocab_size=32000, hidden_size=7168, inter
                                   "weight_block_size": [128, 128]})
 
 
-def write_synthetic_fp8(root: Path) -> dict:
-    """DeepSeek-V3-shaped FP8 checkpoint: one part per layer plus one for embeddings/head, random FP8 codes (NaN
-    codes avoided) and float32 block scales; written part by part so this process holds one part at a time."""
+def write_synthetic_fp8(root: Path, config: dict | None = None) -> dict:
+    """DeepSeek-V3-shaped FP8 checkpoint (`config`, default SYNTH): one part per layer plus one for embeddings/head,
+    random FP8 codes (NaN codes avoided) and float32 block scales; written part by part so this process holds one
+    part at a time."""
     import torch
     from safetensors.torch import save_file
 
     from dsconv.families import family_for
 
+    config = config or SYNTH
     root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(SYNTH, indent=2))
-    family = family_for(SYNTH)
-    specs = family.synthesize(SYNTH)
-    facts = family.facts(SYNTH)
+    (root / "config.json").write_text(json.dumps(config, indent=2))
+    family = family_for(config)
+    specs = family.synthesize(config)
+    facts = family.facts(config)
     groups: dict[str, list] = {}
     for s in specs:
         layer = family.classify(s.name, facts).layer

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import bench_shard
-from benchmarks.common import save, scratch
+from benchmarks import bench_shard, worker_memory
+from benchmarks.common import RESULTS, save, scratch
 
 ROOT = Path(__file__).resolve().parent.parent
 SYNTH = {**bench_shard.SYNTH, "num_hidden_layers": 8}  # 2.5 GB
@@ -122,6 +122,9 @@ def bench_fanout() -> dict[str, Any]:
             r["copy"], r["shard"] = min(r["copy1"], r["copy2"]), min(r["shard1"], r["shard2"])
             runs[label] = r
         q_out, sh_out = _dir_bytes(root / "q"), _dir_bytes(root / "sh")
+        shutil.rmtree(root / "q", ignore_errors=True)
+        shutil.rmtree(root / "sh", ignore_errors=True)
+        memory = worker_memory.measure(src, root)
         base = runs["workers_1"]
         copy_rate = total / copy_s
         res: dict[str, Any] = {
@@ -139,7 +142,19 @@ def bench_fanout() -> dict[str, Any]:
                 "shard_vs_userspace_copy": round(sh_out / r["shard"] / (total / r["copy"]), 2),
                 "load_before": r["load_before"], **({"ray_start_s": round(r["ray_start_s"], 1)}
                                                     if "ray_start_s" in r else {})}
+        res["worker_memory"] = memory
         return res
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def bench_memory_only(code: Path) -> dict[str, Any]:
+    """The worker-memory part alone (`python -m benchmarks.bench_scale memory [--code DIR]`)."""
+    root = scratch("dsconv-scale-mem-")
+    try:
+        src = root / "src"
+        bench_shard.write_synthetic(src, SYNTH, normal=True)
+        return worker_memory.measure(src, root, code=code)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -148,7 +163,19 @@ def bench_fanout() -> dict[str, Any]:
 from benchmarks.projection import measure_costs, project  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["memory"]:  # worker memory alone, merged into the last scale.json
+        code = Path(argv[argv.index("--code") + 1]) if "--code" in argv else ROOT
+        print(f"load average before: {_load()}", flush=True)
+        mem = bench_memory_only(code)
+        previous = RESULTS / "scale.json"
+        kept = json.loads(previous.read_text()) if previous.is_file() else {}
+        kept.pop("benchmark", None)
+        kept.pop("time", None)
+        key = "worker_memory" if code == ROOT else "worker_memory_of_" + code.name
+        save("scale", {**kept, key: {**mem, "load_after": _load()}})
+        return
     print(f"load average before: {_load()}", flush=True)
     fan = bench_fanout()
     print(json.dumps(fan, indent=2), flush=True)

@@ -59,3 +59,66 @@ def drop_page_cache(path: Path) -> None:
         os.close(fd)
     except OSError:
         pass
+
+
+def _status(pid: int) -> dict[str, int]:
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key = line.split(":", 1)[0]
+            if key in ("VmHWM", "VmRSS"):
+                out[key] = int(line.split()[1]) * 1024
+    return out
+
+
+def _pss(pid: int) -> int:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
+
+
+def run_tree_sampled(argv: list[str], every: float = 0.05, env: dict[str, str] | None = None,
+                     cwd: str | None = None) -> dict[str, Any]:
+    """Run `argv` and sample its whole process tree (driver, forkserver, pool workers, Ray's processes) every
+    `every` s with psutil: each process's own peak (VmHWM, exact between samples while it lives), the largest
+    worker's, and the peak of the tree's summed PSS (shared pages - torch's libraries in forked workers, a page
+    cache mapping read by two processes - counted once, split between their users) and summed RSS (upper bound).
+    Why: `peak_rss_bytes` inside a driver is the driver alone, and a pool's workers hold the tensors."""
+    import psutil
+
+    t = time.perf_counter()
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
+    root = psutil.Process(p.pid)
+    hwm: dict[int, tuple[str, int]] = {}
+    depth: dict[int, int] = {p.pid: 0}
+    tree_pss = tree_rss = 0
+    while p.poll() is None:
+        try:
+            kids = root.children(recursive=True)
+        except psutil.Error:
+            kids = []
+        pss = rss = 0
+        for proc in [root, *kids]:
+            try:
+                st = _status(proc.pid)
+                if proc.pid not in depth:
+                    depth[proc.pid] = depth.get(proc.ppid(), 0) + 1
+                name = hwm.get(proc.pid, (None, 0))[0] or " ".join(proc.cmdline()[:3])[:80]
+                hwm[proc.pid] = (name, max(hwm.get(proc.pid, ("", 0))[1], st.get("VmHWM", 0)))
+                rss += st.get("VmRSS", 0)
+                pss += _pss(proc.pid)
+            except (OSError, psutil.Error, StopIteration):
+                continue
+        tree_pss, tree_rss = max(tree_pss, pss), max(tree_rss, rss)
+        time.sleep(every)
+    out, err = p.communicate()
+    if p.returncode != 0:
+        raise RuntimeError(f"{argv[:4]} failed ({p.returncode}):\n{err[-3000:]}")
+    driver = hwm.get(p.pid, ("", 0))[1]
+    # workers: processes below the driver's own children (a pool's workers are the forkserver's children); the
+    # forkserver, resource tracker and Ray's daemons are helpers
+    workers = [v for pid, (_, v) in hwm.items() if depth.get(pid, 0) >= 2]
+    helpers = [v for pid, (_, v) in hwm.items() if depth.get(pid, 0) == 1]
+    return {"wall_s": round(time.perf_counter() - t, 2), "driver_peak_rss_bytes": driver,
+            "largest_worker_peak_rss_bytes": max(workers, default=0), "workers_seen": len(workers),
+            "largest_helper_peak_rss_bytes": max(helpers, default=0),
+            "tree_peak_pss_bytes": tree_pss, "tree_peak_rss_bytes": tree_rss, "stdout": out[-2000:]}

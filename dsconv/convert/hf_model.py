@@ -227,3 +227,16 @@ def release(model) -> None:
     for p in list(model.parameters()) + list(model.buffers()):
         p.data = p.data.new_empty(0)
     gc.collect()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Give malloc's free heap pages back to the system (glibc keeps freed small and mid-sized blocks, e.g. the
+    model's many small tensors, in its arenas, where they would sit under onnxruntime's session)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
