@@ -55,7 +55,7 @@ def measure(bf16_src: Path, work: Path, code: Path = ROOT, fp8_layers: int = 2) 
             for workers in (1, 2):
                 load = " ".join(f"{x:.2f}" for x in os.getloadavg())
                 r = run_tree_sampled([sys.executable, "-m", "dsconv", *args, "--workers", str(workers), "--force"],
-                                     env=env, cwd=str(ROOT))
+                                     env=env, cwd=str(code))  # cwd first on sys.path for -m
                 shutil.rmtree(work / "out", ignore_errors=True)
                 rows[f"workers_{workers}"] = {**_row(r), "load_before": load}
                 print(f"[worker memory] {job} --workers {workers}: {_text(job, r)}; load {load}", flush=True)
