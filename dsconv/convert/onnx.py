@@ -3,17 +3,21 @@
 Steps, in one OutputDir transaction (any failure leaves nothing behind):
   1. estimate the peak memory from headers and refuse early when it clearly exceeds the available RAM (tracing needs
      the whole model in memory; `force` tries anyway);
-  2. build transformers' model from the reader (hf_model.py; FP8 dequantized in-stream, MoE experts dense on
-     per-expert views);
+  2. build transformers' model from the reader (hf_model.py; stored tensors cast from zero-copy views straight into
+     the parameters, FP8 dequantized in-stream, MoE experts dense on per-expert views);
   3. trace the I/O wrapper (onnx_wrapper.py) with the TorchScript exporter into a weightless graph, keep integer
      math in int64, convert the opset when the exporter cannot emit the requested one (onnx_opset.py);
-  4. stream the weights into model.onnx_data (onnx_graph.py), one tensor at a time, never copied;
-  5. run PyTorch on the check inputs, free the torch model, run the written file in onnxruntime and compare
+  4. stream the weights into model.onnx_data (onnx_graph.py), one tensor at a time, never copied (a transposed
+     weight goes through one reused 16 MiB block);
+  5. run PyTorch on the check inputs, free the torch model (and malloc's freed heap), run the written file in
+     onnxruntime and compare
      (onnx_check.py): above `atol` is CheckFailed (exit 3) with the worst output and position;
   6. below the external-data threshold (2 GB), stream the weights into model.onnx itself (one file), byte for byte.
 Why external data during the check: onnxruntime maps external weights instead of parsing a second copy out of the
-protobuf, so the check adds almost nothing to the peak; the peak is transformers' load (measured in
-benchmarks/bench_export.py: fp32 weights + the mapped pages of a bf16 checkpoint being read + ~0.45 GB of libraries).
+protobuf, so the check adds almost nothing to the peak. Measured per phase (benchmarks/bench_export.py, MoE 1.0 GB):
+every phase - load, trace, write, PyTorch reference, onnxruntime check - now sits at the fp32 weights + ~0.45 GB of
+libraries (1.45x the weights); the write's transposed lm_head copy and the load's per-tensor bf16 + fp32 temporaries
+were what put it at 1.55x.
 
 Why opset 14 by default: it is inside the range every CANN release's ATC accepts (11-15, reference/atc_and_socs.md),
 it is what optimum uses for decoder LMs, the TorchScript exporter emits it directly for every family here (MoE
