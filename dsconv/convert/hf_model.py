@@ -234,9 +234,8 @@ def trim_heap() -> None:
     """Give malloc's free heap pages back to the system (glibc keeps freed small and mid-sized blocks, e.g. the
     model's many small tensors, in its arenas, where they would sit under onnxruntime's session)."""
     import ctypes
-    import ctypes.util
 
     try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        ctypes.CDLL(None).malloc_trim(0)  # the process's own symbols: glibc's, without a library search
     except (OSError, AttributeError):  # not glibc
         pass
