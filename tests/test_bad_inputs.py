@@ -397,8 +397,15 @@ def test_sigint_of_a_real_process(tiny_model, tmp_path):
 
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    def as_from_a_shell() -> None:
+        # the child gets Ctrl-C as a user's terminal delivers it, whatever earlier tests (a local Ray, worker pools)
+        # left in this pytest process: an inherited SIG_IGN or blocked SIGINT would make Python ignore it
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
     p = subprocess.Popen([sys.executable, "-m", "dsconv", "export", "--format", "onnx", "--model",
-                          str(tiny_model(LLAMA)), "--output", str(out)], env=env, stderr=subprocess.PIPE, text=True)
+                          str(tiny_model(LLAMA)), "--output", str(out)], env=env, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=as_from_a_shell)
     tmp = tmp_path / ".out.dsconv-tmp"
     deadline = time.monotonic() + 120
     while not tmp.exists() and p.poll() is None and time.monotonic() < deadline:
