@@ -9,7 +9,7 @@ from dsconv import workspace
 from dsconv.commands.options import (PATH, emit_json, exec_options, force_option, json_option, model_option,
                                      output_option, resolve_exec, warn)
 from dsconv.errors import UserError
-from dsconv.quant.methods import DEFAULT_METHOD
+from dsconv.quant.methods import DEFAULT_METHOD, METHODS
 
 
 @click.command()
@@ -29,11 +29,11 @@ from dsconv.quant.methods import DEFAULT_METHOD
                    "kv_b_proj float); a scheme it cannot load is refused before any work.")
 @click.option("--group-size", type=int, default=None,
               help="INT4 group length along the input dimension (default 128; 0 = per output channel).")
-@click.option("--method", type=click.Choice(["rtn", "mse", "gptq"]), default=None,
+@click.option("--method", type=click.Choice(list(METHODS)), default=None,
               help="Weight rounding: rtn, round-to-nearest with max|w| scales; mse, each group's scale searched for "
                    "the smallest rounding error (no calibration); gptq, error compensation with the calibration "
                    "Hessian (act order, static groups), kept per linear only where it beats rtn on held-out "
-                   f"calibration prompts. Default: {DEFAULT_METHOD[4]} for 4 bits, {DEFAULT_METHOD[8]} for 8 (measured "
+                   f"calibration prompts; awq (W4A16/W8A16), activation-aware scales folded into the norms and up_proj plus a clip search, both by output error on calibration rows, kept per site only where no linear is worse than rtn on held-out prompts. Default: {DEFAULT_METHOD[4]} for 4 bits, {DEFAULT_METHOD[8]} for 8 (measured "
                    "best end to end on real models: README).")
 @click.option("--act-method", type=click.Choice(["search", "minmax", "percentile", "mse"]), default="search",
               show_default=True,

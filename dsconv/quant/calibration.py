@@ -28,7 +28,7 @@ from dsconv.checkpoint import Checkpoint
 from dsconv.errors import UserError
 from dsconv.families.roles import Role
 from dsconv.exec import Executor
-from dsconv.quant import calib_jobs, clipping, selection
+from dsconv.quant import awq, calib_jobs, clipping, selection
 from dsconv.quant import smoothing as sm
 from dsconv.quant.calib import CalibSet
 from dsconv.quant.formats.msmodelslim import LinearResult
@@ -79,9 +79,10 @@ class Calibrator:
             raise UserError(f"calibration token id {int(ids.max())} is outside the model's vocabulary "
                             f"({ck.facts.vocab_size})", hint="the tokenizer does not belong to this model")
         self.h = self.sk.embed(ids)
-        held = selection.held_out_prompts(len(lengths)) if plan.method == "gptq" else None
+        held = selection.held_out_prompts(len(lengths)) if plan.method in ("gptq", "awq") else None
         self.held_tokens = None if held is None else torch.repeat_interleave(held, torch.tensor(lengths))
         self.decisions: dict[str, Any] = {}  # searches and choices, for quant_report.json (clipping, W4 choice)
+        self.preset: dict[str, tuple] = {}   # --method awq: weights chosen per linear before the statistics pass
         order = sorted(range(len(lengths)), key=lambda j: (-lengths[j], j))
         self.batches: list[list[int]] = []
         while order:
@@ -161,6 +162,9 @@ class Calibrator:
         col_scale = None
         if smoothing_of(self.opts, plan) is not None:
             modified, col_scale = self.smooth(i, layer, targets, experts, lps)
+        if plan.method == "awq":  # scales folded, weights chosen (awq.py); the pass below then sees the folded layer
+            folded, self.preset = awq.run_layer(self, i, layer, targets, lps)
+            modified.update(folded)
 
         hooks = LinearHooks(targets, lambda lp: self._stats(lp.k, lp.module), self.rows)
         recorder = ExpertRecorder(self.rows) if experts is not None else None
@@ -212,7 +216,9 @@ class Calibrator:
         error later needs (a few calibration rows and their float outputs) - never the float weight itself."""
         bias = self._bias(lp)
         hess = st.hessian.hessian() if st is not None and st.hessian is not None and st.hessian.tokens else None
-        q, scale = quantize_weight(lp, w, self.plan, hess, self.opts.damp)
+        preset = self.preset.pop(lp.module, None)
+        q, scale = preset[0] if preset is not None and preset[0] is not None else \
+            quantize_weight(lp, w, self.plan, hess, self.opts.damp, method="rtn" if preset else None)
         choice = None
         x_held = st.held.x if st is not None and st.held is not None else None
         if hess is not None and x_held is not None:  # GPTQ kept only where it beats rounding on held-out prompts
@@ -224,6 +230,9 @@ class Calibrator:
         if choice is not None:
             rec.errors.update(choice)
             rec.note = f"{picked} (smaller error on held-out prompts)"
+        if preset is not None:
+            rec.errors.update(preset[2])
+            rec.note = f"awq: {preset[1]} (held-out prompts)"
         x = st.sample if st is not None else None
         y_ref = None
         if x is not None and x.shape[0]:
@@ -379,14 +388,8 @@ class Calibrator:
             else:
                 s = torch.from_numpy(smooth_scales(probe.absmax[norm].numpy(), w_absmax.numpy(),
                                                    self.opts.smooth_alpha))
-            n = norm.weight.detach().clone()
-            off = ck.family.norm_offset  # effective weight off + n (Gemma: 1 + n)
             dt = torch_dtype(ck.info(norm_name).dtype)
-            n_new = ((off + n) / s - off).to(dt).float()
-            ok = (off + n_new != 0) & torch.isfinite(n_new)
-            n_new = torch.where(ok, n_new, n)
-            s_eff = torch.where(ok, (off + n) / torch.where(ok, off + n_new, torch.ones_like(n_new)),
-                                torch.ones_like(n))
+            n_new, s_eff = sm.norm_fold(norm.weight.detach().clone(), ck.family.norm_offset, dt, s)
             norm.weight.copy_(n_new)
             modified[norm_name] = n_new.to(dt)
             for c in linears:

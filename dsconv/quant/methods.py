@@ -5,5 +5,5 @@ Measured end to end on two real models (benchmarks/bench_fidelity.py, README): s
 """
 from __future__ import annotations
 
-METHODS = ("rtn", "mse", "gptq")
+METHODS = ("rtn", "mse", "gptq", "awq")
 DEFAULT_METHOD = {8: "rtn", 4: "rtn"}

@@ -85,7 +85,7 @@ def check_options(opts: QuantOptions, plan: QuantPlan) -> None:
 
 def needs_calibration(opts: QuantOptions, plan: QuantPlan) -> bool:
     """Weight-only round-to-nearest needs no activations; an explicit --calib still runs (for expert load)."""
-    return (plan.scheme == STATIC or opts.method == "gptq" or smoothing_of(opts, plan) is not None
+    return (plan.scheme == STATIC or opts.method in ("gptq", "awq") or smoothing_of(opts, plan) is not None
             or opts.calib is not None)
 
 

@@ -242,6 +242,10 @@ def decisions_summary(report: dict[str, Any]) -> dict[str, Any]:
         out["static_inputs"] = len(clips)
     if report.get("gptq"):
         out["gptq_damp"] = report["gptq"]["damp"]
+    if report.get("awq"):
+        from dsconv.quant.awq import summary
+
+        out["awq"] = summary(report["awq"])
     choice = report.get("gptq_or_rtn") or {}
     if choice:
         out["gptq_or_rtn"] = dict(sorted(Counter(choice.values()).items()))
@@ -265,6 +269,11 @@ def decisions_lines(d: dict[str, Any]) -> list[str]:
         lines.append(f"static ranges clipped by output error: {d['clipped_inputs']} of {d['static_inputs']} inputs")
     if "gptq_damp" in d:
         lines.append(f"GPTQ: act order, static groups, damping {d['gptq_damp']:g} x mean(diag H)")
+    if d.get("awq"):
+        a = d["awq"]
+        lines.append(f"awq: {a['folded']} of {a['sites']} site(s) scaled (alpha " +
+                     (", ".join(f"{k} x{n}" for k, n in a["alphas"].items()) or "-") + "); weights per linear on "
+                     "held-out prompts: " + ", ".join(f"{k} {n}" for k, n in a["choice"].items()))
     if d.get("gptq_or_rtn"):
         lines.append("weights, chosen per linear on held-out prompts: " +
                      ", ".join(f"{k} {n}" for k, n in d["gptq_or_rtn"].items()))

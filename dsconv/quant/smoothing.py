@@ -176,6 +176,18 @@ def fold_up_down(up: torch.nn.Linear, down: torch.nn.Linear, s: torch.Tensor) ->
         down.weight.mul_(s)
 
 
+def norm_fold(n: torch.Tensor, off: float, dt: torch.dtype, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A norm weight divided by s, as it will be stored: (new weight as float, rounded to dtype `dt`; the factor s
+    it actually realises). The norm computes x * (off + n) (Gemma: off 1), so the new weight is (off + n) / s - off;
+    rounding is undone by re-deriving s from the rounded value, so norm x consumer weight stays exact. A channel
+    whose rounded weight would be 0 (or not finite) keeps its weight and s = 1."""
+    n_new = ((off + n) / s - off).to(dt).float()
+    ok = (off + n_new != 0) & torch.isfinite(n_new)
+    n_new = torch.where(ok, n_new, n)
+    s_eff = torch.where(ok, (off + n) / torch.where(ok, off + n_new, torch.ones_like(n_new)), torch.ones_like(n))
+    return n_new, s_eff
+
+
 def scales_in_range(s: torch.Tensor) -> torch.Tensor:
     """Factors kept finite and away from 0 (np.clip in smooth_scales already bounds them; belt and braces)."""
     return torch.nan_to_num(s, nan=1.0, posinf=1.0, neginf=1.0).clamp_(1e-4, 1e4)

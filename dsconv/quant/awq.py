@@ -1,0 +1,304 @@
+"""Activation-aware weight quantization for weight-only schemes (`--method awq`: W4A16, W8A16).
+
+Why: round-to-nearest spends each group's grid on its largest weight, blind to which input channels carry large
+activations. A few channels of a real model's norm outputs are 10-100x the rest, and their weights' rounding error
+is multiplied by them. Scaling those weight columns up by s (and the activation down by s, folded exactly into the
+producer) gives them finer effective steps at the cost of the others.
+
+Per *site* (the quantized linears reading one input: a norm's consumers such as q/k/v or gate/up, or down_proj whose
+input is up_proj's rows), on calibration rows:
+
+1. scale search: s = mean|x|^alpha (normalised), alpha in `ALPHAS` (0 = off, plain rounding), keeping the alpha with
+   the smallest relative output error of the consumers, weights fake-quantized exactly as written (group int4 or
+   per-channel int8 round-to-nearest) and activations in float. For a norm, s is the one its rounded weight gives.
+2. clip search (grouped widths only): each group's scale max|w|/qmax x r, r in `CLIP_RATIOS`, chosen per group by
+   that group's output error d^T H_g d, H_g the group's block of X^T X over all (non-held-out) calibration tokens.
+3. held-out check: every consumer's output error on held-out prompts (selection.py's split) against plain rounding
+   of the original weight. The fold is applied only if *no* consumer is worse there; otherwise each consumer gets,
+   unscaled, the better of clip-searched and plain rounding. So no linear is worse than round-to-nearest on tokens
+   the searches did not see.
+
+The fold: a norm's weight / s (offset-aware, Gemma's 1 + w; smoothing.norm_fold), consumers' columns x s; up_proj's
+rows / s and down_proj's columns x s (smoothing.fold_up_down). Both leave the float function unchanged. Linears of
+routed experts and consumers of a norm that a router or a float linear also reads are never folded (clip only).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from dsconv.families.roles import Role
+from dsconv.quant import selection
+from dsconv.quant import smoothing as sm
+from dsconv.quant.hooks import FlowProbe, LinearHooks
+from dsconv.quant.plan import BITS, LinearPlan
+from dsconv.quant.schemes import _MIN_SCALE, qrange
+from dsconv.tensors import torch_dtype
+
+ALPHAS = tuple(i / 10 for i in range(11))          # 0.0 = no scaling
+CLIP_RATIOS = tuple(1.0 - i / 20 for i in range(11))  # 1.0 (max|w|, wins ties) .. 0.5
+SEARCH_ROWS = 256
+HELD_ROWS = 256
+MAX_OUT_ROWS = 2048
+ROW_BLOCK_ELEMS = 1 << 21
+WEIGHT_ONLY = ("W8A16", "W4A16")  # activation-quantized linears are smoothed instead (smoothing.py)
+
+
+class AwqStats:
+    """One linear input during the probe: mean |x| and a row sample of search tokens, the group blocks of X^T X
+    (grouped widths), and a row sample of held-out tokens."""
+
+    def __init__(self, k: int, group: int, total_tokens: int, held: bool) -> None:
+        self.k, self.g = k, group
+        self.abs_sum = torch.zeros(k, dtype=torch.float64)
+        self.count = 0
+        self.search = sm.SiteSample(total_tokens, SEARCH_ROWS)
+        self.held = sm.SiteSample(max(1, total_tokens // selection.HOLD_EVERY), HELD_ROWS) if held else None
+        self.hblocks = torch.zeros(k // group, group, group) if 0 < group < k else None
+
+    def update(self, x: torch.Tensor, held: torch.Tensor | None = None) -> None:
+        x = x.reshape(-1, self.k).float()
+        if self.held is not None and held is not None and bool(held.any()):
+            self.held.update(x[held])
+            x = x[~held]
+        if x.shape[0] == 0:
+            return
+        self.abs_sum += x.abs().sum(dim=0, dtype=torch.float64)
+        self.count += x.shape[0]
+        self.search.update(x)
+        if self.hblocks is not None:
+            xg = x.reshape(x.shape[0], -1, self.g).transpose(0, 1)  # [G, t, g]
+            self.hblocks += torch.bmm(xg.transpose(1, 2), xg)
+
+    @property
+    def mean_abs(self) -> torch.Tensor:
+        return (self.abs_sum / max(1, self.count)).float()
+
+
+# ---- quantizers (what the written weight dequantizes to) --------------------------------------------------------
+def _groups(k: int, g: int) -> int:
+    return k // g if 0 < g < k else 1
+
+
+def fake_quant(w: torch.Tensor, bits: int, g: int) -> torch.Tensor:
+    """Symmetric round-to-nearest, dequantized: per group of g along k (g 0: per row), max|w| / qmax scales."""
+    qmin, qmax = qrange(bits)
+    n, k = w.shape
+    w3 = w.reshape(n, _groups(k, g), -1)
+    sc = w3.abs().amax(dim=-1, keepdim=True) / qmax
+    sc = torch.where(sc < _MIN_SCALE, torch.ones_like(sc), sc)
+    return (torch.round(w3 / sc).clamp_(qmin, qmax) * sc).reshape(n, k)
+
+
+def clip_search(w: torch.Tensor, hblocks: torch.Tensor | None, bits: int, g: int
+                ) -> tuple[np.ndarray, np.ndarray, float]:
+    """int8 q [n, k], float32 scales [n, groups] and the mean chosen ratio: each group's scale max|w|/qmax x r with
+    r minimising d^T H_g d (its output error on the calibration tokens); without blocks, round-to-nearest."""
+    qmin, qmax = qrange(bits)
+    n, k = w.shape
+    G = _groups(k, g)
+    gs = k // G
+    q = torch.empty(n, k, dtype=torch.int8)
+    scale = torch.empty(n, G, dtype=torch.float32)
+    ratio_sum = 0.0
+    step = max(1, ROW_BLOCK_ELEMS // max(1, k))
+    for s in range(0, n, step):
+        w3 = w[s:s + step].float().reshape(-1, G, gs)
+        base = w3.abs().amax(dim=-1) / qmax
+        base = torch.where(base < _MIN_SCALE, torch.ones_like(base), base)
+        best_sc, best_r = base, torch.ones_like(base)
+        if hblocks is not None:
+            best_err = None
+            for r in CLIP_RATIOS:
+                sc = base * r
+                d = (torch.round(w3 / sc[..., None]).clamp_(qmin, qmax) * sc[..., None] - w3).transpose(0, 1)
+                err = (torch.bmm(d, hblocks) * d).sum(dim=-1).transpose(0, 1)  # [rows, G]
+                if best_err is None:
+                    best_err = err
+                    continue
+                better = err < best_err
+                best_err = torch.where(better, err, best_err)
+                best_sc = torch.where(better, sc, best_sc)
+                best_r = torch.where(better, torch.full_like(best_r, r), best_r)
+        scale[s:s + step] = best_sc
+        ratio_sum += float(best_r.sum())
+        q[s:s + step] = torch.round(w3 / best_sc[..., None]).clamp_(qmin, qmax).to(torch.int8).reshape(-1, k)
+    return q.numpy(), scale.numpy(), ratio_sum / max(1, n * G)
+
+
+def _dequant(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:
+    n, k = q.shape
+    G = scale.shape[1]
+    return (torch.from_numpy(q).float().reshape(n, G, -1) * torch.from_numpy(scale)[..., None]).reshape(n, k)
+
+
+def rel_error(x: torch.Tensor, w: torch.Tensor, w_hat: torch.Tensor) -> float:
+    """||x (W_hat - W)^T|| / ||x W^T||."""
+    den = float(torch.linalg.vector_norm(x @ w.T))
+    return float(torch.linalg.vector_norm(x @ (w_hat - w).T)) / den if den else 0.0
+
+
+# ---- the scale search -----------------------------------------------------------------------------------------
+def candidate_scales(mean_abs: torch.Tensor, alpha: float) -> torch.Tensor:
+    """mean|x|^alpha, normalised so max x min = 1 (int quantization is scale-free; this keeps the fold's values
+    moderate)."""
+    s = mean_abs.clamp(min=1e-5).pow(alpha)
+    s = s / torch.sqrt(s.max() * s.min())
+    return sm.scales_in_range(s)
+
+
+def search_alpha(x: torch.Tensor, mean_abs: torch.Tensor, weights: list[torch.Tensor], bits: int, g: int,
+                 effective=lambda s: s) -> tuple[float, torch.Tensor | None, dict[str, float]]:
+    """(alpha, s or None for off, error by alpha): the smallest relative output error of the consumers with their
+    weights scaled and quantized at the target width, activations x / s in float. `effective(s)` is the s a fold
+    can realise (a norm's rounded weight)."""
+    w_all = torch.cat([w.detach().float() for w in weights])
+    w = w_all[:: max(1, w_all.shape[0] // MAX_OUT_ROWS)]
+    tried: dict[str, float] = {}
+    best = (float("inf"), 0.0, None)
+    for a in ALPHAS:
+        s = None if a == 0.0 else effective(candidate_scales(mean_abs, a))
+        w_hat = fake_quant(w, bits, g) if s is None else fake_quant(w * s, bits, g) / s
+        e = rel_error(x, w, w_hat)
+        tried[str(a)] = round(e, 6)
+        if e < best[0]:
+            best = (e, a, s)
+    return best[1], best[2], tried
+
+
+# ---- one layer ------------------------------------------------------------------------------------------------
+def run_layer(cal: Any, i: int, layer: nn.Module, targets: dict[nn.Module, LinearPlan],
+              lps: dict[str, LinearPlan]) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
+    """Probe, search, fold and quantize the dense linears of layer i. Returns (modified float tensors: folded norms,
+    preset (q, scale, record info) per linear module name); decisions go to cal.decisions["awq"]."""
+    sk, ck, plan = cal.sk, cal.ck, cal.plan
+    dense = {m: lp for m, lp in targets.items() if not lp.is_expert and lp.qtype in WEIGHT_ONLY}
+    if not dense:
+        return {}, {}
+    g = plan.group_size or 0
+    own = {}
+    for mod in layer.modules():
+        if "weight" in dict(mod.named_parameters(recurse=False)):
+            name = sk.ck_name(sk.module_names[mod] + ".weight")
+            if name in ck:
+                own[mod] = (name, ck.role(name).role)
+    norms = [m for m, (_, r) in own.items() if r == Role.NORM]
+    readers = [m for m in layer.modules() if isinstance(m, nn.Linear) or (m in own and own[m][1] == Role.ROUTER)]
+    held = cal.held_tokens is not None
+    total = int(cal.h.shape[0])
+    hooks = LinearHooks(dense, lambda lp: AwqStats(lp.k, g if BITS[lp.qtype] == 4 else 0, total, held), cal.rows)
+    flow = FlowProbe(norms, readers, cal.rows)
+    for samples in cal.batches:
+        cal._forward(layer, samples, write=False)
+        hooks.end_batch()
+        flow.end_batch()
+    hooks.remove()
+    flow.remove()
+
+    sites: dict[int, list[nn.Module]] = {}
+    stats: dict[int, AwqStats] = {}
+    for mod, st in hooks.group.items():
+        sites.setdefault(id(st), []).append(mod)
+        stats[id(st)] = st
+    producer: dict[int, tuple[str, Any]] = {}
+    for norm, cons in flow.consumers.items():
+        mods = [c for c in cons if c in dense]
+        if not mods:
+            continue
+        key = id(hooks.group[mods[0]])
+        others = [c for c in cons if c not in dense]
+        producer[key] = ("norm", norm) if not others else ("blocked", f"{len(others)} other reader(s) of the norm")
+    ups = {lp.module.rsplit(".", 1)[0]: m for m, lp in dense.items() if lp.slot == "up"}
+    for m, lp in dense.items():
+        if lp.slot == "down":
+            up = ups.get(lp.module.rsplit(".", 1)[0])
+            if up is not None and len(sites[id(hooks.group[m])]) == 1:
+                producer[id(hooks.group[m])] = ("up", up)
+
+    name = lambda m: dense[m].module  # noqa: E731
+    modified: dict[str, torch.Tensor] = {}
+    preset: dict[str, tuple] = {}
+    log = cal.decisions.setdefault("awq", [])
+    # up -> down first: it rescales up_proj's rows, which the gate/up site then quantizes
+    order = sorted(sites, key=lambda key: 0 if producer.get(key, ("",))[0] == "up" else 1)
+    for key in order:
+        mods, st = sites[key], stats[key]
+        kind, src = producer.get(key, ("none", None))
+        bits = BITS[dense[mods[0]].qtype]
+        entry: dict[str, Any] = {"site": " ".join(name(m) for m in mods), "layer": i}
+        x_search = st.search.x if st.search.rows else None
+        x_held = st.held.x if st.held is not None and st.held.rows else x_search
+        if x_search is None:
+            entry.update(applied=False, reason="no calibration tokens")
+            log.append(entry)
+            continue
+        w_orig = {m: m.weight.detach().float().clone() for m in mods}
+        rtn = {m: fake_quant(w_orig[m], bits, g) for m in mods}
+        err_rtn = {m: rel_error(x_held, w_orig[m], rtn[m]) for m in mods}
+        s = None
+        effective = lambda s_: s_  # noqa: E731
+        if kind == "norm":
+            norm_name = own[src][0]
+            n0 = src.weight.detach().clone()
+            dt = torch_dtype(ck.info(norm_name).dtype)
+            effective = lambda s_: sm.norm_fold(n0, ck.family.norm_offset, dt, s_)[1]  # noqa: E731
+        if kind in ("norm", "up"):
+            alpha, s, entry["error_by_alpha"] = search_alpha(x_search, st.mean_abs, list(w_orig.values()), bits,
+                                                             g, effective)
+            entry["alpha"] = alpha
+        else:
+            entry["alpha"] = None
+            entry["reason"] = f"not foldable ({src if kind == 'blocked' else 'no norm or up_proj produces it'})"
+        hb = st.hblocks
+        chosen: dict[nn.Module, tuple] = {}
+        if s is not None:
+            hb_s = None if hb is None else hb / s.reshape(-1, 1, hb.shape[1]) / s.reshape(-1, hb.shape[1], 1)
+            cand = {m: clip_search(w_orig[m] * s, hb_s, bits, g) for m in mods}
+            err_awq = {m: rel_error(x_held, w_orig[m], _dequant(*cand[m][:2]) / s) for m in mods}
+            if all(err_awq[m] <= err_rtn[m] for m in mods):
+                chosen = {m: ("awq", cand[m], err_awq[m]) for m in mods}
+                if kind == "norm":
+                    n_new, s_eff = sm.norm_fold(src.weight.detach().clone(), ck.family.norm_offset, dt, s)
+                    src.weight.copy_(n_new)
+                    modified[own[src][0]] = n_new.to(dt)
+                    for m in mods:
+                        m.weight.mul_(s_eff)
+                else:
+                    sm.fold_up_down(src, mods[0], s)
+                entry.update(applied=True, max_scale=round(float(s.max()), 4), min_scale=round(float(s.min()), 4))
+            else:
+                worse = [name(m) for m in mods if err_awq[m] > err_rtn[m]]
+                entry.update(applied=False, reason=f"held-out: scaled worse than rtn on {', '.join(worse)}")
+            entry["held_out_scaled"] = {name(m): round(err_awq[m], 6) for m in mods}
+        else:
+            entry["applied"] = False
+            entry.setdefault("reason", "alpha 0 (no scaling) has the smallest output error")
+        if not chosen:  # unscaled: per linear, the better of clip-searched and plain rounding on held-out rows
+            for m in mods:
+                q, sc, r = clip_search(w_orig[m], hb, bits, g)
+                e = rel_error(x_held, w_orig[m], _dequant(q, sc))
+                chosen[m] = ("clip", (q, sc, r), e) if e < err_rtn[m] else ("rtn", None, err_rtn[m])
+        entry["held_out_rtn"] = {name(m): round(err_rtn[m], 6) for m in mods}
+        entry["choice"] = {}
+        for m in mods:
+            how, res, e = chosen[m]
+            entry["choice"][name(m)] = how
+            info = {"held_out_awq": e, "held_out_rtn": err_rtn[m]}
+            if res is not None:
+                entry.setdefault("mean_clip", {})[name(m)] = round(res[2], 4)
+            preset[name(m)] = (None if res is None else res[:2], how, info)
+        log.append(entry)
+    return modified, preset
+
+
+def summary(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Counts for the printed summary: sites folded, alphas chosen, per-linear choice."""
+    from collections import Counter
+
+    alphas = Counter(str(e["alpha"]) for e in entries if e.get("applied"))
+    choice = Counter(c for e in entries for c in (e.get("choice") or {}).values())
+    return {"sites": len(entries), "folded": sum(1 for e in entries if e.get("applied")),
+            "alphas": dict(sorted(alphas.items())), "choice": dict(sorted(choice.items()))}
