@@ -19,7 +19,8 @@ input is up_proj's rows), on calibration rows:
    the searches did not see.
 
 The fold: a norm's weight / s (offset-aware, Gemma's 1 + w; smoothing.norm_fold), consumers' columns x s; up_proj's
-rows / s and down_proj's columns x s (smoothing.fold_up_down). Both leave the float function unchanged. Linears of
+rows / s and down_proj's columns x s; v_proj's rows (and bias) / s and o_proj's columns x s, each v row's factor
+repeated for the query heads that read it (GQA). All leave the float function unchanged. Linears of
 routed experts and consumers of a norm that a router or a float linear also reads are never folded (clip only).
 """
 from __future__ import annotations
@@ -141,6 +142,35 @@ def rel_error(x: torch.Tensor, w: torch.Tensor, w_hat: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(x @ (w_hat - w).T)) / den if den else 0.0
 
 
+class RowFold:
+    """A producer linear whose output rows are the consumer's input channels (up_proj -> down_proj, exact for a
+    gated MLP; v_proj -> o_proj, each v row read by `groups` query heads of `head_dim` channels under GQA): the
+    consumer's factors are the producer's, repeated per group, so one factor per producer row."""
+
+    def __init__(self, producer: nn.Linear, groups: int, head_dim: int) -> None:
+        self.producer, self.groups, self.hd = producer, groups, head_dim
+
+    def reduce(self, per_input: torch.Tensor) -> torch.Tensor:
+        """Consumer-input statistics -> one value per producer row (the mean over the heads that read it)."""
+        if self.groups == 1:
+            return per_input
+        return per_input.reshape(-1, self.groups, self.hd).mean(dim=1).reshape(-1)
+
+    def expand(self, per_row: torch.Tensor) -> torch.Tensor:
+        if self.groups == 1:
+            return per_row
+        return per_row.reshape(-1, 1, self.hd).expand(-1, self.groups, self.hd).reshape(-1)
+
+    def fold(self, consumer: nn.Linear, s_in: torch.Tensor) -> None:
+        """Producer rows (and bias) / s, consumer columns x s: the float function is unchanged."""
+        s_row = s_in if self.groups == 1 else s_in.reshape(-1, self.groups, self.hd)[:, 0].reshape(-1)
+        with torch.no_grad():
+            self.producer.weight.div_(s_row[:, None])
+            if self.producer.bias is not None:
+                self.producer.bias.div_(s_row)
+            consumer.weight.mul_(s_in)
+
+
 # ---- the scale search -----------------------------------------------------------------------------------------
 def candidate_scales(mean_abs: torch.Tensor, alpha: float) -> torch.Tensor:
     """mean|x|^alpha, normalised so max x min = 1 (int quantization is scale-free; this keeps the fold's values
@@ -173,7 +203,8 @@ def search_alpha(x: torch.Tensor, mean_abs: torch.Tensor, weights: list[torch.Te
 def run_layer(cal: Any, i: int, layer: nn.Module, targets: dict[nn.Module, LinearPlan],
               lps: dict[str, LinearPlan]) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
     """Probe, search, fold and quantize the dense linears of layer i. Returns (modified float tensors: folded norms,
-    preset (q, scale, record info) per linear module name); decisions go to cal.decisions["awq"]."""
+    preset (q, scale) or None for round-to-nearest, choice, held-out errors, new bias or None) per linear module
+    name); decisions go to cal.decisions["awq"]."""
     sk, ck, plan = cal.sk, cal.ck, cal.plan
     dense = {m: lp for m, lp in targets.items() if not lp.is_expert and lp.qtype in WEIGHT_ONLY}
     if not dense:
@@ -216,14 +247,21 @@ def run_layer(cal: Any, i: int, layer: nn.Module, targets: dict[nn.Module, Linea
         if lp.slot == "down":
             up = ups.get(lp.module.rsplit(".", 1)[0])
             if up is not None and len(sites[id(hooks.group[m])]) == 1:
-                producer[id(hooks.group[m])] = ("up", up)
+                producer[id(hooks.group[m])] = ("rows", RowFold(up, 1, 1))
+    for attn in layer.modules():  # v -> o: o_proj's input channels are v_proj's rows, repeated per GQA group
+        v, o = getattr(attn, "v_proj", None), getattr(attn, "o_proj", None)
+        groups, hd = getattr(attn, "num_key_value_groups", None), getattr(attn, "head_dim", None)
+        if v in dense and o in dense and groups and hd and len(sites[id(hooks.group[o])]) == 1 \
+                and v.weight.shape[0] * groups == o.weight.shape[1]:
+            producer[id(hooks.group[o])] = ("rows", RowFold(v, int(groups), int(hd)))
 
     name = lambda m: dense[m].module  # noqa: E731
     modified: dict[str, torch.Tensor] = {}
     preset: dict[str, tuple] = {}
     log = cal.decisions.setdefault("awq", [])
-    # up -> down first: it rescales up_proj's rows, which the gate/up site then quantizes
-    order = sorted(sites, key=lambda key: 0 if producer.get(key, ("",))[0] == "up" else 1)
+    row_folded: set[nn.Module] = set()
+    # up -> down and v -> o first: they rescale up_proj's / v_proj's rows, which a norm's site then quantizes
+    order = sorted(sites, key=lambda key: 0 if producer.get(key, ("",))[0] == "rows" else 1)
     for key in order:
         mods, st = sites[key], stats[key]
         kind, src = producer.get(key, ("none", None))
@@ -245,13 +283,16 @@ def run_layer(cal: Any, i: int, layer: nn.Module, targets: dict[nn.Module, Linea
             n0 = src.weight.detach().clone()
             dt = torch_dtype(ck.info(norm_name).dtype)
             effective = lambda s_: sm.norm_fold(n0, ck.family.norm_offset, dt, s_)[1]  # noqa: E731
-        if kind in ("norm", "up"):
-            alpha, s, entry["error_by_alpha"] = search_alpha(x_search, st.mean_abs, list(w_orig.values()), bits,
+        mean_abs = st.mean_abs
+        if kind == "rows":
+            mean_abs, effective = src.reduce(mean_abs), src.expand
+        if kind in ("norm", "rows"):
+            alpha, s, entry["error_by_alpha"] = search_alpha(x_search, mean_abs, list(w_orig.values()), bits,
                                                              g, effective)
             entry["alpha"] = alpha
         else:
             entry["alpha"] = None
-            entry["reason"] = f"not foldable ({src if kind == 'blocked' else 'no norm or up_proj produces it'})"
+            entry["reason"] = f"not foldable ({src if kind == 'blocked' else 'no norm, up_proj or v_proj produces it'})"
         hb = st.hblocks
         chosen: dict[nn.Module, tuple] = {}
         if s is not None:
@@ -267,7 +308,8 @@ def run_layer(cal: Any, i: int, layer: nn.Module, targets: dict[nn.Module, Linea
                     for m in mods:
                         m.weight.mul_(s_eff)
                 else:
-                    sm.fold_up_down(src, mods[0], s)
+                    src.fold(mods[0], s)
+                    row_folded.add(src.producer)
                 entry.update(applied=True, max_scale=round(float(s.max()), 4), min_scale=round(float(s.min()), 4))
             else:
                 worse = [name(m) for m in mods if err_awq[m] > err_rtn[m]]
@@ -289,7 +331,10 @@ def run_layer(cal: Any, i: int, layer: nn.Module, targets: dict[nn.Module, Linea
             info = {"held_out_awq": e, "held_out_rtn": err_rtn[m]}
             if res is not None:
                 entry.setdefault("mean_clip", {})[name(m)] = round(res[2], 4)
-            preset[name(m)] = (None if res is None else res[:2], how, info)
+            bias = None  # a producer folded above (v_proj's bias / s) writes its new bias, in the original dtype
+            if m in row_folded and m.bias is not None:
+                bias = m.bias.detach().to(torch_dtype(ck.info(dense[m].bias).dtype))
+            preset[name(m)] = (None if res is None else res[:2], how, info, bias)
         log.append(entry)
     return modified, preset
 

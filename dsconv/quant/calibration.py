@@ -214,9 +214,9 @@ class Calibrator:
     def _prepare(self, lp: LinearPlan, w: torch.Tensor, st: InputStats | None) -> "Pending":
         """The weight part: int8 values and scales (GPTQ with the input's Hessian), and what measuring the output
         error later needs (a few calibration rows and their float outputs) - never the float weight itself."""
-        bias = self._bias(lp)
-        hess = st.hessian.hessian() if st is not None and st.hessian is not None and st.hessian.tokens else None
         preset = self.preset.pop(lp.module, None)
+        bias = preset[3] if preset is not None and preset[3] is not None else self._bias(lp)
+        hess = st.hessian.hessian() if st is not None and st.hessian is not None and st.hessian.tokens else None
         q, scale = preset[0] if preset is not None and preset[0] is not None else \
             quantize_weight(lp, w, self.plan, hess, self.opts.damp, method="rtn" if preset else None)
         choice = None

@@ -98,6 +98,9 @@ def run(req: QuantRequest) -> QuantResult:
         if plan.method == "gptq" and held_out_prompts(len(calib.samples)) is None:
             req.warn(f"{len(calib.samples)} calibration prompts are too few to hold some out: GPTQ is used on "
                      f"every layer without checking it against round-to-nearest (give >= {MIN_PROMPTS} prompts)")
+        if plan.method == "awq" and held_out_prompts(len(calib.samples)) is None:
+            req.warn(f"{len(calib.samples)} calibration prompts are too few to hold some out: AWQ's choices against "
+                     f"round-to-nearest are judged on the rows they were searched on (give >= {MIN_PROMPTS} prompts)")
         if w:
             req.warn(w)
     with OutputDir(output, stage="quantize", inputs=[model_dir], force=req.force, options=opts.as_dict(),
