@@ -154,7 +154,7 @@ def test_fold_keeps_each_layers_float_output(tiny, fam):
         samples = cal.batches[0]
         x, _, mask = cal._batch(samples)
         before = _out(layer(x, **cal.sk.layer_inputs(x, layer)))[mask]
-        modified, preset = awq.run_layer(cal, 0, layer, targets, lps)
+        modified, preset, written = awq.run_layer(cal, 0, layer, targets, lps)
         after = _out(layer(x, **cal.sk.layer_inputs(x, layer)))[mask]
     folded = [e for e in cal.decisions["awq"] if e.get("applied")]
     assert folded, cal.decisions["awq"]  # the outlier channel makes scaling pay somewhere
@@ -162,6 +162,7 @@ def test_fold_keeps_each_layers_float_output(tiny, fam):
     rel = float(torch.linalg.vector_norm(after - before) / torch.linalg.vector_norm(before))
     assert rel < 1e-3, rel
     assert set(preset) == set(lps)  # every dense linear has its decision
+    assert written  # dense layer: the probe's outputs were propagated (the float function, folds being exact)
 
 
 @pytest.mark.parametrize("fam", ["qwen2", "gemma3"])

@@ -35,6 +35,7 @@ from dsconv.families.roles import Role
 from dsconv.quant import selection
 from dsconv.quant import smoothing as sm
 from dsconv.quant.hooks import FlowProbe, LinearHooks
+from dsconv.quant.layers import install_forward
 from dsconv.quant.plan import BITS, LinearPlan
 from dsconv.quant.schemes import _MIN_SCALE, qrange
 from dsconv.tensors import torch_dtype
@@ -201,14 +202,20 @@ def search_alpha(x: torch.Tensor, mean_abs: torch.Tensor, weights: list[torch.Te
 
 # ---- one layer ------------------------------------------------------------------------------------------------
 def run_layer(cal: Any, i: int, layer: nn.Module, targets: dict[nn.Module, LinearPlan],
-              lps: dict[str, LinearPlan]) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
+              lps: dict[str, LinearPlan], experts: nn.Module | None = None
+              ) -> tuple[dict[str, torch.Tensor], dict[str, tuple], bool]:
     """Probe, search, fold and quantize the dense linears of layer i. Returns (modified float tensors: folded norms,
     preset (q, scale) or None for round-to-nearest, choice, held-out errors, new bias or None) per linear module
-    name); decisions go to cal.decisions["awq"]."""
+    name, whether the probe already wrote the layer's outputs); decisions go to cal.decisions["awq"].
+
+    Without routed experts the probe's outputs are the layer's float outputs (every fold is exact), so they are
+    propagated from it and the calibrator needs no second pass over the calibration tokens."""
     sk, ck, plan = cal.sk, cal.ck, cal.plan
     dense = {m: lp for m, lp in targets.items() if not lp.is_expert and lp.qtype in WEIGHT_ONLY}
     if not dense:
-        return {}, {}
+        return {}, {}, False
+    if experts is not None:  # the experts run later, one at a time (calibration.py); not needed for this probe
+        install_forward(experts, lambda h, idx, wts: torch.zeros_like(h))
     g = plan.group_size or 0
     own = {}
     for mod in layer.modules():
@@ -223,7 +230,7 @@ def run_layer(cal: Any, i: int, layer: nn.Module, targets: dict[nn.Module, Linea
     hooks = LinearHooks(dense, lambda lp: AwqStats(lp.k, g if BITS[lp.qtype] == 4 else 0, total, held), cal.rows)
     flow = FlowProbe(norms, readers, cal.rows)
     for samples in cal.batches:
-        cal._forward(layer, samples, write=False)
+        cal._forward(layer, samples, write=experts is None)
         hooks.end_batch()
         flow.end_batch()
     hooks.remove()
@@ -336,7 +343,7 @@ def run_layer(cal: Any, i: int, layer: nn.Module, targets: dict[nn.Module, Linea
                 bias = m.bias.detach().to(torch_dtype(ck.info(dense[m].bias).dtype))
             preset[name(m)] = (None if res is None else res[:2], how, info, bias)
         log.append(entry)
-    return modified, preset
+    return modified, preset, experts is None
 
 
 def summary(entries: list[dict[str, Any]]) -> dict[str, Any]:

@@ -162,8 +162,9 @@ class Calibrator:
         col_scale = None
         if smoothing_of(self.opts, plan) is not None:
             modified, col_scale = self.smooth(i, layer, targets, experts, lps)
-        if plan.method == "awq":  # scales folded, weights chosen (awq.py); the pass below then sees the folded layer
-            folded, self.preset = awq.run_layer(self, i, layer, targets, lps)
+        written = False  # --method awq: scales folded, weights chosen, outputs propagated by its probe (awq.py)
+        if plan.method == "awq":
+            folded, self.preset, written = awq.run_layer(self, i, layer, targets, lps, experts)
             modified.update(folded)
 
         hooks = LinearHooks(targets, lambda lp: self._stats(lp.k, lp.module), self.rows)
@@ -171,7 +172,7 @@ class Calibrator:
         if experts is not None:
             install_forward(experts, recorder)
         propagate = self.plan.method == "gptq" and experts is None and bool(targets)
-        for samples in self.batches:
+        for samples in self.batches if not written else []:
             self._forward(layer, samples, write=not propagate, recorder=recorder)
             hooks.end_batch()
         hooks.remove()
