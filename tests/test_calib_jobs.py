@@ -18,6 +18,7 @@ CASES = [
     ("bits8-moe", "moe", ["--bits", "8", "--moe-scheme", "w8a8", "--min-expert-tokens", "150", *FAST]),
     ("gptq-llama", "llama", ["--scheme", "w4a16", "--method", "gptq", "--group-size", "16", *FAST]),
     ("gptq-moe", "moe", ["--scheme", "w4a16", "--method", "gptq", "--group-size", "16", *FAST]),
+    ("awq-llama", "llama", ["--scheme", "w4a16", "--method", "awq", "--group-size", "16", *FAST]),  # driver's choice
 ]
 
 

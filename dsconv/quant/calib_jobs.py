@@ -65,6 +65,7 @@ class LinearJob:
     lp: LinearPlan
     weight: str              # torch.save'd float weight as the layer holds it (smoothed)
     stats: str | None        # torch.save'd InputStats (shared by the linears that read one input)
+    preset: tuple | None = None  # --method awq: the weight the driver chose (Calibrator.preset's entry)
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,8 @@ class Dispatch:
                 torch.save(st, saved[id(st)])
             w = str(self.dir / f"L{i}-w{j}.pt")
             torch.save(mod.weight.detach(), w)
-            jobs.append(LinearJob(self.ctx, lp, w, saved.get(id(st)) if st is not None else None))
+            jobs.append(LinearJob(self.ctx, lp, w, saved.get(id(st)) if st is not None else None,
+                                  self.cal.preset.pop(lp.module, None)))
         for st in set(group.values()):
             st.free()
         try:
@@ -232,7 +234,7 @@ def _env(ctx: Context, ck: Checkpoint) -> Any:
     """A Calibrator holding only what `_quantize`/`_prepare`/`_finish`/`_stats` read."""
     env = ctx.cls.__new__(ctx.cls)
     env.ck, env.plan, env.opts, env.qw = ck, ctx.plan, ctx.opts, _Collector(ctx.staged)
-    env.records, env.decisions = {}, {}
+    env.records, env.decisions, env.preset = {}, {}, {}
     env.timings = {"forward": 0.0, "experts": 0.0, "quantize": 0.0}
     env.static, env.observer_method = ctx.static, ctx.observer_method
     env.h = torch.empty(ctx.tokens, 0)  # _stats reads its row count only
@@ -250,6 +252,8 @@ def run_linear(job: LinearJob) -> JobResult:
         env = _env(job.ctx, _open(job.ctx)[0])
         w = torch.load(job.weight, weights_only=True)
         st = torch.load(job.stats, weights_only=False) if job.stats else None
+        if job.preset is not None:
+            env.preset[job.lp.module] = job.preset
         env._quantize(job.lp, w, st)
         return _result(env)
 
