@@ -217,12 +217,7 @@ def run_layer(cal: Any, i: int, layer: nn.Module, targets: dict[nn.Module, Linea
     if experts is not None:  # the experts run later, one at a time (calibration.py); not needed for this probe
         install_forward(experts, lambda h, idx, wts: torch.zeros_like(h))
     g = plan.group_size or 0
-    own = {}
-    for mod in layer.modules():
-        if "weight" in dict(mod.named_parameters(recurse=False)):
-            name = sk.ck_name(sk.module_names[mod] + ".weight")
-            if name in ck:
-                own[mod] = (name, ck.role(name).role)
+    own = sk.own_weights(layer)
     norms = [m for m, (_, r) in own.items() if r == Role.NORM]
     readers = [m for m in layer.modules() if isinstance(m, nn.Linear) or (m in own and own[m][1] == Role.ROUTER)]
     held = cal.held_tokens is not None

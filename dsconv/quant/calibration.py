@@ -312,12 +312,7 @@ class Calibrator:
         consumer weights x s (and router weights, kept in float, x s). A norm with a consumer that stays in float or
         is weight-only is left alone (reported)."""
         sk, ck = self.sk, self.ck
-        own = {}  # module -> (ck param name, role) of its direct weight
-        for mod in layer.modules():
-            if "weight" in dict(mod.named_parameters(recurse=False)):
-                name = sk.ck_name(sk.module_names[mod] + ".weight")
-                if name in ck:
-                    own[mod] = (name, ck.role(name).role)
+        own = sk.own_weights(layer)  # module -> (ck param name, role) of its direct weight
         norms = [m for m, (_, r) in own.items() if r == Role.NORM]
         consumers = [m for m in layer.modules() if isinstance(m, nn.Linear) or
                      (m in own and own[m][1] == Role.ROUTER)]

@@ -51,6 +51,17 @@ class Skeleton:
     def ck_name(self, mem_name: str) -> str:
         return self.mat.ck_name(mem_name)
 
+    def own_weights(self, layer: nn.Module) -> dict[nn.Module, tuple[str, Role]]:
+        """module -> (checkpoint name, role) of each module of `layer` with a direct weight in the checkpoint: the
+        norms, linears and routers the smoothing and awq folds rewrite."""
+        own = {}
+        for mod in layer.modules():
+            if "weight" in dict(mod.named_parameters(recurse=False)):
+                name = self.ck_name(self.module_names[mod] + ".weight")
+                if name in self.ck:
+                    own[mod] = (name, self.ck.role(name).role)
+        return own
+
     def layer_prefix(self, i: int) -> str:
         return self.module_names[self.layers[i]] + "."
 
