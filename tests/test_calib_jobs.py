@@ -88,3 +88,30 @@ def test_local_ray_writes_the_same_bytes(case, inline, run_cli, models, tmp_path
     files, summary = _run(run_cli, tmp_path / "o", models, case, ["--executor", "ray", "--workers", "2"])
     assert summary["execution"] == {"executor": "ray", "workers": 2, "ran": "ray"}
     assert files == inline[case[0]][0]
+
+
+def test_job_statistics_are_never_plainly_unpickled(tmp_path):
+    """A statistics file swapped into the shared job directory cannot run code: only dsconv's classes load."""
+    import pickle
+
+    import torch
+
+    from dsconv.quant.calib_jobs import _load_stats
+    from dsconv.quant.stats import InputStats
+
+    class Evil:
+        def __reduce__(self):
+            import os
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    bad = tmp_path / "stats.pt"
+    torch.save(Evil(), bad)
+    with pytest.raises(pickle.UnpicklingError):
+        _load_stats(str(bad))
+    assert not (tmp_path / "pwned").exists()
+    good = tmp_path / "good.pt"
+    st = InputStats(8, "x", "minmax", hessian=True, sample_tokens=4)
+    st.update(torch.randn(16, 8))
+    torch.save(st, good)
+    back = _load_stats(str(good))
+    assert back.tokens == 16 and torch.equal(back.sample, st.sample)

@@ -246,12 +246,26 @@ def _result(env: Any, **kw: Any) -> JobResult:
     return JobResult(env.qw.items, env.records, env.decisions, quantize_s=env.timings["quantize"], **kw)
 
 
+def _load_stats(path: str) -> Any:
+    """The InputStats the driver saved: torch's weights-only unpickler with only dsconv's statistics classes allowed,
+    so a file swapped into the shared temporary directory cannot run code (never a plain unpickle)."""
+    from dsconv.quant.gptq import HessianAccumulator
+    from dsconv.quant.observers import HistogramObserver, MinMaxObserver
+    from dsconv.quant.stats import HeldOut, InputStats
+
+    numpy_arrays = [np.core.multiarray._reconstruct, np.ndarray, np.dtype,
+                    *(type(np.dtype(t)) for t in (np.float32, np.float64, np.int64, np.int32, np.bool_))]
+    with torch.serialization.safe_globals([InputStats, HeldOut, MinMaxObserver, HistogramObserver,
+                                           HessianAccumulator, *numpy_arrays]):
+        return torch.load(path, weights_only=True)
+
+
 def run_linear(job: LinearJob) -> JobResult:
     """Task: quantize one linear with its statistics (GPTQ, choice, activation parameters, output errors)."""
     with _threads(JOB_THREADS):
         env = _env(job.ctx, _open(job.ctx)[0])
         w = torch.load(job.weight, weights_only=True)
-        st = torch.load(job.stats, weights_only=False) if job.stats else None
+        st = _load_stats(job.stats) if job.stats else None
         if job.preset is not None:
             env.preset[job.lp.module] = job.preset
         env._quantize(job.lp, w, st)
