@@ -33,7 +33,7 @@ import torch
 from dsconv.checkpoint import Checkpoint
 from dsconv.exec import Executor
 from dsconv.quant.formats.msmodelslim import LinearResult
-from dsconv.quant.layers import SLOTS, Skeleton
+from dsconv.quant.layers import SLOTS, Skeleton, expert_forward
 from dsconv.quant.options import QuantOptions
 from dsconv.quant.plan import LinearPlan, QuantPlan
 from dsconv.quant.stats import LinearRecord
@@ -292,10 +292,7 @@ def run_expert(job: ExpertJob) -> JobResult:
         hidden = np.load(job.hidden, mmap_mode="r")
         x = torch.from_numpy(np.array(hidden) if opts.all_experts else hidden[job.rows])
         del hidden
-        experts = sk.experts_module(i)
-        gate, up = x @ w["gate"].T, x @ w["up"].T
-        act = experts._apply_gate(torch.cat([gate, up], dim=-1))
-        y = act @ w["down"].T
+        act, y = expert_forward(sk.experts_module(i), e, x, w)
         if opts.all_experts:
             y = y[torch.from_numpy(job.rows)]
         fwd = time.perf_counter() - t

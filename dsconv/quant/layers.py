@@ -140,6 +140,16 @@ def plain_linear(e: int, slot: str, x: torch.Tensor, w: torch.Tensor) -> torch.T
     return x @ w.T
 
 
+def expert_forward(module: nn.Module, e: int, x: torch.Tensor, w: dict[str, torch.Tensor],
+                   linear: ExpertLinear = plain_linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """One routed expert on rows x: (act(gate) * up - the down_proj input -, its output), the gate nonlinearity the
+    fused module's own `_apply_gate`. Shared by the in-process loop and the calibrated path's expert jobs."""
+    gate = linear(e, "gate", x, w["gate"])
+    up = linear(e, "up", x, w["up"])
+    act = module._apply_gate(torch.cat([gate, up], dim=-1))
+    return act, linear(e, "down", act, w["down"])
+
+
 class ExpertLoop:
     """A drop-in forward for transformers' fused experts: routed tokens go through one expert at a time.
 
@@ -172,10 +182,7 @@ class ExpertLoop:
                 continue
             w = self.weights(e)
             x = hidden if self.all_tokens else hidden[rows]
-            gate = self.linear(e, "gate", x, w["gate"])
-            up = self.linear(e, "up", x, w["up"])
-            act = self.module._apply_gate(torch.cat([gate, up], dim=-1))
-            y = self.linear(e, "down", act, w["down"])
+            act, y = expert_forward(self.module, e, x, w, self.linear)
             if self.observe is not None:
                 self.observe(e, x, act, rows, w)
             if self.all_tokens:
