@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from dsconv.families.roles import Role
-from dsconv.quant import selection
+from dsconv.quant import grid, selection
 from dsconv.quant import smoothing as sm
 from dsconv.quant.hooks import FlowProbe, LinearHooks
 from dsconv.quant.layers import install_forward
@@ -98,7 +98,8 @@ def fake_quant(w: torch.Tensor, bits: int, g: int) -> torch.Tensor:
 def clip_search(w: torch.Tensor, hblocks: torch.Tensor | None, bits: int, g: int
                 ) -> tuple[np.ndarray, np.ndarray, float]:
     """int8 q [n, k], float32 scales [n, groups] and the mean chosen ratio: each group's scale max|w|/qmax x r with
-    r minimising d^T H_g d (its output error on the calibration tokens); without blocks, round-to-nearest."""
+    r minimising d^T H_g d (its output error on the calibration tokens, grid.search); without blocks,
+    round-to-nearest."""
     qmin, qmax = qrange(bits)
     n, k = w.shape
     G = _groups(k, g)
@@ -109,22 +110,8 @@ def clip_search(w: torch.Tensor, hblocks: torch.Tensor | None, bits: int, g: int
     step = max(1, ROW_BLOCK_ELEMS // max(1, k))
     for s in range(0, n, step):
         w3 = w[s:s + step].float().reshape(-1, G, gs)
-        base = w3.abs().amax(dim=-1) / qmax
-        base = torch.where(base < _MIN_SCALE, torch.ones_like(base), base)
-        best_sc, best_r = base, torch.ones_like(base)
-        if hblocks is not None:
-            best_err = None
-            for r in CLIP_RATIOS:
-                sc = base * r
-                d = (torch.round(w3 / sc[..., None]).clamp_(qmin, qmax) * sc[..., None] - w3).transpose(0, 1)
-                err = (torch.bmm(d, hblocks) * d).sum(dim=-1).transpose(0, 1)  # [rows, G]
-                if best_err is None:
-                    best_err = err
-                    continue
-                better = err < best_err
-                best_err = torch.where(better, err, best_err)
-                best_sc = torch.where(better, sc, best_sc)
-                best_r = torch.where(better, torch.full_like(best_r, r), best_r)
+        best_sc, best_r = grid.search(w3, qmin, qmax, hblocks=hblocks, ratios=CLIP_RATIOS if hblocks is not None
+                                      else (1.0,))
         scale[s:s + step] = best_sc
         ratio_sum += float(best_r.sum())
         q[s:s + step] = torch.round(w3 / best_sc[..., None]).clamp_(qmin, qmax).to(torch.int8).reshape(-1, k)

@@ -24,27 +24,45 @@ def search_scales(w: torch.Tensor, qmin: int, qmax: int, importance: torch.Tenso
     """Per-group scales of ``w [n, groups, g]`` (float32): ``max|w| / qmax * r`` with ``r`` minimising
     ``sum_j importance[group, j] * (w_j - q_j * scale)^2`` per group; ``importance [groups, g]`` (>= 0) or None
     (plain squared error). All-zero groups get 1.0, as in :func:`dsconv.quant.schemes.symmetric_scale`."""
+    return search(w, qmin, qmax, importance, ratios=ratios)[0]
+
+
+def search(w: torch.Tensor, qmin: int, qmax: int, importance: torch.Tensor | None = None,
+           hblocks: torch.Tensor | None = None, ratios: tuple[float, ...] = RATIOS
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`search_scales` and the ratio each group chose (``[n, groups]``). The error is the importance-weighted
+    squared error, or with ``hblocks [groups, g, g]`` (a Hessian block per group: awq's clip search) the output
+    error ``d^T H_g d`` of the rounding error ``d``. The first ratio wins ties (list 1.0 first)."""
     n, groups, g = w.shape
     out = torch.empty(n, groups, dtype=torch.float32)
+    chosen = torch.empty(n, groups, dtype=torch.float32)
     imp = None if importance is None else importance.to(torch.float32).reshape(1, groups, g)
     step = max(1, ROW_BLOCK_ELEMS // max(1, groups * g))
     for s in range(0, n, step):
         blk = w[s:s + step].to(torch.float32)
         base = blk.abs().amax(dim=2) / qmax
         best_scale = torch.where(base < _MIN_SCALE, torch.ones_like(base), base)
+        best_r = torch.ones_like(base)
         best_err = None
         for r in ratios:
             sc = best_scale if r == 1.0 else torch.where(base < _MIN_SCALE, torch.ones_like(base), base * r)
-            d = torch.round(blk / sc[..., None]).clamp_(qmin, qmax).mul_(sc[..., None]).sub_(blk).square_()
-            err = (d if imp is None else d.mul_(imp)).sum(dim=2)
+            d = torch.round(blk / sc[..., None]).clamp_(qmin, qmax).mul_(sc[..., None]).sub_(blk)
+            if hblocks is not None:
+                dt = d.transpose(0, 1)
+                err = (torch.bmm(dt, hblocks) * dt).sum(dim=-1).transpose(0, 1)
+            else:
+                d.square_()
+                err = (d if imp is None else d.mul_(imp)).sum(dim=2)
             if best_err is None:
-                best_err = err
+                best_err, best_r = err, torch.full_like(base, r)
                 continue
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_scale = torch.where(better, sc, best_scale)
+            best_r = torch.where(better, torch.full_like(best_r, r), best_r)
         out[s:s + step] = best_scale
-    return out
+        chosen[s:s + step] = best_r
+    return out, chosen
 
 
 def quantize_searched(w: torch.Tensor, group_size: int, qmin: int, qmax: int,
