@@ -104,12 +104,11 @@ def calib_stats(model_dir: Path, samples: int, seq_len: int):
             I = ex.down_proj.shape[-1]
             return {"gate": ex.gate_up_proj[e][:I], "up": ex.gate_up_proj[e][I:], "down": ex.down_proj[e]}
 
-        def observe(e, x, act, rows, w, names=names):
-            upd(names[e]["gate"], x)
-            upd(names[e]["up"], x)
-            upd(names[e]["down"], act)
+        def observe(e, slot, x, w, names=names):  # each projection's input, then its plain product
+            upd(names[e][slot], x)
+            return x @ w.T
 
-        loop = ExpertLoop(ex, E, weights, observe=observe)
+        loop = ExpertLoop(ex, E, weights, linear=observe)
         install_forward(ex, loop)
         counts[i] = loop
     with torch.no_grad():

@@ -154,21 +154,16 @@ class ExpertLoop:
     """A drop-in forward for transformers' fused experts: routed tokens go through one expert at a time.
 
     `weights(e) -> {"gate": [I, H], "up": [I, H], "down": [H, I]}` supplies an expert's weights when it runs;
-    `linear(e, slot, x, w)` computes one projection (quantized variants for evaluation); `observe(e, x, act, rows,
-    weights)` sees each expert's inputs (x: the tokens it computed on, act: act(gate) * up, the down_proj input).
-    With `all_tokens`, every expert computes on every token (for statistics) while only routed tokens contribute to
-    the output. The gate nonlinearity is the module's own `_apply_gate` (act(gate) * up for these families).
+    `linear(e, slot, x, w)` computes one projection (quantized variants for evaluation; it also sees each
+    projection's input). The gate nonlinearity is the module's own `_apply_gate` (act(gate) * up for these families).
     """
 
     def __init__(self, module: nn.Module, num_experts: int, weights: Callable[[int], dict[str, torch.Tensor]],
-                 linear: ExpertLinear = plain_linear, observe: Callable[..., None] | None = None,
-                 all_tokens: bool = False) -> None:
+                 linear: ExpertLinear = plain_linear) -> None:
         self.module = module
         self.num_experts = num_experts
         self.weights = weights
         self.linear = linear
-        self.observe = observe
-        self.all_tokens = all_tokens
         self.counts = torch.zeros(num_experts, dtype=torch.long)
 
     def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -176,17 +171,9 @@ class ExpertLoop:
         self.counts += torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts)[: self.num_experts]
         for e in range(self.num_experts):
             rows, pos = torch.where(top_k_index == e)
-            if rows.numel() == 0 and not (self.all_tokens and self.observe is not None):
-                if self.observe is not None:
-                    self.observe(e, None, None, rows, None)
+            if rows.numel() == 0:
                 continue
-            w = self.weights(e)
-            x = hidden if self.all_tokens else hidden[rows]
-            act, y = expert_forward(self.module, e, x, w, self.linear)
-            if self.observe is not None:
-                self.observe(e, x, act, rows, w)
-            if self.all_tokens:
-                y = y[rows]
+            _, y = expert_forward(self.module, e, hidden[rows], self.weights(e), self.linear)
             out.index_add_(0, rows, (y * top_k_weights[rows, pos, None]).to(out.dtype))
         return out
 
