@@ -52,13 +52,15 @@ SCHEMES: dict[str, tuple[list[str], float | str | None]] = {
     "W4A16 g64 GPTQ": (["--scheme", "w4a16", "--group-size", "64", "--method", "gptq"], VS_RTN),
     "W4A16 g64 AWQ": (["--scheme", "w4a16", "--group-size", "64", "--method", "awq"], VS_RTN),
     "W8A16 AWQ": (["--scheme", "w8a16", "--method", "awq"], 0.2),
+    "W8A16 GPTQ": (["--scheme", "w8a16", "--method", "gptq"], 0.2),
     # not in the default table: static everywhere (what an engine that reads one type per model gets)
     "W8A8 static, uniform recipe": (["--bits", "8", "--recipe", "uniform"], 2.0),
 }
 KEYS = {"w8a16": "W8A16", "w8a8": "W8A8 static (--bits 8)", "w8a8_vllm": "W8A8 static (--bits 8 --engine vllm-ascend)",
         "w8a8_dynamic": "W8A8_DYNAMIC", "rtn": "W4A16 g64 RTN", "w4": "W4A16 g64 (default method)",
         "mse": "W4A16 g64 MSE (searched scales)", "gptq": "W4A16 g64 GPTQ",
-        "awq": "W4A16 g64 AWQ", "w8a16_awq": "W8A16 AWQ", "uniform": "W8A8 static, uniform recipe"}
+        "awq": "W4A16 g64 AWQ", "w8a16_awq": "W8A16 AWQ",
+        "w8a16_gptq": "W8A16 GPTQ", "uniform": "W8A8 static, uniform recipe"}
 DEFAULT_KEYS = ("w8a16", "w8a8", "w8a8_vllm", "w8a8_dynamic", "rtn", "mse", "gptq", "w4")
 RESULT_NAME = "fidelity"
 
