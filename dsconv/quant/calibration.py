@@ -28,7 +28,7 @@ from dsconv.checkpoint import Checkpoint
 from dsconv.errors import UserError
 from dsconv.families.roles import Role
 from dsconv.exec import Executor
-from dsconv.quant import awq, calib_jobs, clipping, selection
+from dsconv.quant import awq, calib_jobs, clipping, forward_jobs, selection
 from dsconv.quant import smoothing as sm
 from dsconv.quant.calib import CalibSet
 from dsconv.quant.formats.msmodelslim import LinearResult
@@ -130,6 +130,7 @@ class Calibrator:
         from tqdm import tqdm
 
         self.jobs = calib_jobs.Dispatch(self, self.executor, self.qw.out.path)  # linears and experts as jobs
+        self.fwd = forward_jobs.Forward(self, self.jobs)  # the layer forward over batches as jobs, where it splits
         try:
             with torch.no_grad():
                 for i in tqdm(range(self.sk.num_layers), desc="quantize", unit="layer", disable=None if self.progress
@@ -137,7 +138,7 @@ class Calibrator:
                     self.layer(i)
         finally:
             self.jobs.close()
-        self.timings.update(self.jobs.wall, jobs_wall=sum(self.jobs.wall.values()))
+        self.timings.update(self.jobs.wall, jobs_wall=sum(self.jobs.wall.values()), forward_wall=self.fwd.wall)
 
     def _stats(self, k: int, name: str) -> InputStats:
         return InputStats(k, name, self.observer_method if self.static else None,
@@ -148,6 +149,7 @@ class Calibrator:
     def layer(self, i: int) -> None:
         sk, plan, qw = self.sk, self.plan, self.qw
         layer = sk.materialise(i)
+        self.fwd.begin(i, layer)
         lps = {lp.module: lp for lp in self.by_layer.get(i, [])}
         floats = [fp for fp in plan.floats.values() if fp.layer == i]
         qw.open_layer(i, list(lps.values()), floats)
@@ -172,9 +174,8 @@ class Calibrator:
         if experts is not None:
             install_forward(experts, recorder)
         propagate = self.plan.method == "gptq" and experts is None and bool(targets)
-        for samples in self.batches if not written else []:
-            self._forward(layer, samples, write=not propagate, recorder=recorder)
-            hooks.end_batch()
+        if not written:
+            self.fwd.stats_pass(i, layer, hooks, recorder, write=not propagate)
         hooks.remove()
         if self.static and self.opts.act_method == clipping.METHOD:
             clipping.choose_clips(hooks.group, targets, self.decisions.setdefault("clipping", {}))
@@ -325,9 +326,7 @@ class Calibrator:
         pairs = [(by_name[u], by_name[d]) for u, d in sm.up_down_pairs(lps) if u in by_name and d in by_name
                  and lps[u].bias is None] if auto else []
         sites = sm.SiteProbe(norms if auto else [], [d for _, d in pairs], int(self.h.shape[0]), self.rows.apply)
-        for samples in self.batches:
-            self._forward(layer, samples, write=False)
-            probe.end_batch()
+        self.fwd.smooth_pass(i, layer, probe, sites, norms, consumers)
         probe.remove()
         sites.remove()
         modified: dict[str, torch.Tensor] = {}

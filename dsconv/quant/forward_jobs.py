@@ -1,0 +1,355 @@
+"""A layer's calibration forward split over the calibration batches, as executor jobs (issue 14: "layers where
+inputs are already captured").
+
+Why this cut: the calibrated path propagates float activations layer by layer, so once layer i's input rows are in
+the driver (`Calibrator.h`), its batches are independent - each job pushes a contiguous run of batches through a copy
+of layer i and returns what the driver's hooks would have gathered, per pass:
+
+* smoothing probe (`Calibrator.smooth`): each norm's per-channel max |output| (`FlowProbe`), which modules read it
+  (from the job holding batch 0, as the serial probe records it), and the row samples of every smoothing site
+  (`SiteSample`);
+* statistics (`Calibrator.layer`): each distinct linear input's `InputStats` (min/max observer, row sample), the MoE
+  layer's routed tokens (`ExpertRecorder`) and the layer's output rows.
+
+Exactness: the batches are the Calibrator's (`cal.batches`) whatever the worker count, and the driver merges the
+jobs' partials in batch order. Min/max are order-free; row samples are taken by global token index, so each job
+starts its samplers at the token count of the batches before it (checked when merging, never assumed silently) and
+the concatenated samples are the serial ones. Float sums are not order-free: GPTQ's Hessians (and its quantized
+propagation), awq's scale search and the histogram observers (--act-method percentile/mse) stay on the serial
+forward, and the run says so (`summary()`, in the --json output). The forward runs single-threaded (JOB_THREADS)
+inline and in workers alike, so its bits cannot depend on how jobs share a host.
+
+Transport: the layer's input rows as one .npy per layer in the jobs directory (workers gather their batches' rows
+from it by mmap), the parameters the driver changed since materialising the layer (smoothing folds; tracked by torch's
+version counters) as a torch.save'd dict of tensors; the layer itself is materialised by each job from the
+checkpoint by path (Skeleton). Never a pickled module.
+"""
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import dsconv.exec as dexec
+from dsconv.quant.calib_jobs import JOB_THREADS, Context, _env, _open, _threads
+from dsconv.quant.hooks import ExpertRecorder, FlowProbe, LinearHooks, RowMask
+from dsconv.quant.layers import Skeleton, install_forward
+from dsconv.quant.observers import MinMaxObserver
+from dsconv.quant.plan import LinearPlan
+from dsconv.quant.smoothing import SiteProbe, SiteSample
+from dsconv.quant.stats import InputStats
+
+
+@dataclass(frozen=True)
+class ForwardJob:
+    ctx: Context
+    layer: int
+    kind: str                        # "smooth" (the smoothing probe) | "stats" (statistics, outputs)
+    first: int                       # index of its first batch (batch 0 records which modules read each norm)
+    batches: list[list[int]]         # calibration sample indices per batch (Calibrator.batches[first:...])
+    lengths: np.ndarray              # tokens per calibration sample
+    starts: np.ndarray               # first token row of each sample in the layer input
+    hidden: str                      # .npy of the layer's input rows [tokens, hidden] float32
+    state: str | None                # torch.save'd {layer parameter name: tensor} the driver changed
+    offset: int                      # real tokens in the batches before this job's
+    names: dict[str, Any]            # the modules hooked, by in-memory name (see Forward._names)
+    write: bool                      # return the layer's output rows
+
+
+@dataclass
+class ForwardResult:
+    pos: torch.Tensor | None = None  # token rows of the layer input that `y` replaces
+    y: torch.Tensor | None = None
+    absmax: dict[str, torch.Tensor] = field(default_factory=dict)
+    consumers: dict[str, list[str]] = field(default_factory=dict)
+    sites: dict[str, SiteSample] = field(default_factory=dict)
+    stats: list[InputStats] = field(default_factory=list)
+    group: dict[str, int] = field(default_factory=dict)  # linear -> index in `stats` (shared inputs share one)
+    recorded: tuple | None = None    # ExpertRecorder's (hidden, index, weights, pos) of its batches
+    forward_s: float = 0.0
+
+
+def serial_reason(cal: Any) -> str | None:
+    """Why this run's forward stays in the driver (None: it splits)."""
+    if cal.plan.method == "gptq":
+        return "--method gptq: Hessian sums and the quantized propagation are not split (float sums are order-bound)"
+    if cal.plan.method == "awq":
+        return "--method awq: its scale search probes the layer in the driver"
+    if cal.static and cal.observer_method != MinMaxObserver.method:
+        return f"--act-method {cal.opts.act_method}: histogram observers are not merged across jobs"
+    return None
+
+
+def _batch(h: np.ndarray, samples: list[int], lengths: np.ndarray, starts: np.ndarray
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Calibrator._batch on the layer input read from its file: the same rows, the same padding."""
+    L = max(int(lengths[j]) for j in samples)
+    idx = torch.full((len(samples), L), -1, dtype=torch.long)
+    for r, j in enumerate(samples):
+        idx[r, : int(lengths[j])] = torch.arange(int(starts[j]), int(starts[j]) + int(lengths[j]))
+    mask = idx >= 0
+    x = torch.from_numpy(np.ascontiguousarray(h[idx.clamp(min=0).numpy()]))
+    x[~mask] = 0.0
+    return x, idx, mask
+
+
+def _sampled(offset: int, stride: int, cap: int) -> int:
+    """Rows a stride sampler (InputStats, SiteSample) has kept after `offset` tokens: the multiples of stride."""
+    return min(cap, math.ceil(offset / stride))
+
+
+# ---- the task side ---------------------------------------------------------------------------------------------
+_SKELETONS: dict[str, Any] = {}
+
+
+def run_forward(job: ForwardJob) -> ForwardResult:
+    """Task: layer i (materialised from the checkpoint, the driver's changes applied) over a run of batches, with
+    the same hooks as the driver's pass; their partial statistics and the output rows returned."""
+    ctx, i = job.ctx, job.layer
+    with _threads(JOB_THREADS), torch.no_grad():
+        ck, _ = _open(ctx)
+        sk = _SKELETONS.get(ctx.key)
+        if sk is None:  # its own, never the driver's (whose layer i holds the driver's changes) even inline
+            _SKELETONS.clear()
+            sk = _SKELETONS[ctx.key] = Skeleton(ck)
+        layer = sk.materialise(i)
+        try:
+            return _run(job, sk, layer, _env(ctx, ck))
+        finally:
+            sk.release(i)
+
+
+def _run(job: ForwardJob, sk: Any, layer: nn.Module, env: Any) -> ForwardResult:
+    t = time.perf_counter()
+    if job.state is not None:
+        params = dict(layer.named_parameters())
+        for name, value in torch.load(job.state, weights_only=True).items():
+            params[name].copy_(value)
+    mods = {n: m for m, n in sk.module_names.items()}
+    experts = sk.experts_module(job.layer)
+    rows = RowMask()
+    n = job.names
+    res = ForwardResult()
+    probe = sites = hooks = recorder = None
+    if job.kind == "smooth":
+        if experts is not None:
+            install_forward(experts, lambda h, idx, wts: torch.zeros_like(h))
+        probe = FlowProbe([mods[m] for m in n["norms"]], [mods[m] for m in n["consumers"]], rows)
+        probe.record = job.first == 0
+        sites = SiteProbe([mods[m] for m in n["site_out"]], [mods[m] for m in n["site_in"]], job.ctx.tokens,
+                          rows.apply)
+        for s in sites.sites.values():
+            s.seen, s.kept = job.offset, _sampled(job.offset, s.stride, s.cap)
+    else:
+        targets = {mods[m]: lp for m, lp in n["targets"].items()}
+
+        def make(lp: LinearPlan) -> InputStats:
+            st = env._stats(lp.k, lp.module)
+            st.tokens, st._sampled = job.offset, _sampled(job.offset, st.stride, st.sample_cap)
+            return st
+
+        hooks = LinearHooks(targets, make, rows)
+        if experts is not None:
+            recorder = ExpertRecorder(rows)
+            install_forward(experts, recorder)
+    h = np.load(job.hidden, mmap_mode="r")
+    pos, ys = [], []
+    for samples in job.batches:
+        x, idx, mask = _batch(h, samples, job.lengths, job.starts)
+        rows.set(mask)
+        if recorder is not None:
+            recorder.flat_index = idx.reshape(-1)
+        y = layer(x, **sk.layer_inputs(x, layer))
+        y = y[0] if isinstance(y, tuple) else y
+        if job.write:
+            pos.append(idx[mask])
+            ys.append(y[mask])
+        (probe or hooks).end_batch()
+    del h
+    if job.write:
+        res.pos, res.y = torch.cat(pos), torch.cat(ys)
+    names = sk.module_names
+    if probe is not None:
+        probe.remove()
+        sites.remove()
+        res.absmax = {names[m]: a for m, a in probe.absmax.items()}
+        if job.first == 0:
+            res.consumers = {names[m]: [names[c] for c in cs] for m, cs in probe.consumers.items()}
+        res.sites = {names[m]: s for m, s in sites.sites.items()}
+    else:
+        hooks.remove()
+        index: dict[int, int] = {}
+        for mod, st in hooks.group.items():
+            if id(st) not in index:
+                index[id(st)] = len(res.stats)
+                res.stats.append(st)
+            res.group[names[mod]] = index[id(st)]
+        if recorder is not None and recorder.parts:
+            res.recorded = recorder.take()
+    res.forward_s = time.perf_counter() - t
+    return res
+
+
+# ---- the driver side -------------------------------------------------------------------------------------------
+class Forward:
+    """The Calibrator's forward passes: split into jobs where the run allows it (see the module docstring), else
+    the serial loop in the driver."""
+
+    def __init__(self, cal: Any, dispatch: Any) -> None:
+        self.cal, self.d = cal, dispatch
+        self.reason = serial_reason(cal)
+        self.layer_i: int | None = None
+        self.versions: dict[str, tuple[int, int]] = {}
+        self.h_path: str | None = None
+        self.jobs_per_pass: list[int] = []
+        self.wall = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """How the forward ran (the --json output): jobs per pass, or why it stayed serial."""
+        split = max(self.jobs_per_pass, default=1)
+        return {"split": split > 1, "jobs_per_pass": split, "serial_reason": self.reason}
+
+    def begin(self, i: int, layer: nn.Module) -> None:
+        """Layer i was just materialised: remember its parameters' versions (what the driver changes later ships)."""
+        self._drop_input()
+        self.layer_i = i
+        self.versions = {n: (id(p), p._version) for n, p in layer.named_parameters() if not p.is_meta}
+
+    def _drop_input(self) -> None:
+        if self.h_path is not None:
+            self.d.dir.joinpath(self.h_path).unlink(missing_ok=True)
+            self.h_path = None
+
+    def runs(self) -> list[tuple[int, int]]:
+        """The pass's jobs as contiguous runs of batches, about equal in tokens: one per worker (at most one per
+        batch) when the executor fans out; a single run means the serial loop in the driver."""
+        ex, cal = self.d.ex, self.cal
+        nb = len(cal.batches)
+        if self.reason or ex.workers <= 1 or self.d.work < dexec.INLINE_BELOW or nb < 2:
+            return [(0, nb)]
+        n = min(ex.workers, nb)
+        tok = np.cumsum([sum(cal.lengths[j] for j in b) for b in cal.batches])
+        cuts = sorted({0, nb, *(min(nb, int(np.searchsorted(tok, tok[-1] * k / n)) + 1) for k in range(1, n))})
+        return list(zip(cuts, cuts[1:]))
+
+    def _submit(self, i: int, layer: nn.Module, kind: str, names: dict[str, Any], write: bool
+                ) -> list[tuple[ForwardJob, ForwardResult]]:
+        cal, d = self.cal, self.d
+        if self.h_path is None:
+            self.h_path = f"F{i}-hidden.npy"
+            np.save(d.dir / self.h_path, cal.h.numpy())
+        changed = {n: p.detach().clone() for n, p in layer.named_parameters()
+                   if n in self.versions and (id(p), p._version) != self.versions[n]}
+        state = None
+        if changed:
+            state = str(d.dir / f"F{i}-{kind}-state.pt")
+            torch.save(changed, state)
+        tokens = [sum(cal.lengths[j] for j in b) for b in cal.batches]
+        jobs = [ForwardJob(d.ctx, i, kind, a, cal.batches[a:b], np.asarray(cal.lengths), cal.starts,
+                           str(d.dir / self.h_path), state, int(sum(tokens[:a])), names, write)
+                for a, b in self.runs()]
+        self.jobs_per_pass.append(len(jobs))
+        out = list(zip(jobs, d.ex.map(run_forward, jobs, work_bytes=d.work)))
+        for _, r in out:
+            cal.timings["forward"] += r.forward_s
+        if state is not None:
+            Path(state).unlink(missing_ok=True)
+        if write:
+            for _, r in out:
+                cal.h[r.pos] = r.y
+            self._drop_input()
+        return out
+
+    def smooth_pass(self, i: int, layer: nn.Module, probe: FlowProbe, sites: SiteProbe, norms: list[nn.Module],
+                    consumers: list[nn.Module]) -> None:
+        """The smoothing probe over every batch; fills `probe` (absmax, consumers) and `sites` as the serial loop."""
+        t = time.perf_counter()
+        if len(self.runs()) == 1:
+            with self._pinned():
+                for samples in self.cal.batches:
+                    self.cal._forward(layer, samples, write=False)
+                    probe.end_batch()
+            self.wall += time.perf_counter() - t
+            return
+        names = self.cal.sk.module_names
+        nm = {"norms": [names[m] for m in norms], "consumers": [names[c] for c in consumers],
+              "site_out": [names[m] for m in sites.sites if m in set(norms)],
+              "site_in": [names[m] for m in sites.sites if m not in set(norms)]}
+        by_name = {names[m]: m for m in layer.modules()}
+        out = self._submit(i, layer, "smooth", nm, write=False)
+        for job, r in out:
+            for n, a in r.absmax.items():
+                prev = probe.absmax.get(by_name[n])
+                probe.absmax[by_name[n]] = a if prev is None else torch.maximum(prev, a)
+            for n, cs in r.consumers.items():
+                probe.consumers[by_name[n]] = [by_name[c] for c in cs]
+            for n, part in r.sites.items():
+                _merge_site(sites.sites[by_name[n]], part, job.offset)
+        self.wall += time.perf_counter() - t
+
+    def stats_pass(self, i: int, layer: nn.Module, hooks: LinearHooks, recorder: ExpertRecorder | None,
+                   write: bool) -> None:
+        """The statistics pass over every batch; fills `hooks.group`, `recorder` and (with `write`) `cal.h`."""
+        t = time.perf_counter()
+        cal = self.cal
+        if len(self.runs()) == 1:
+            with self._pinned():
+                for samples in cal.batches:
+                    cal._forward(layer, samples, write=write, recorder=recorder)
+                    hooks.end_batch()
+            self.wall += time.perf_counter() - t
+            return
+        names = cal.sk.module_names
+        by_name = {names[m]: m for m in hooks.targets}
+        out = self._submit(i, layer, "stats", {"targets": {names[m]: lp for m, lp in hooks.targets.items()}}, write)
+        base: list[InputStats] = out[0][1].stats
+        for job, r in out:
+            if r.group != out[0][1].group:
+                raise RuntimeError(f"layer {i}: the forward jobs grouped the linears' inputs differently")
+            if job.first:
+                for a, b in zip(base, r.stats):
+                    _merge_stats(a, b, job.offset)
+            if recorder is not None and r.recorded is not None:
+                recorder.parts.append(r.recorded)
+        hooks.group.update({by_name[n]: base[k] for n, k in out[0][1].group.items()})
+        self.wall += time.perf_counter() - t
+
+    def _pinned(self) -> Any:
+        """The serial loop of a run that could split runs with the jobs' thread count, so --workers 1 and N agree."""
+        return nullcontext() if self.reason else _threads(JOB_THREADS)
+
+
+def _merge_site(a: SiteSample, b: SiteSample, offset: int) -> None:
+    """Fold a job's SiteSample (started at token `offset`) into the driver's, in batch order."""
+    if b.cmin is None:
+        return
+    if a.seen != offset:
+        raise RuntimeError(f"forward jobs: a smoothing site saw {a.seen} tokens before a job starting at {offset}")
+    a.cmin = b.cmin if a.cmin is None else torch.minimum(a.cmin, b.cmin)
+    a.cmax = b.cmax if a.cmax is None else torch.maximum(a.cmax, b.cmax)
+    a.rows += b.rows
+    a.kept, a.seen = b.kept, b.seen
+
+
+def _merge_stats(a: InputStats, b: InputStats, offset: int) -> None:
+    """Fold a job's InputStats (started at token `offset`) into the first job's, in batch order."""
+    if a.tokens != offset:
+        raise RuntimeError(f"forward jobs: {a.name} saw {a.tokens} tokens before a job starting at {offset}")
+    if b.observer is not None and b.observer.channel_min is not None:
+        o = a.observer
+        if o.channel_min is None:
+            o.channel_min, o.channel_max = b.observer.channel_min, b.observer.channel_max
+        else:
+            # new arrays, not out=: results that Ray hands back zero-copy are read-only
+            o.channel_min = np.minimum(o.channel_min, b.observer.channel_min)
+            o.channel_max = np.maximum(o.channel_max, b.observer.channel_max)
+        o.tokens += b.observer.tokens
+    a._sample += b._sample
+    a._sampled, a.tokens = b._sampled, b.tokens
