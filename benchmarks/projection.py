@@ -3,8 +3,11 @@ projected on 1, 8 and 32 nodes from costs and a parallel split MEASURED on this 
 
 Measured here, on a medium DeepSeek-shaped model (random weights, the bundled calibration set), with `--workers 1`
 and `--workers 2` (the calibrated path's jobs: dsconv/quant/calib_jobs.py):
-  * c_fwd  - seconds per FLOP of the driver's calibration forward outside the routed experts (attention, dense and
-             shared MLP, router): the part that stays serial (`forward` timing);
+  * c_fwd  - seconds per FLOP of the calibration forward outside the routed experts (attention, dense and
+             shared MLP, router), one single-threaded worker (`forward` timing with `--workers 1`);
+  * fwd_speedup - the forward's wall (`forward_wall`: smoothing probe + statistics pass) with 1 worker over 2:
+             the forward split over the calibration batches (dsconv/quant/forward_jobs.py) on one node, its
+             per-job overheads (layer materialised per job, input rows by file, results back) included;
   * c_lin  - seconds per (non-expert forward) FLOP of the per-linear jobs (statistics -> activation parameters,
              smoothing/range searches, output-error measurement, writing): `linear_jobs` wall with one worker;
   * c_exp  - seconds per FLOP of the routed-expert jobs (each expert's forward, statistics, quantization):
@@ -13,9 +16,12 @@ and `--workers 2` (the calibrated path's jobs: dsconv/quant/calib_jobs.py):
              in parallel, measured under whatever load the host has (printed);
   * the rest of the run as a fixed cost; checkpoint I/O per byte from bench_scale's weight-only quantize.
 Scaled to the real shapes (61 layers, 3 dense, 256 experts top-8, hidden 7168, moe_intermediate 2048, MLA) with the
-same calibration tokens. On N nodes: the driver's forward stays serial, a layer's linear jobs spread over at most as
-many workers as the layer has linears, its experts over every worker (whole experts, in rounds), routed activations
-go to the jobs and their outputs back through the driver's link, and the expert weights are read by the jobs.
+same calibration tokens (so the same calibration batches). On N nodes: a layer's forward splits over at most as many
+jobs as there are batches (whole batches, in rounds); its input rows go to the jobs through shared storage, its
+output rows back through the driver's link, and each job reads the layer's non-expert weights; a layer's linear jobs
+spread over at most as many workers as the layer has linears, its experts over every worker (whole experts, in
+rounds), routed activations go to the jobs and their outputs back through the driver's link, and the expert weights
+are read by the jobs.
 """
 from __future__ import annotations
 
@@ -111,7 +117,7 @@ def measure_costs() -> dict[str, Any]:
         w = weight_bytes(cfg)
         t, t2 = s["timings"], runs[2]["timings"]
         jobs1, jobs2 = t["linear_jobs"] + t["expert_jobs"], t2["linear_jobs"] + t2["expert_jobs"]
-        rest = max(0.0, s["seconds"] - t["forward"] - jobs1)  # start-up, reading, writing, saving job inputs
+        rest = max(0.0, s["seconds"] - t["forward_wall"] - jobs1)  # start-up, reading, writing, saving job inputs
         moe, E = f["moe_layers"], cfg["n_routed_experts"]
         return {"load_before": s["load_before"], "medium_config": MEDIUM, "calib_tokens": tokens,
                 "calib_samples": s["calibration"]["samples"],
@@ -121,8 +127,12 @@ def measure_costs() -> dict[str, Any]:
                 "bytes_identical_1_vs_2": same,
                 "speedup_total_2_workers": round(s["seconds"] / runs[2]["seconds"], 2),
                 "job_speedup": round(jobs1 / jobs2, 2) if jobs2 else 1.0,
-                "serial_fraction_1_worker": round((t["forward"] + rest) / s["seconds"], 3),
-                "per_layer_s": round((t["forward"] + t["linear_jobs"]) / cfg["num_hidden_layers"], 3),
+                "forward_1_vs_2": {"wall_1_s": round(t["forward_wall"], 2), "wall_2_s": round(t2["forward_wall"], 2),
+                                   "compute_2_s": round(t2["forward"], 2), "split": runs[2]["forward"]},
+                "fwd_speedup": round(t["forward_wall"] / t2["forward_wall"], 2) if t2["forward_wall"] else 1.0,
+                "batches": s["forward"]["batches"],
+                "serial_fraction_1_worker": round(rest / s["seconds"], 3),
+                "per_layer_s": round((t["forward_wall"] + t["linear_jobs"]) / cfg["num_hidden_layers"], 3),
                 "per_expert_s": round(t["expert_jobs"] / max(1, moe * E), 4),
                 "c_fwd_s_per_gflop": t["forward"] / f["other"] * 1e9,
                 "c_lin_s_per_gflop": t["linear_jobs"] / f["other"] * 1e9,
@@ -145,49 +155,59 @@ def project(m: dict[str, Any], io_s_per_gb: float, nodes: tuple[int, ...] = (1, 
     moe, E = f["moe_layers"], REAL["n_routed_experts"]
     layers = REAL["num_hidden_layers"]
     gain = max(1.0, m["job_speedup"])  # one node's job throughput, in single-worker units
-    layer_fwd = f["other"] / layers * m["c_fwd_s_per_gflop"] / 1e9     # serial: the driver's forward
+    fgain = max(1.0, m["fwd_speedup"])  # one node's split forward, likewise
+    nb = m["batches"]                   # calibration batches: the most jobs a layer's forward splits into
+    layer_fwd = f["other"] / layers * m["c_fwd_s_per_gflop"] / 1e9     # one worker: the layer's forward
     layer_lin = f["other"] / layers * m["c_lin_s_per_gflop"] / 1e9     # the layer's linear jobs, one worker
     expert_s = f["experts"] / (moe * E) * m["c_exp_s_per_gflop"] / 1e9  # one expert's job, one worker
     expert_bytes = moe * E * w["per_expert"]
     dense_bytes = w["total"] - expert_bytes
     routed = 2 * tokens * REAL["num_experts_per_tok"] * REAL["hidden_size"] * 4  # rows to the jobs, outputs back
+    h_bytes = tokens * REAL["hidden_size"] * 4  # a layer's input (and output) rows, float32
+    layer_weights = (dense_bytes - 4 * REAL["vocab_size"] * REAL["hidden_size"]) / layers  # bf16 non-expert bytes per layer
     rows = []
     for n in nodes:
         workers = n * WORKERS_PER_NODE
+        jobs = min(workers, nb)
+        fwd = layer_fwd * math.ceil(nb / jobs) / nb * WORKERS_PER_NODE / fgain  # rounds of whole batches
+        fwd_io = 0.0 if n == 1 else h_bytes / (STORAGE_GBPS * 1e9) + h_bytes / (NET_GBPS * 1e9) + \
+            2 * jobs * layer_weights / (STORAGE_GBPS * 1e9)  # rows out and back; 2 passes of weights per job
         lin = layer_lin / min(n * gain, LINEARS_PER_LAYER)
         exp = math.ceil(E / workers) * expert_s * WORKERS_PER_NODE / gain  # rounds of whole experts
         io = dense_bytes * io_s_per_gb / 1e9 + max(expert_bytes * io_s_per_gb / 1e9 / n,
                                                    expert_bytes / (STORAGE_GBPS * 1e9) if n > 1 else 0.0)
-        parts = {"forward_h": layers * layer_fwd, "linear_jobs_h": layers * lin, "expert_jobs_h": moe * exp,
+        parts = {"forward_h": layers * (fwd + fwd_io), "linear_jobs_h": layers * lin, "expert_jobs_h": moe * exp,
                  "io_h": io, "routed_transfer_h": 0.0 if n == 1 else moe * routed / (NET_GBPS * 1e9),
                  "fixed_h": m["fixed_s"]}
         total = sum(parts.values())
-        # not built: the forward split over calibration samples across nodes (statistics merged), the part left
-        dp = total - parts["forward_h"] * (1 - 1 / n)
+        serial = total - parts["forward_h"] + layers * layer_fwd  # the same run with round 4's serial forward
         rows.append({"nodes": n, "hours": round(total / 3600, 2), **{k: round(v / 3600, 3) for k, v in parts.items()},
-                     "hours_if_forward_data_parallel": round(dp / 3600, 2)})
+                     "forward_jobs_per_layer": jobs, "hours_with_serial_forward": round(serial / 3600, 2)})
     for r in rows:
         r["speedup"] = round(rows[0]["hours"] / r["hours"], 1) if r["hours"] else None
     text = [f"DeepSeek-V3 W8A8 (--bits 8) projection; node = this host (2 cores) at the measured rates "
             f"(load {m['load_before']} before the 1-worker run, {m['workers_2']['load']} before the 2-worker run)",
             f"  measured on a medium DeepSeek-shaped model ({tokens} calibration tokens, {m['calib_samples']} samples): "
             f"--workers 1 {m['workers_1']['total_s']} s, --workers 2 {m['workers_2']['total_s']} s "
-            f"({m['speedup_total_2_workers']}x; jobs alone {m['job_speedup']}x; bytes identical: "
+            f"({m['speedup_total_2_workers']}x; jobs alone {m['job_speedup']}x; forward split over "
+            f"{m['forward_1_vs_2']['split']['jobs_per_pass']} jobs of its {nb} batches {m['fwd_speedup']}x: "
+            f"{m['forward_1_vs_2']['wall_1_s']} -> {m['forward_1_vs_2']['wall_2_s']} s; bytes identical: "
             f"{m['bytes_identical_1_vs_2']}); serial share with 1 worker {m['serial_fraction_1_worker']:.0%}; "
-            f"per layer {m['per_layer_s']} s (driver forward + linear jobs), per routed expert {m['per_expert_s']} s",
+            f"per layer {m['per_layer_s']} s (forward + linear jobs), per routed expert {m['per_expert_s']} s",
             f"  rates: driver forward {m['c_fwd_s_per_gflop']:.4f} s/GFLOP, linear jobs {m['c_lin_s_per_gflop']:.4f} "
             f"s/GFLOP, expert jobs {m['c_exp_s_per_gflop']:.4f} s/GFLOP; checkpoint I/O {io_s_per_gb:.2f} s/GB",
-            f"  real shapes: {w['total'] / 1e12:.2f} TB BF16; {layers} layers at {layer_fwd / 60:.1f} min serial "
-            f"forward + {layer_lin / 60:.1f} min of linear jobs each; {moe} x {E} routed experts at {expert_s:.1f} s "
+            f"  real shapes: {w['total'] / 1e12:.2f} TB BF16; {layers} layers at {layer_fwd / 60:.1f} min of "
+            f"forward (one worker) + {layer_lin / 60:.1f} min of linear jobs each; {moe} x {E} routed experts at {expert_s:.1f} s "
             "of one worker each",
-            "  scheme (what dsconv runs today): one driver runs each layer's calibration forward (serial), then the "
-            "layer's linears and routed experts as jobs over every node's workers (--executor ray); routed "
+            "  scheme (what dsconv runs today): per layer, the calibration forward as jobs over the calibration batches "
+            f"(at most {nb}), then the layer's linears and routed experts as jobs over every node's workers "
+            "(--executor ray); routed "
             f"activations and expert outputs through the driver's {NET_GBPS} GB/s link; expert weights read by the "
             f"jobs from shared storage (up to {STORAGE_GBPS} GB/s), the rest by the driver."]
     text += [f"  {r['nodes']:>3} node(s): {r['hours']:8.2f} h  speedup {r['speedup']}x  (forward {r['forward_h']} h, "
              f"linear jobs {r['linear_jobs_h']} h, expert jobs {r['expert_jobs_h']} h, I/O {r['io_h']} h, "
-             f"routed transfer {r['routed_transfer_h']} h); with the forward also split over samples (not built): "
-             f"{r['hours_if_forward_data_parallel']} h" for r in rows]
+             f"routed transfer {r['routed_transfer_h']} h; forward in {r['forward_jobs_per_layer']} jobs per pass); "
+             f"with round 4's serial forward: {r['hours_with_serial_forward']} h" for r in rows]
     return {"rows": rows, "per_layer_serial_s": round(layer_fwd, 1), "per_layer_linear_jobs_s": round(layer_lin, 1),
             "per_expert_s": round(expert_s, 2),
             "assumptions": {"net_gbps": NET_GBPS, "storage_gbps": STORAGE_GBPS, "seq": seq,

@@ -1,6 +1,7 @@
-"""The calibrated path's jobs (dsconv.quant.calib_jobs): `quantize --bits 8` and `--method gptq` write the same bytes
-inline (--workers 1), on two local processes and on a local Ray, for a dense model and a MoE model - per-linear jobs
-and per-routed-expert jobs (forward, statistics, quantization), under-covered experts finished by the driver."""
+"""The calibrated path's jobs (dsconv.quant.calib_jobs, forward_jobs): `quantize --bits 8` and `--method gptq` write
+the same bytes inline (--workers 1), on two local processes and on a local Ray, for a dense model and a MoE model -
+per-linear jobs and per-routed-expert jobs (forward, statistics, quantization), under-covered experts finished by the
+driver, and (the `fwd-` cases: several calibration batches) the layer forward split over the batches."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ import dsconv.exec as dexec
 from tests.test_exec import tree
 
 FAST = ["--calib-samples", "12", "--seq-len", "48"]
+BATCHES = ["--calib-samples", "64", "--seq-len", "192"]  # several batches of 4096 tokens: the forward splits
 # (name, model key, CLI args)
 CASES = [
     ("bits8-llama", "llama", ["--bits", "8", *FAST]),
@@ -19,7 +21,16 @@ CASES = [
     ("gptq-llama", "llama", ["--scheme", "w4a16", "--method", "gptq", "--group-size", "16", *FAST]),
     ("gptq-moe", "moe", ["--scheme", "w4a16", "--method", "gptq", "--group-size", "16", *FAST]),
     ("awq-llama", "llama", ["--scheme", "w4a16", "--method", "awq", "--group-size", "16", *FAST]),  # driver's choice
+    ("fwd-bits8-llama", "llama", ["--bits", "8", *BATCHES]),
+    # a fixed alpha: norms folded into the router and the experts, so the jobs need the driver's changed weights
+    ("fwd-bits8-moe", "moe", ["--bits", "8", "--moe-scheme", "w8a8", "--smooth-quant", "0.5",
+                              "--min-expert-tokens", "150", *BATCHES]),
+    ("fwd-mse-llama", "llama", ["--bits", "8", "--act-method", "mse", *BATCHES]),  # stays serial, says why
+    # Hessians merged from per-batch parts; the dense layers' quantized propagation split too
+    ("fwd-gptq-llama", "llama", ["--scheme", "w4a16", "--method", "gptq", "--group-size", "16", *BATCHES]),
+    ("fwd-gptq-moe", "moe", ["--scheme", "w4a16", "--method", "gptq", "--group-size", "16", *BATCHES]),
 ]
+SERIAL = {"awq-llama": "awq", "fwd-mse-llama": "histogram"}  # the forward stays in the driver; --json says why
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +81,92 @@ def test_the_cases_exercise_the_jobs(inline):
 def test_two_processes_write_the_same_bytes(case, inline, run_cli, models, tmp_path, fan_out):
     files, summary = _run(run_cli, tmp_path / "o", models, case, ["--workers", "2"])
     assert summary["execution"] == {"executor": "local", "workers": 2, "ran": "local"}
+    _check_forward(case[0], summary, 2)
     assert files == inline[case[0]][0]
+
+
+def _check_forward(name: str, summary: dict, workers: int) -> None:
+    fwd = summary["forward"]
+    if name in SERIAL:
+        assert not fwd["split"] and SERIAL[name] in fwd["serial_reason"], fwd
+    elif name.startswith("fwd-"):
+        assert fwd["split"] and fwd["jobs_per_pass"] == workers and fwd["serial_reason"] is None, fwd
+        assert summary["timings"]["forward"] > 0 and summary["timings"]["forward_wall"] > 0
+
+
+def test_three_uneven_forward_jobs_write_the_same_bytes(inline, run_cli, models, tmp_path, fan_out):
+    """Three jobs over the batches (uneven runs, samplers started mid-stream) still give the serial bytes."""
+    case = next(c for c in CASES if c[0] == "fwd-bits8-moe")
+    files, summary = _run(run_cli, tmp_path / "o", models, case, ["--workers", "3"])
+    _check_forward(case[0], summary, 3)
+    assert files == inline[case[0]][0]
+
+
+def test_inline_runs_say_the_forward_did_not_split(inline):
+    for name, (files, summary, out) in inline.items():
+        assert summary["forward"]["split"] is False, name
+        assert (summary["forward"]["serial_reason"] is None) == (name not in SERIAL), name
+
+
+def test_a_merge_that_would_misplace_samples_fails_loudly():
+    """Job partials start at the token count of the batches before them; a mismatch is a bug, never merged."""
+    import torch
+
+    from dsconv.quant.forward_jobs import _merge_site, _merge_stats
+    from dsconv.quant.smoothing import SiteSample
+    from dsconv.quant.stats import InputStats
+
+    a = InputStats(4, "x", "minmax", hessian=False, sample_tokens=8, stride=3)
+    a.update(torch.randn(10, 4))
+    b = InputStats(4, "x", "minmax", hessian=False, sample_tokens=8, stride=3)
+    b.tokens = 12
+    b.update(torch.randn(5, 4))
+    with pytest.raises(RuntimeError, match="saw 10 tokens"):
+        _merge_stats(a, b, 12)
+    s = SiteSample(100, cap=8)
+    s.update(torch.randn(10, 4))
+    t = SiteSample(100, cap=8)
+    t.seen = 12
+    t.update(torch.randn(5, 4))
+    with pytest.raises(RuntimeError, match="saw 10 tokens"):
+        _merge_site(s, t, 12)
+
+
+def test_merged_statistics_equal_one_stream():
+    """Samplers started at a job's token offset, merged in order: the serial statistics, bit for bit."""
+    import numpy as np
+    import torch
+
+    from dsconv.quant.forward_jobs import _merge_site, _merge_stats, _sampled
+    from dsconv.quant.smoothing import SiteSample
+    from dsconv.quant.stats import InputStats
+
+    torch.manual_seed(0)
+    parts = [torch.randn(n, 6) for n in (37, 5, 64, 23)]
+    one = InputStats(6, "x", "minmax", hessian=False, sample_tokens=9, stride=11)
+    site = SiteSample(129, cap=9)
+    for p in parts:
+        one.update(p)
+        site.update(p)
+    merged, msite, off = None, SiteSample(129, cap=9), 0
+    for p in parts:
+        st = InputStats(6, "x", "minmax", hessian=False, sample_tokens=9, stride=11)
+        st.tokens, st._sampled = off, _sampled(off, 11, 9)
+        st.update(p)
+        s = SiteSample(129, cap=9)
+        s.seen, s.kept = off, _sampled(off, s.stride, 9)
+        s.update(p)
+        if merged is None:
+            merged = st
+        else:
+            _merge_stats(merged, st, off)
+        _merge_site(msite, s, off)
+        off += p.shape[0]
+    assert torch.equal(merged.sample, one.sample) and merged.tokens == one.tokens
+    assert np.array_equal(merged.observer.channel_min, one.observer.channel_min)
+    assert np.array_equal(merged.observer.channel_max, one.observer.channel_max)
+    assert merged.observer.tokens == one.observer.tokens
+    assert torch.equal(msite.x, site.x) and torch.equal(msite.cmin, site.cmin) and msite.seen == site.seen
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +183,7 @@ def ray_local():
 def test_local_ray_writes_the_same_bytes(case, inline, run_cli, models, tmp_path, fan_out, ray_local):
     files, summary = _run(run_cli, tmp_path / "o", models, case, ["--executor", "ray", "--workers", "2"])
     assert summary["execution"] == {"executor": "ray", "workers": 2, "ran": "ray"}
+    _check_forward(case[0], summary, 2)
     assert files == inline[case[0]][0]
 
 

@@ -182,10 +182,9 @@ class Calibrator:
         order = sorted(targets.items(), key=lambda kv: list(lps).index(kv[1].module))
         for mod, res in self.jobs.linears(i, order, hooks.group):
             if propagate:
-                mod.weight.data.copy_(torch.from_numpy(dequant_weight(res.q, res.scale)))
+                mod.weight.copy_(torch.from_numpy(dequant_weight(res.q, res.scale)))  # versioned: jobs see it
         if propagate:  # the next layer calibrates on what this quantized layer outputs
-            for samples in self.batches:
-                self._forward(layer, samples, write=True)
+            self.fwd.plain_pass(i, layer)
         if experts is not None:
             self.run_experts(i, experts, recorder, lps, col_scale)
         for fp in floats:

@@ -8,20 +8,23 @@ of layer i and returns what the driver's hooks would have gathered, per pass:
 * smoothing probe (`Calibrator.smooth`): each norm's per-channel max |output| (`FlowProbe`), which modules read it
   (from the job holding batch 0, as the serial probe records it), and the row samples of every smoothing site
   (`SiteSample`);
-* statistics (`Calibrator.layer`): each distinct linear input's `InputStats` (min/max observer, row sample), the MoE
-  layer's routed tokens (`ExpertRecorder`) and the layer's output rows.
+* statistics (`Calibrator.layer`): each distinct linear input's `InputStats` (min/max observer, row sample, GPTQ's
+  Hessian and held-out rows), the MoE layer's routed tokens (`ExpertRecorder`) and the layer's output rows;
+* GPTQ's propagation: the layer with its quantized weights over every batch, output rows only.
 
 Exactness: the batches are the Calibrator's (`cal.batches`) whatever the worker count, and the driver merges the
 jobs' partials in batch order. Min/max are order-free; row samples are taken by global token index, so each job
 starts its samplers at the token count of the batches before it (checked when merging, never assumed silently) and
-the concatenated samples are the serial ones. Float sums are not order-free: GPTQ's Hessians (and its quantized
-propagation), awq's scale search and the histogram observers (--act-method percentile/mse) stay on the serial
-forward, and the run says so (`summary()`, in the --json output). The forward runs single-threaded (JOB_THREADS)
-inline and in workers alike, so its bits cannot depend on how jobs share a host.
+the concatenated samples are the serial ones. Float sums are not order-free: a GPTQ Hessian comes back as one X^T X
+per batch (k^2 float32 each: memory a worker pays for exactness) and the driver adds them in batch order, as the
+serial accumulator does. awq's scale search and the histogram observers (--act-method percentile/mse) stay on the
+serial forward, and the run says so (`summary()`, in the --json output). The forward runs single-threaded
+(JOB_THREADS) inline and in workers alike, so its bits cannot depend on how jobs share a host.
 
 Transport: the layer's input rows as one .npy per layer in the jobs directory (workers gather their batches' rows
-from it by mmap), the parameters the driver changed since materialising the layer (smoothing folds; tracked by torch's
-version counters) as a torch.save'd dict of tensors; the layer itself is materialised by each job from the
+from it by mmap), the parameters the driver changed since materialising the layer (smoothing folds, GPTQ's quantized
+weights; tracked by torch's version counters, so the driver changes them in place, never through `.data`, which torch
+does not version) as a torch.save'd dict of tensors; the layer itself is materialised by each job from the
 checkpoint by path (Skeleton). Never a pickled module.
 """
 from __future__ import annotations
@@ -42,6 +45,7 @@ from dsconv.quant.calib_jobs import JOB_THREADS, Context, _env, _open, _threads
 from dsconv.quant.hooks import ExpertRecorder, FlowProbe, LinearHooks, RowMask
 from dsconv.quant.layers import Skeleton, install_forward
 from dsconv.quant.observers import MinMaxObserver
+from dsconv.quant.gptq import HessianAccumulator
 from dsconv.quant.plan import LinearPlan
 from dsconv.quant.smoothing import SiteProbe, SiteSample
 from dsconv.quant.stats import InputStats
@@ -51,7 +55,7 @@ from dsconv.quant.stats import InputStats
 class ForwardJob:
     ctx: Context
     layer: int
-    kind: str                        # "smooth" (the smoothing probe) | "stats" (statistics, outputs)
+    kind: str                        # "smooth" (smoothing probe) | "stats" (statistics, outputs) | "plain" (outputs)
     first: int                       # index of its first batch (batch 0 records which modules read each norm)
     batches: list[list[int]]         # calibration sample indices per batch (Calibrator.batches[first:...])
     lengths: np.ndarray              # tokens per calibration sample
@@ -59,6 +63,8 @@ class ForwardJob:
     hidden: str                      # .npy of the layer's input rows [tokens, hidden] float32
     state: str | None                # torch.save'd {layer parameter name: tensor} the driver changed
     offset: int                      # real tokens in the batches before this job's
+    held: np.ndarray | None          # per token: from a held-out prompt (GPTQ's choice), else None
+    held_offset: int                 # held-out tokens in the batches before this job's
     names: dict[str, Any]            # the modules hooked, by in-memory name (see Forward._names)
     write: bool                      # return the layer's output rows
 
@@ -78,8 +84,6 @@ class ForwardResult:
 
 def serial_reason(cal: Any) -> str | None:
     """Why this run's forward stays in the driver (None: it splits)."""
-    if cal.plan.method == "gptq":
-        return "--method gptq: Hessian sums and the quantized propagation are not split (float sums are order-bound)"
     if cal.plan.method == "awq":
         return "--method awq: its scale search probes the layer in the driver"
     if cal.static and cal.observer_method != MinMaxObserver.method:
@@ -98,6 +102,29 @@ def _batch(h: np.ndarray, samples: list[int], lengths: np.ndarray, starts: np.nd
     x = torch.from_numpy(np.ascontiguousarray(h[idx.clamp(min=0).numpy()]))
     x[~mask] = 0.0
     return x, idx, mask
+
+
+class HessianParts(HessianAccumulator):
+    """A job's Hessian: each batch's X^T X kept apart (float32, as the accumulator computes it), for the driver to
+    add in batch order - one running float sum over the jobs would round differently from the serial one."""
+
+    def __init__(self, k: int, dtype: torch.dtype) -> None:
+        self.k, self.dtype, self.tokens = int(k), dtype, 0
+        self.parts: list[torch.Tensor] = []
+
+    def update(self, x: Any) -> None:
+        t = x.detach().to("cpu", torch.float32).reshape(-1, self.k)
+        if t.shape[0]:
+            self.parts.append(t.T @ t)
+            self.tokens += int(t.shape[0])
+
+    def into(self, acc: HessianAccumulator | None = None) -> HessianAccumulator:
+        """Add the parts, in order, to `acc` (a new zero accumulator if None): the serial running sum."""
+        acc = acc if acc is not None else HessianAccumulator(self.k, self.dtype)
+        for p in self.parts:
+            acc.sum += p.to(acc.sum.dtype)
+        acc.tokens += self.tokens
+        return acc
 
 
 def _sampled(offset: int, stride: int, cap: int) -> int:
@@ -147,12 +174,16 @@ def _run(job: ForwardJob, sk: Any, layer: nn.Module, env: Any) -> ForwardResult:
                           rows.apply)
         for s in sites.sites.values():
             s.seen, s.kept = job.offset, _sampled(job.offset, s.stride, s.cap)
-    else:
+    elif job.kind == "stats":
         targets = {mods[m]: lp for m, lp in n["targets"].items()}
 
         def make(lp: LinearPlan) -> InputStats:
             st = env._stats(lp.k, lp.module)
             st.tokens, st._sampled = job.offset, _sampled(job.offset, st.stride, st.sample_cap)
+            if st.hessian is not None:
+                st.hessian = HessianParts(st.k, st.hessian.sum.dtype)
+            if st.held is not None:
+                st.held.count = min(st.held.cap, job.held_offset)
             return st
 
         hooks = LinearHooks(targets, make, rows)
@@ -160,10 +191,12 @@ def _run(job: ForwardJob, sk: Any, layer: nn.Module, env: Any) -> ForwardResult:
             recorder = ExpertRecorder(rows)
             install_forward(experts, recorder)
     h = np.load(job.hidden, mmap_mode="r")
+    held = None if job.held is None else torch.from_numpy(job.held)
     pos, ys = [], []
     for samples in job.batches:
         x, idx, mask = _batch(h, samples, job.lengths, job.starts)
         rows.set(mask)
+        rows.held = None if held is None else held[idx[mask]]
         if recorder is not None:
             recorder.flat_index = idx.reshape(-1)
         y = layer(x, **sk.layer_inputs(x, layer))
@@ -171,7 +204,9 @@ def _run(job: ForwardJob, sk: Any, layer: nn.Module, env: Any) -> ForwardResult:
         if job.write:
             pos.append(idx[mask])
             ys.append(y[mask])
-        (probe or hooks).end_batch()
+        for hk in (probe, hooks):
+            if hk is not None:
+                hk.end_batch()
     del h
     if job.write:
         res.pos, res.y = torch.cat(pos), torch.cat(ys)
@@ -183,7 +218,7 @@ def _run(job: ForwardJob, sk: Any, layer: nn.Module, env: Any) -> ForwardResult:
         if job.first == 0:
             res.consumers = {names[m]: [names[c] for c in cs] for m, cs in probe.consumers.items()}
         res.sites = {names[m]: s for m, s in sites.sites.items()}
-    else:
+    elif hooks is not None:
         hooks.remove()
         index: dict[int, int] = {}
         for mod, st in hooks.group.items():
@@ -214,7 +249,8 @@ class Forward:
     def summary(self) -> dict[str, Any]:
         """How the forward ran (the --json output): jobs per pass, or why it stayed serial."""
         split = max(self.jobs_per_pass, default=1)
-        return {"split": split > 1, "jobs_per_pass": split, "serial_reason": self.reason}
+        return {"split": split > 1, "jobs_per_pass": split, "batches": len(self.cal.batches),
+                "serial_reason": self.reason}
 
     def begin(self, i: int, layer: nn.Module) -> None:
         """Layer i was just materialised: remember its parameters' versions (what the driver changes later ships)."""
@@ -252,8 +288,12 @@ class Forward:
             state = str(d.dir / f"F{i}-{kind}-state.pt")
             torch.save(changed, state)
         tokens = [sum(cal.lengths[j] for j in b) for b in cal.batches]
+        held = None if cal.held_tokens is None else cal.held_tokens.numpy()
+        held_tokens = [0 if held is None else sum(cal.lengths[j] * bool(held[cal.starts[j]]) for j in b)
+                       for b in cal.batches]
         jobs = [ForwardJob(d.ctx, i, kind, a, cal.batches[a:b], np.asarray(cal.lengths), cal.starts,
-                           str(d.dir / self.h_path), state, int(sum(tokens[:a])), names, write)
+                           str(d.dir / self.h_path), state, int(sum(tokens[:a])), held, int(sum(held_tokens[:a])),
+                           names, write)
                 for a, b in self.runs()]
         self.jobs_per_pass.append(len(jobs))
         out = list(zip(jobs, d.ex.map(run_forward, jobs, work_bytes=d.work)))
@@ -310,15 +350,30 @@ class Forward:
         by_name = {names[m]: m for m in hooks.targets}
         out = self._submit(i, layer, "stats", {"targets": {names[m]: lp for m, lp in hooks.targets.items()}}, write)
         base: list[InputStats] = out[0][1].stats
+        for st in base:
+            if isinstance(st.hessian, HessianParts):
+                st.hessian = st.hessian.into()
         for job, r in out:
             if r.group != out[0][1].group:
                 raise RuntimeError(f"layer {i}: the forward jobs grouped the linears' inputs differently")
             if job.first:
                 for a, b in zip(base, r.stats):
-                    _merge_stats(a, b, job.offset)
+                    _merge_stats(a, b, job.offset, job.held_offset)
             if recorder is not None and r.recorded is not None:
                 recorder.parts.append(r.recorded)
         hooks.group.update({by_name[n]: base[k] for n, k in out[0][1].group.items()})
+        self.wall += time.perf_counter() - t
+
+    def plain_pass(self, i: int, layer: nn.Module) -> None:
+        """The layer (its weights as the driver holds them: GPTQ's quantized ones) over every batch, writing
+        `cal.h`: what the next layer calibrates on."""
+        t = time.perf_counter()
+        if len(self.runs()) == 1:
+            with self._pinned():
+                for samples in self.cal.batches:
+                    self.cal._forward(layer, samples, write=True)
+        else:
+            self._submit(i, layer, "plain", {}, write=True)
         self.wall += time.perf_counter() - t
 
     def _pinned(self) -> Any:
@@ -338,10 +393,19 @@ def _merge_site(a: SiteSample, b: SiteSample, offset: int) -> None:
     a.kept, a.seen = b.kept, b.seen
 
 
-def _merge_stats(a: InputStats, b: InputStats, offset: int) -> None:
-    """Fold a job's InputStats (started at token `offset`) into the first job's, in batch order."""
+def _merge_stats(a: InputStats, b: InputStats, offset: int, held_offset: int = 0) -> None:
+    """Fold a job's InputStats (started at token `offset`, held-out token `held_offset`) into the first job's, in
+    batch order."""
     if a.tokens != offset:
         raise RuntimeError(f"forward jobs: {a.name} saw {a.tokens} tokens before a job starting at {offset}")
+    if a.hessian is not None:
+        b.hessian.into(a.hessian)
+    if a.held is not None:
+        if a.held.count != min(a.held.cap, held_offset):
+            raise RuntimeError(f"forward jobs: {a.name} kept {a.held.count} held-out rows before a job at "
+                               f"{held_offset}")
+        a.held.rows += b.held.rows
+        a.held.count = b.held.count
     if b.observer is not None and b.observer.channel_min is not None:
         o = a.observer
         if o.channel_min is None:

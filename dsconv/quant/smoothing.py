@@ -55,7 +55,7 @@ class SiteSample:
         self.cmin = lo if self.cmin is None else torch.minimum(self.cmin, lo)
         self.cmax = hi if self.cmax is None else torch.maximum(self.cmax, hi)
         first = (-self.seen) % self.stride
-        idx = torch.arange(first, x.shape[0], self.stride)[: self.cap - self.kept]
+        idx = torch.arange(min(first, x.shape[0]), x.shape[0], self.stride)[: self.cap - self.kept]
         if idx.numel():
             self.rows.append(x[idx].clone())
             self.kept += int(idx.numel())

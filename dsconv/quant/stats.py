@@ -57,7 +57,7 @@ class InputStats:
                 self.hessian.update(x)
         if self._sampled < self.sample_cap:
             first = (-seen) % self.stride
-            idx = torch.arange(first, t, self.stride)[: self.sample_cap - self._sampled]
+            idx = torch.arange(min(first, t), t, self.stride)[: self.sample_cap - self._sampled]  # none: batch < gap
             if idx.numel():
                 self._sample.append(x[idx].detach().to(torch.float32).clone())
                 self._sampled += int(idx.numel())
