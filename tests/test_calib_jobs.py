@@ -212,3 +212,17 @@ def test_job_statistics_are_never_plainly_unpickled(tmp_path):
     torch.save(st, good)
     back = _load_stats(str(good))
     assert back.tokens == 16 and torch.equal(back.sample, st.sample)
+
+
+def test_gptq_over_its_hessian_budget_stays_serial_and_says_so(inline, run_cli, models, tmp_path, fan_out,
+                                                              monkeypatch):
+    """Per-batch Hessian parts bound a job's memory: over the budget the forward stays in the driver, reported,
+    and the bytes are still those of --workers 1 (same threads either way)."""
+    import dsconv.quant.forward_jobs as fj
+
+    monkeypatch.setattr(fj, "HESSIAN_PARTS_MAX", 1024)
+    case = next(c for c in CASES if c[0] == "fwd-gptq-llama")
+    files, summary = _run(run_cli, tmp_path / "o", models, case, ["--workers", "2"])
+    fwd = summary["forward"]
+    assert not fwd["split"] and "Hessian parts" in fwd["serial_reason"], fwd
+    assert files == inline[case[0]][0]

@@ -34,7 +34,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -49,6 +49,8 @@ from dsconv.quant.gptq import HessianAccumulator
 from dsconv.quant.plan import LinearPlan
 from dsconv.quant.smoothing import SiteProbe, SiteSample
 from dsconv.quant.stats import InputStats
+
+HESSIAN_PARTS_MAX = 4 * 2**30  # bytes of GPTQ's per-batch X^T X parts one forward job may hold
 
 
 @dataclass(frozen=True)
@@ -240,6 +242,9 @@ class Forward:
     def __init__(self, cal: Any, dispatch: Any) -> None:
         self.cal, self.d = cal, dispatch
         self.reason = serial_reason(cal)
+        self.pin = self.reason is None  # whatever the worker count: the same threads inline and in jobs
+        if self.reason is None and len(self.runs()) > 1:
+            self.reason = self._hessian_budget()
         self.layer_i: int | None = None
         self.versions: dict[str, tuple[int, int]] = {}
         self.h_path: str | None = None
@@ -257,6 +262,23 @@ class Forward:
         self._drop_input()
         self.layer_i = i
         self.versions = {n: (id(p), p._version) for n, p in layer.named_parameters() if not p.is_meta}
+
+    def _hessian_budget(self) -> str | None:
+        """GPTQ's per-batch X^T X parts over a job's batches, at most HESSIAN_PARTS_MAX bytes per job (counted per
+        linear, so an upper bound); a run above it keeps the forward serial and says so."""
+        cal = self.cal
+        if cal.plan.method != "gptq":
+            return None
+        per_layer: dict[int | None, int] = {}
+        for lp in cal.plan.linears.values():
+            if not lp.is_expert:
+                per_layer[lp.layer] = per_layer.get(lp.layer, 0) + 4 * lp.k * lp.k
+        batches = max(b - a for a, b in self.runs())
+        need = batches * max(per_layer.values(), default=0)
+        if need <= HESSIAN_PARTS_MAX:
+            return None
+        return (f"--method gptq: per-batch Hessian parts would take up to {need / 2**30:.1f} GiB per job "
+                f"(over {HESSIAN_PARTS_MAX / 2**30:.0f} GiB)")
 
     def _drop_input(self) -> None:
         if self.h_path is not None:
@@ -276,7 +298,9 @@ class Forward:
         return list(zip(cuts, cuts[1:]))
 
     def _submit(self, i: int, layer: nn.Module, kind: str, names: dict[str, Any], write: bool
-                ) -> list[tuple[ForwardJob, ForwardResult]]:
+                ) -> Iterator[tuple[ForwardJob, ForwardResult]]:
+        """Run the pass's jobs; yield (job, result) in batch order as they finish (merged by the caller one at a
+        time: the driver never holds every job's partials at once)."""
         cal, d = self.cal, self.d
         if self.h_path is None:
             self.h_path = f"F{i}-hidden.npy"
@@ -296,16 +320,18 @@ class Forward:
                            names, write)
                 for a, b in self.runs()]
         self.jobs_per_pass.append(len(jobs))
-        out = list(zip(jobs, d.ex.map(run_forward, jobs, work_bytes=d.work)))
-        for _, r in out:
-            cal.timings["forward"] += r.forward_s
-        if state is not None:
-            Path(state).unlink(missing_ok=True)
+        try:
+            for job, r in zip(jobs, d.ex.map(run_forward, jobs, work_bytes=d.work)):
+                cal.timings["forward"] += r.forward_s
+                if write:  # safe before the other jobs end: they read the layer input from its file
+                    cal.h[r.pos] = r.y
+                    r.pos = r.y = None
+                yield job, r
+        finally:
+            if state is not None:
+                Path(state).unlink(missing_ok=True)
         if write:
-            for _, r in out:
-                cal.h[r.pos] = r.y
             self._drop_input()
-        return out
 
     def smooth_pass(self, i: int, layer: nn.Module, probe: FlowProbe, sites: SiteProbe, norms: list[nn.Module],
                     consumers: list[nn.Module]) -> None:
@@ -323,8 +349,7 @@ class Forward:
               "site_out": [names[m] for m in sites.sites if m in set(norms)],
               "site_in": [names[m] for m in sites.sites if m not in set(norms)]}
         by_name = {names[m]: m for m in layer.modules()}
-        out = self._submit(i, layer, "smooth", nm, write=False)
-        for job, r in out:
+        for job, r in self._submit(i, layer, "smooth", nm, write=False):
             for n, a in r.absmax.items():
                 prev = probe.absmax.get(by_name[n])
                 probe.absmax[by_name[n]] = a if prev is None else torch.maximum(prev, a)
@@ -348,20 +373,24 @@ class Forward:
             return
         names = cal.sk.module_names
         by_name = {names[m]: m for m in hooks.targets}
-        out = self._submit(i, layer, "stats", {"targets": {names[m]: lp for m, lp in hooks.targets.items()}}, write)
-        base: list[InputStats] = out[0][1].stats
-        for st in base:
-            if isinstance(st.hessian, HessianParts):
-                st.hessian = st.hessian.into()
-        for job, r in out:
-            if r.group != out[0][1].group:
-                raise RuntimeError(f"layer {i}: the forward jobs grouped the linears' inputs differently")
-            if job.first:
+        base: list[InputStats] = []
+        group: dict[str, int] = {}
+        for job, r in self._submit(i, layer, "stats", {"targets": {names[m]: lp for m, lp in hooks.targets.items()}},
+                                   write):
+            if not job.first:
+                base, group = r.stats, r.group
+                for st in base:
+                    if isinstance(st.hessian, HessianParts):
+                        st.hessian = st.hessian.into()
+            else:
+                if r.group != group:
+                    raise RuntimeError(f"layer {i}: the forward jobs grouped the linears' inputs differently")
                 for a, b in zip(base, r.stats):
                     _merge_stats(a, b, job.offset, job.held_offset)
             if recorder is not None and r.recorded is not None:
                 recorder.parts.append(r.recorded)
-        hooks.group.update({by_name[n]: base[k] for n, k in out[0][1].group.items()})
+            r.stats = []
+        hooks.group.update({by_name[n]: base[k] for n, k in group.items()})
         self.wall += time.perf_counter() - t
 
     def plain_pass(self, i: int, layer: nn.Module) -> None:
@@ -373,12 +402,13 @@ class Forward:
                 for samples in self.cal.batches:
                     self.cal._forward(layer, samples, write=True)
         else:
-            self._submit(i, layer, "plain", {}, write=True)
+            for _ in self._submit(i, layer, "plain", {}, write=True):
+                pass
         self.wall += time.perf_counter() - t
 
     def _pinned(self) -> Any:
         """The serial loop of a run that could split runs with the jobs' thread count, so --workers 1 and N agree."""
-        return nullcontext() if self.reason else _threads(JOB_THREADS)
+        return _threads(JOB_THREADS) if self.pin else nullcontext()
 
 
 def _merge_site(a: SiteSample, b: SiteSample, offset: int) -> None:
