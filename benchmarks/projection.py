@@ -164,7 +164,7 @@ def project(m: dict[str, Any], io_s_per_gb: float, nodes: tuple[int, ...] = (1, 
     dense_bytes = w["total"] - expert_bytes
     routed = 2 * tokens * REAL["num_experts_per_tok"] * REAL["hidden_size"] * 4  # rows to the jobs, outputs back
     h_bytes = tokens * REAL["hidden_size"] * 4  # a layer's input (and output) rows, float32
-    layer_weights = (dense_bytes - 4 * REAL["vocab_size"] * REAL["hidden_size"]) / layers  # bf16 non-expert bytes per layer
+    layer_weights = (dense_bytes - 4 * REAL["vocab_size"] * REAL["hidden_size"]) / layers  # non-expert, per layer
     rows = []
     for n in nodes:
         workers = n * WORKERS_PER_NODE
@@ -180,7 +180,7 @@ def project(m: dict[str, Any], io_s_per_gb: float, nodes: tuple[int, ...] = (1, 
                  "io_h": io, "routed_transfer_h": 0.0 if n == 1 else moe * routed / (NET_GBPS * 1e9),
                  "fixed_h": m["fixed_s"]}
         total = sum(parts.values())
-        serial = total - parts["forward_h"] + layers * layer_fwd  # the same run with round 4's serial forward
+        serial = total - parts["forward_h"] + layers * layer_fwd  # the same run with the forward serial
         rows.append({"nodes": n, "hours": round(total / 3600, 2), **{k: round(v / 3600, 3) for k, v in parts.items()},
                      "forward_jobs_per_layer": jobs, "hours_with_serial_forward": round(serial / 3600, 2)})
     for r in rows:
@@ -194,20 +194,20 @@ def project(m: dict[str, Any], io_s_per_gb: float, nodes: tuple[int, ...] = (1, 
             f"{m['forward_1_vs_2']['wall_1_s']} -> {m['forward_1_vs_2']['wall_2_s']} s; bytes identical: "
             f"{m['bytes_identical_1_vs_2']}); serial share with 1 worker {m['serial_fraction_1_worker']:.0%}; "
             f"per layer {m['per_layer_s']} s (forward + linear jobs), per routed expert {m['per_expert_s']} s",
-            f"  rates: driver forward {m['c_fwd_s_per_gflop']:.4f} s/GFLOP, linear jobs {m['c_lin_s_per_gflop']:.4f} "
-            f"s/GFLOP, expert jobs {m['c_exp_s_per_gflop']:.4f} s/GFLOP; checkpoint I/O {io_s_per_gb:.2f} s/GB",
+            f"  rates: forward (one worker) {m['c_fwd_s_per_gflop']:.4f} s/GFLOP, linear jobs "
+            f"{m['c_lin_s_per_gflop']:.4f} s/GFLOP, expert jobs {m['c_exp_s_per_gflop']:.4f} s/GFLOP; checkpoint I/O {io_s_per_gb:.2f} s/GB",
             f"  real shapes: {w['total'] / 1e12:.2f} TB BF16; {layers} layers at {layer_fwd / 60:.1f} min of "
-            f"forward (one worker) + {layer_lin / 60:.1f} min of linear jobs each; {moe} x {E} routed experts at {expert_s:.1f} s "
-            "of one worker each",
-            "  scheme (what dsconv runs today): per layer, the calibration forward as jobs over the calibration batches "
-            f"(at most {nb}), then the layer's linears and routed experts as jobs over every node's workers "
+            f"forward (one worker) + {layer_lin / 60:.1f} min of linear jobs each; {moe} x {E} routed experts at "
+            f"{expert_s:.1f} s of one worker each",
+            "  scheme (what dsconv runs today): per layer, the calibration forward as jobs over the calibration "
+            f"batches (at most {nb}), then the layer's linears and routed experts as jobs over every node's workers "
             "(--executor ray); routed "
             f"activations and expert outputs through the driver's {NET_GBPS} GB/s link; expert weights read by the "
             f"jobs from shared storage (up to {STORAGE_GBPS} GB/s), the rest by the driver."]
     text += [f"  {r['nodes']:>3} node(s): {r['hours']:8.2f} h  speedup {r['speedup']}x  (forward {r['forward_h']} h, "
              f"linear jobs {r['linear_jobs_h']} h, expert jobs {r['expert_jobs_h']} h, I/O {r['io_h']} h, "
              f"routed transfer {r['routed_transfer_h']} h; forward in {r['forward_jobs_per_layer']} jobs per pass); "
-             f"with round 4's serial forward: {r['hours_with_serial_forward']} h" for r in rows]
+             f"with the forward serial (one worker): {r['hours_with_serial_forward']} h" for r in rows]
     return {"rows": rows, "per_layer_serial_s": round(layer_fwd, 1), "per_layer_linear_jobs_s": round(layer_lin, 1),
             "per_expert_s": round(expert_s, 2),
             "assumptions": {"net_gbps": NET_GBPS, "storage_gbps": STORAGE_GBPS, "seq": seq,

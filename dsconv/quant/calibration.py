@@ -1,8 +1,8 @@
 """The calibrated path of `dsconv quantize` (static W8A8, GPTQ, smoothing, or an explicit --calib).
 
 The calibration tokens are embedded once, then each decoder layer is materialised from the checkpoint, all
-calibration activations are pushed through it with statistics streamed by hooks, its linears are quantized and
-written, and it is freed. Routed experts run after the rest of the layer, each as its own job (calib_jobs.py: its
+calibration activations are pushed through it with statistics streamed by hooks (as jobs over runs of the
+calibration batches where the run allows: forward_jobs.py), its linears are quantized and written, and it is freed. Routed experts run after the rest of the layer, each as its own job (calib_jobs.py: its
 forward, statistics and quantization), as do the quantization of the layer's other linears once their statistics are
 in; the jobs run on the executor (`--workers`, `--executor ray`), the driver writes their results in order, so peak
 driver memory is one layer without its experts, the jobs in flight, and the activations ([tokens, hidden] float32,
