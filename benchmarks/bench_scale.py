@@ -6,7 +6,8 @@
    its start-up reported apart). Speedups are against `--workers 1`; shard throughput (bytes written per second) is
    against the user-space copy's.
 2. The calibrated `quantize --bits 8` of a medium DeepSeek-shaped MoE model with `--workers 1` and `--workers 2`
-   (wall time, the jobs' speedup, per-layer and per-expert cost, whether the outputs are byte-identical), and from
+   (wall time, the jobs' speedup, the calibration forward's split over its batches - forward wall with 1 and 2
+   workers -, per-layer and per-expert cost, whether the outputs are byte-identical), and from
    those costs and that parallel split a projection of the FULL DeepSeek-V3 W8A8 job on 1, 8 and 32 nodes, scaled by
    FLOPs and bytes to the real shapes (61 layers, 256 experts, hidden 7168, moe_intermediate 2048); the model and its
    assumptions are printed with it (benchmarks/projection.py).

@@ -42,10 +42,10 @@ from torch import nn
 
 import dsconv.exec as dexec
 from dsconv.quant.calib_jobs import JOB_THREADS, Context, _env, _open, _threads
+from dsconv.quant.gptq import HessianAccumulator
 from dsconv.quant.hooks import ExpertRecorder, FlowProbe, LinearHooks, RowMask
 from dsconv.quant.layers import Skeleton, install_forward
 from dsconv.quant.observers import MinMaxObserver
-from dsconv.quant.gptq import HessianAccumulator
 from dsconv.quant.plan import LinearPlan
 from dsconv.quant.smoothing import SiteProbe, SiteSample
 from dsconv.quant.stats import InputStats
@@ -67,7 +67,7 @@ class ForwardJob:
     offset: int                      # real tokens in the batches before this job's
     held: np.ndarray | None          # per token: from a held-out prompt (GPTQ's choice), else None
     held_offset: int                 # held-out tokens in the batches before this job's
-    names: dict[str, Any]            # the modules hooked, by in-memory name (see Forward._names)
+    names: dict[str, Any]            # the modules hooked, by in-memory name (Forward.smooth_pass / stats_pass)
     write: bool                      # return the layer's output rows
 
 
