@@ -4,10 +4,13 @@ projected on 1, 8 and 32 nodes from costs and a parallel split MEASURED on this 
 Measured here, on a medium DeepSeek-shaped model (random weights, the bundled calibration set), with `--workers 1`
 and `--workers 2` (the calibrated path's jobs: dsconv/quant/calib_jobs.py):
   * c_fwd  - seconds per FLOP of the calibration forward outside the routed experts (attention, dense and
-             shared MLP, router), one single-threaded worker (`forward` timing with `--workers 1`);
-  * fwd_speedup - the forward's wall (`forward_wall`: smoothing probe + statistics pass) with 1 worker over 2:
-             the forward split over the calibration batches (dsconv/quant/forward_jobs.py) on one node, its
-             per-job overheads (layer materialised per job, input rows by file, results back) included;
+             shared MLP, router), one single-threaded worker: its CPU seconds with `--workers 1` (`forward_cpu`),
+             which the host's load does not inflate;
+  * fwd_speedup - the forward split over the calibration batches (dsconv/quant/forward_jobs.py) on one node:
+             `forward_cpu` with 1 worker over `forward_cpu_critical` with 2 (each pass's driver CPU plus its
+             longest job's: the pass's wall on free cores, per-job overheads - layer materialised per job, input
+             rows by file, results back - included). The wall ratio (`forward_wall`) is printed beside it: on a
+             loaded shared host two workers do not get two cores;
   * c_lin  - seconds per (non-expert forward) FLOP of the per-linear jobs (statistics -> activation parameters,
              smoothing/range searches, output-error measurement, writing): `linear_jobs` wall with one worker;
   * c_exp  - seconds per FLOP of the routed-expert jobs (each expert's forward, statistics, quantization):
@@ -128,13 +131,17 @@ def measure_costs() -> dict[str, Any]:
                 "speedup_total_2_workers": round(s["seconds"] / runs[2]["seconds"], 2),
                 "job_speedup": round(jobs1 / jobs2, 2) if jobs2 else 1.0,
                 "forward_1_vs_2": {"wall_1_s": round(t["forward_wall"], 2), "wall_2_s": round(t2["forward_wall"], 2),
-                                   "compute_2_s": round(t2["forward"], 2), "split": runs[2]["forward"]},
-                "fwd_speedup": round(t["forward_wall"] / t2["forward_wall"], 2) if t2["forward_wall"] else 1.0,
+                                   "cpu_1_s": round(t["forward_cpu"], 2), "cpu_2_s": round(t2["forward_cpu"], 2),
+                                   "cpu_critical_2_s": round(t2["forward_cpu_critical"], 2),
+                                   "split": runs[2]["forward"]},
+                "fwd_speedup_wall": round(t["forward_wall"] / t2["forward_wall"], 2) if t2["forward_wall"] else 1.0,
+                "fwd_speedup": round(t["forward_cpu"] / t2["forward_cpu_critical"], 2),
+                "fwd_cpu_overhead_2": round(t2["forward_cpu"] / t["forward_cpu"], 3),
                 "batches": s["forward"]["batches"],
                 "serial_fraction_1_worker": round(rest / s["seconds"], 3),
                 "per_layer_s": round((t["forward_wall"] + t["linear_jobs"]) / cfg["num_hidden_layers"], 3),
                 "per_expert_s": round(t["expert_jobs"] / max(1, moe * E), 4),
-                "c_fwd_s_per_gflop": t["forward"] / f["other"] * 1e9,
+                "c_fwd_s_per_gflop": t["forward_cpu"] / f["other"] * 1e9,
                 "c_lin_s_per_gflop": t["linear_jobs"] / f["other"] * 1e9,
                 "c_exp_s_per_gflop": t["expert_jobs"] / f["experts"] * 1e9,
                 "fixed_s": rest, "medium_weight_gb": round(w["total"] / 1e9, 3)}
@@ -185,17 +192,21 @@ def project(m: dict[str, Any], io_s_per_gb: float, nodes: tuple[int, ...] = (1, 
                      "forward_jobs_per_layer": jobs, "hours_with_serial_forward": round(serial / 3600, 2)})
     for r in rows:
         r["speedup"] = round(rows[0]["hours"] / r["hours"], 1) if r["hours"] else None
+    fw = m["forward_1_vs_2"]
     text = [f"DeepSeek-V3 W8A8 (--bits 8) projection; node = this host (2 cores) at the measured rates "
             f"(load {m['load_before']} before the 1-worker run, {m['workers_2']['load']} before the 2-worker run)",
             f"  measured on a medium DeepSeek-shaped model ({tokens} calibration tokens, {m['calib_samples']} samples): "
             f"--workers 1 {m['workers_1']['total_s']} s, --workers 2 {m['workers_2']['total_s']} s "
-            f"({m['speedup_total_2_workers']}x; jobs alone {m['job_speedup']}x; forward split over "
-            f"{m['forward_1_vs_2']['split']['jobs_per_pass']} jobs of its {nb} batches {m['fwd_speedup']}x: "
-            f"{m['forward_1_vs_2']['wall_1_s']} -> {m['forward_1_vs_2']['wall_2_s']} s; bytes identical: "
+            f"({m['speedup_total_2_workers']}x; jobs alone {m['job_speedup']}x; bytes identical: "
             f"{m['bytes_identical_1_vs_2']}); serial share with 1 worker {m['serial_fraction_1_worker']:.0%}; "
             f"per layer {m['per_layer_s']} s (forward + linear jobs), per routed expert {m['per_expert_s']} s",
+            f"  forward split over {m['forward_1_vs_2']['split']['jobs_per_pass']} jobs of its {nb} batches: "
+            f"{m['fwd_speedup']}x on free cores (CPU s {fw['cpu_1_s']} with 1 worker -> critical path "
+            f"{fw['cpu_critical_2_s']} with 2; all jobs {fw['cpu_2_s']}, {m['fwd_cpu_overhead_2']}x); wall here "
+            f"{fw['wall_1_s']} -> {fw['wall_2_s']} s ({m['fwd_speedup_wall']}x at this load)",
             f"  rates: forward (one worker) {m['c_fwd_s_per_gflop']:.4f} s/GFLOP, linear jobs "
-            f"{m['c_lin_s_per_gflop']:.4f} s/GFLOP, expert jobs {m['c_exp_s_per_gflop']:.4f} s/GFLOP; checkpoint I/O {io_s_per_gb:.2f} s/GB",
+            f"{m['c_lin_s_per_gflop']:.4f} s/GFLOP, expert jobs {m['c_exp_s_per_gflop']:.4f} s/GFLOP; checkpoint I/O "
+            f"{io_s_per_gb:.2f} s/GB",
             f"  real shapes: {w['total'] / 1e12:.2f} TB BF16; {layers} layers at {layer_fwd / 60:.1f} min of "
             f"forward (one worker) + {layer_lin / 60:.1f} min of linear jobs each; {moe} x {E} routed experts at "
             f"{expert_s:.1f} s of one worker each",

@@ -138,7 +138,8 @@ class Calibrator:
                     self.layer(i)
         finally:
             self.jobs.close()
-        self.timings.update(self.jobs.wall, jobs_wall=sum(self.jobs.wall.values()), forward_wall=self.fwd.wall)
+        self.timings.update(self.jobs.wall, jobs_wall=sum(self.jobs.wall.values()), forward_wall=self.fwd.wall,
+                            forward_cpu=self.fwd.cpu, forward_cpu_critical=self.fwd.cpu_critical)
 
     def _stats(self, k: int, name: str) -> InputStats:
         return InputStats(k, name, self.observer_method if self.static else None,

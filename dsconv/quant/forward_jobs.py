@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -82,6 +82,7 @@ class ForwardResult:
     group: dict[str, int] = field(default_factory=dict)  # linear -> index in `stats` (shared inputs share one)
     recorded: tuple | None = None    # ExpertRecorder's (hidden, index, weights, pos) of its batches
     forward_s: float = 0.0
+    cpu_s: float = 0.0               # the job's CPU seconds (single-threaded: its compute, whatever the load)
 
 
 def serial_reason(cal: Any) -> str | None:
@@ -156,7 +157,7 @@ def run_forward(job: ForwardJob) -> ForwardResult:
 
 
 def _run(job: ForwardJob, sk: Any, layer: nn.Module, env: Any) -> ForwardResult:
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     if job.state is not None:
         params = dict(layer.named_parameters())
         for name, value in torch.load(job.state, weights_only=True).items():
@@ -230,7 +231,7 @@ def _run(job: ForwardJob, sk: Any, layer: nn.Module, env: Any) -> ForwardResult:
             res.group[names[mod]] = index[id(st)]
         if recorder is not None and recorder.parts:
             res.recorded = recorder.take()
-    res.forward_s = time.perf_counter() - t
+    res.forward_s, res.cpu_s = time.perf_counter() - t, time.process_time() - c
     return res
 
 
@@ -249,7 +250,8 @@ class Forward:
         self.versions: dict[str, tuple[int, int]] = {}
         self.h_path: str | None = None
         self.jobs_per_pass: list[int] = []
-        self.wall = 0.0
+        self.wall = self.cpu = self.cpu_critical = 0.0
+        self._job_cpu: list[float] = []
 
     def summary(self) -> dict[str, Any]:
         """How the forward ran (the --json output): jobs per pass, or why it stayed serial."""
@@ -323,6 +325,7 @@ class Forward:
         try:
             for job, r in zip(jobs, d.ex.map(run_forward, jobs, work_bytes=d.work)):
                 cal.timings["forward"] += r.forward_s
+                self._job_cpu.append(r.cpu_s)
                 if write:  # safe before the other jobs end: they read the layer input from its file
                     cal.h[r.pos] = r.y
                     r.pos = r.y = None
@@ -336,75 +339,84 @@ class Forward:
     def smooth_pass(self, i: int, layer: nn.Module, probe: FlowProbe, sites: SiteProbe, norms: list[nn.Module],
                     consumers: list[nn.Module]) -> None:
         """The smoothing probe over every batch; fills `probe` (absmax, consumers) and `sites` as the serial loop."""
-        t = time.perf_counter()
-        if len(self.runs()) == 1:
-            with self._pinned():
-                for samples in self.cal.batches:
-                    self.cal._forward(layer, samples, write=False)
-                    probe.end_batch()
-            self.wall += time.perf_counter() - t
-            return
-        names = self.cal.sk.module_names
-        nm = {"norms": [names[m] for m in norms], "consumers": [names[c] for c in consumers],
-              "site_out": [names[m] for m in sites.sites if m in set(norms)],
-              "site_in": [names[m] for m in sites.sites if m not in set(norms)]}
-        by_name = {names[m]: m for m in layer.modules()}
-        for job, r in self._submit(i, layer, "smooth", nm, write=False):
-            for n, a in r.absmax.items():
-                prev = probe.absmax.get(by_name[n])
-                probe.absmax[by_name[n]] = a if prev is None else torch.maximum(prev, a)
-            for n, cs in r.consumers.items():
-                probe.consumers[by_name[n]] = [by_name[c] for c in cs]
-            for n, part in r.sites.items():
-                _merge_site(sites.sites[by_name[n]], part, job.offset)
-        self.wall += time.perf_counter() - t
+        with self._pass():
+            if len(self.runs()) == 1:
+                with self._pinned():
+                    for samples in self.cal.batches:
+                        self.cal._forward(layer, samples, write=False)
+                        probe.end_batch()
+                return
+            names = self.cal.sk.module_names
+            nm = {"norms": [names[m] for m in norms], "consumers": [names[c] for c in consumers],
+                  "site_out": [names[m] for m in sites.sites if m in set(norms)],
+                  "site_in": [names[m] for m in sites.sites if m not in set(norms)]}
+            by_name = {names[m]: m for m in layer.modules()}
+            for job, r in self._submit(i, layer, "smooth", nm, write=False):
+                for n, a in r.absmax.items():
+                    prev = probe.absmax.get(by_name[n])
+                    probe.absmax[by_name[n]] = a if prev is None else torch.maximum(prev, a)
+                for n, cs in r.consumers.items():
+                    probe.consumers[by_name[n]] = [by_name[c] for c in cs]
+                for n, part in r.sites.items():
+                    _merge_site(sites.sites[by_name[n]], part, job.offset)
 
     def stats_pass(self, i: int, layer: nn.Module, hooks: LinearHooks, recorder: ExpertRecorder | None,
                    write: bool) -> None:
         """The statistics pass over every batch; fills `hooks.group`, `recorder` and (with `write`) `cal.h`."""
-        t = time.perf_counter()
         cal = self.cal
-        if len(self.runs()) == 1:
-            with self._pinned():
-                for samples in cal.batches:
-                    cal._forward(layer, samples, write=write, recorder=recorder)
-                    hooks.end_batch()
-            self.wall += time.perf_counter() - t
-            return
-        names = cal.sk.module_names
-        by_name = {names[m]: m for m in hooks.targets}
-        base: list[InputStats] = []
-        group: dict[str, int] = {}
-        for job, r in self._submit(i, layer, "stats", {"targets": {names[m]: lp for m, lp in hooks.targets.items()}},
-                                   write):
-            if not job.first:
-                base, group = r.stats, r.group
-                for st in base:
-                    if isinstance(st.hessian, HessianParts):
-                        st.hessian = st.hessian.into()
-            else:
-                if r.group != group:
-                    raise RuntimeError(f"layer {i}: the forward jobs grouped the linears' inputs differently")
-                for a, b in zip(base, r.stats):
-                    _merge_stats(a, b, job.offset, job.held_offset)
-            if recorder is not None and r.recorded is not None:
-                recorder.parts.append(r.recorded)
-            r.stats = []
-        hooks.group.update({by_name[n]: base[k] for n, k in group.items()})
-        self.wall += time.perf_counter() - t
+        with self._pass():
+            if len(self.runs()) == 1:
+                with self._pinned():
+                    for samples in cal.batches:
+                        cal._forward(layer, samples, write=write, recorder=recorder)
+                        hooks.end_batch()
+                return
+            names = cal.sk.module_names
+            by_name = {names[m]: m for m in hooks.targets}
+            targets = {names[m]: lp for m, lp in hooks.targets.items()}
+            base: list[InputStats] = []
+            group: dict[str, int] = {}
+            for job, r in self._submit(i, layer, "stats", {"targets": targets}, write):
+                if not job.first:
+                    base, group = r.stats, r.group
+                    for st in base:
+                        if isinstance(st.hessian, HessianParts):
+                            st.hessian = st.hessian.into()
+                else:
+                    if r.group != group:
+                        raise RuntimeError(f"layer {i}: the forward jobs grouped the linears' inputs differently")
+                    for a, b in zip(base, r.stats):
+                        _merge_stats(a, b, job.offset, job.held_offset)
+                if recorder is not None and r.recorded is not None:
+                    recorder.parts.append(r.recorded)
+                r.stats = []
+            hooks.group.update({by_name[n]: base[k] for n, k in group.items()})
 
     def plain_pass(self, i: int, layer: nn.Module) -> None:
         """The layer (its weights as the driver holds them: GPTQ's quantized ones) over every batch, writing
         `cal.h`: what the next layer calibrates on."""
-        t = time.perf_counter()
-        if len(self.runs()) == 1:
-            with self._pinned():
-                for samples in self.cal.batches:
-                    self.cal._forward(layer, samples, write=True)
-        else:
-            for _ in self._submit(i, layer, "plain", {}, write=True):
-                pass
-        self.wall += time.perf_counter() - t
+        with self._pass():
+            if len(self.runs()) == 1:
+                with self._pinned():
+                    for samples in self.cal.batches:
+                        self.cal._forward(layer, samples, write=True)
+            else:
+                for _ in self._submit(i, layer, "plain", {}, write=True):
+                    pass
+
+    @contextmanager
+    def _pass(self) -> Iterator[None]:
+        """One pass's driver wall, and its CPU seconds: in total (driver + every job) and on its critical path
+        (driver + the longest job) - what the pass would take on free cores, whatever the host's load."""
+        t, c = time.perf_counter(), time.process_time()
+        self._job_cpu: list[float] = []
+        try:
+            yield
+        finally:
+            self.wall += time.perf_counter() - t
+            driver = time.process_time() - c
+            self.cpu += driver + sum(self._job_cpu)
+            self.cpu_critical += driver + max(self._job_cpu, default=0.0)
 
     def _pinned(self) -> Any:
         """The serial loop of a run that could split runs with the jobs' thread count, so --workers 1 and N agree."""
