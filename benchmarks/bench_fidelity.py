@@ -61,7 +61,7 @@ KEYS = {"w8a16": "W8A16", "w8a8": "W8A8 static (--bits 8)", "w8a8_vllm": "W8A8 s
         "mse": "W4A16 g64 MSE (searched scales)", "gptq": "W4A16 g64 GPTQ",
         "awq": "W4A16 g64 AWQ", "w8a16_awq": "W8A16 AWQ",
         "w8a16_gptq": "W8A16 GPTQ", "uniform": "W8A8 static, uniform recipe"}
-DEFAULT_KEYS = ("w8a16", "w8a8", "w8a8_vllm", "w8a8_dynamic", "rtn", "mse", "gptq", "w4")
+DEFAULT_KEYS = ("w8a16", "w8a16_gptq", "w8a8", "w8a8_vllm", "w8a8_dynamic", "rtn", "mse", "gptq", "w4")
 RESULT_NAME = "fidelity"
 
 

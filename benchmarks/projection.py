@@ -4,9 +4,11 @@ projected on 1, 8 and 32 nodes from costs and a parallel split MEASURED on this 
 Measured here, on a medium DeepSeek-shaped model (random weights, the bundled calibration set), with `--workers 1`
 and `--workers 2` (the calibrated path's jobs: dsconv/quant/calib_jobs.py):
   * c_fwd  - seconds per FLOP of the calibration forward outside the routed experts (attention, dense and
-             shared MLP, router), one single-threaded worker: its CPU seconds with `--workers 1` (`forward_cpu`),
+             shared MLP, router), one single-threaded worker: its CPU seconds with `--workers 1` and one thread
+             (`forward_cpu`),
              which the host's load does not inflate;
-  * fwd_speedup - the forward split over the calibration batches (dsconv/quant/forward_jobs.py) on one node:
+  * fwd_speedup - the forward split over the calibration batches (dsconv/quant/forward_jobs.py; over local
+             processes with DSCONV_FORWARD_SPLIT=1, as Ray workers on other nodes run it by default) on one node:
              `forward_cpu` with 1 worker over `forward_cpu_critical` with 2 (each pass's driver CPU plus its
              longest job's: the pass's wall on free cores, per-job overheads - layer materialised per job, input
              rows by file, results back - included). The wall ratio (`forward_wall`) is printed beside it: on a
@@ -111,7 +113,10 @@ def measure_costs() -> dict[str, Any]:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
         subprocess.run([sys.executable, "-c", CHILD, str(model), json.dumps(MEDIUM)], check=True, env=env,
                        cwd=str(ROOT), capture_output=True)
-        runs = {w: _quantize(model, root / f"q{w}", w, env) for w in (1, 2)}
+        # one worker: the forward single-threaded (the rate per worker); two: the forward split over local processes,
+        # which dsconv does only on request (DSCONV_FORWARD_SPLIT=1; Ray splits by default)
+        runs = {1: _quantize(model, root / "q1", 1, {**env, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}),
+                2: _quantize(model, root / "q2", 2, {**env, "DSCONV_FORWARD_SPLIT": "1"})}
         same = all((root / "q1" / f.name).read_bytes() == f.read_bytes() for f in (root / "q2").glob("*.safetensors"))
         s = runs[1]
         cfg = {**json.loads((model / "config.json").read_text())}

@@ -5,11 +5,13 @@ driver, and (the `fwd-` cases: several calibration batches) the layer forward sp
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 import dsconv.exec as dexec
+from dsconv.quant.forward_jobs import SPLIT_ENV
 from tests.test_exec import tree
 
 FAST = ["--calib-samples", "12", "--seq-len", "48"]
@@ -46,10 +48,16 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fan_out():
-    old = dexec.INLINE_BELOW
-    dexec.INLINE_BELOW = 0  # processes even for tiny models
+    """Processes even for tiny models, and the forward split over them (by default only Ray splits it)."""
+    old, env = dexec.INLINE_BELOW, os.environ.get(SPLIT_ENV)
+    dexec.INLINE_BELOW = 0
+    os.environ[SPLIT_ENV] = "1"
     yield
     dexec.INLINE_BELOW = old
+    if env is None:
+        os.environ.pop(SPLIT_ENV, None)
+    else:
+        os.environ[SPLIT_ENV] = env
 
 
 def _run(run_cli, out: Path, models, case, extra: list[str]) -> tuple[dict[str, str], dict]:
@@ -100,6 +108,23 @@ def test_three_uneven_forward_jobs_write_the_same_bytes(inline, run_cli, models,
     files, summary = _run(run_cli, tmp_path / "o", models, case, ["--workers", "3"])
     _check_forward(case[0], summary, 3)
     assert files == inline[case[0]][0]
+
+
+def test_local_processes_keep_the_threaded_forward_by_default(inline, run_cli, models, tmp_path, fan_out,
+                                                             monkeypatch):
+    """Without DSCONV_FORWARD_SPLIT=1, two local processes run the linear and expert jobs but not the forward (on
+    one host the forward's threads already use every core; measured slower split) - and write the same bytes."""
+    monkeypatch.delenv(SPLIT_ENV)
+    case = next(c for c in CASES if c[0] == "fwd-bits8-llama")
+    files, summary = _run(run_cli, tmp_path / "o", models, case, ["--workers", "2"])
+    fwd = summary["forward"]
+    assert not fwd["split"] and "local processes" in fwd["serial_reason"] and SPLIT_ENV in fwd["serial_reason"]
+    assert summary["timings"]["jobs_wall"] > 0
+    assert files == inline[case[0]][0]
+    monkeypatch.setenv(SPLIT_ENV, "0")  # and 0 keeps even Ray's forward in the driver
+    from dsconv.quant.forward_jobs import serial_reason
+
+    assert serial_reason(None, None) == f"{SPLIT_ENV}=0"
 
 
 def test_inline_runs_say_the_forward_did_not_split(inline):
@@ -180,7 +205,8 @@ def ray_local():
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_local_ray_writes_the_same_bytes(case, inline, run_cli, models, tmp_path, fan_out, ray_local):
+def test_local_ray_writes_the_same_bytes(case, inline, run_cli, models, tmp_path, fan_out, ray_local, monkeypatch):
+    monkeypatch.delenv(SPLIT_ENV)  # Ray splits the forward by default
     files, summary = _run(run_cli, tmp_path / "o", models, case, ["--executor", "ray", "--workers", "2"])
     assert summary["execution"] == {"executor": "ray", "workers": 2, "ran": "ray"}
     _check_forward(case[0], summary, 2)

@@ -18,8 +18,15 @@ starts its samplers at the token count of the batches before it (checked when me
 the concatenated samples are the serial ones. Float sums are not order-free: a GPTQ Hessian comes back as one X^T X
 per batch (k^2 float32 each: memory a worker pays for exactness) and the driver adds them in batch order, as the
 serial accumulator does. awq's scale search and the histogram observers (--act-method percentile/mse) stay on the
-serial forward, and the run says so (`summary()`, in the --json output). The forward runs single-threaded
-(JOB_THREADS) inline and in workers alike, so its bits cannot depend on how jobs share a host.
+serial forward, and the run says so (`summary()`, in the --json output). Jobs run single-threaded (JOB_THREADS);
+the driver's serial loop keeps torch's threads: the forward's bits were measured equal with 1 and 2 threads (layers
+of the medium DeepSeek-shaped model, DeepSeek-V3-sized matmuls, SDPA, X^T X), and tests/test_calib_jobs.py compares
+the serial bytes with split runs on every run of the suite.
+
+Where it splits (`SPLIT_ENV`): over Ray workers by default (other nodes' cores); over local processes only when
+asked. On one host torch's threads already use every core, and splitting over processes measured slower: Qwen
+0.5B `--bits 8` on 2 cores, forward 248 s split over 2 single-threaded jobs (6 batches, so uneven) against a whole
+run of 246 s threaded.
 
 Transport: the layer's input rows as one .npy per layer in the jobs directory (workers gather their batches' rows
 from it by mmap), the parameters the driver changed since materialising the layer (smoothing folds, GPTQ's quantized
@@ -30,8 +37,9 @@ checkpoint by path (Skeleton). Never a pickled module.
 from __future__ import annotations
 
 import math
+import os
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -50,6 +58,7 @@ from dsconv.quant.plan import LinearPlan
 from dsconv.quant.smoothing import SiteProbe, SiteSample
 from dsconv.quant.stats import InputStats
 
+SPLIT_ENV = "DSCONV_FORWARD_SPLIT"  # 1: split over local processes too; 0: never split; unset: Ray only
 HESSIAN_PARTS_MAX = 4 * 2**30  # bytes of GPTQ's per-batch X^T X parts one forward job may hold
 
 
@@ -85,8 +94,14 @@ class ForwardResult:
     cpu_s: float = 0.0               # the job's CPU seconds (single-threaded: its compute, whatever the load)
 
 
-def serial_reason(cal: Any) -> str | None:
+def serial_reason(cal: Any, executor: Any = None) -> str | None:
     """Why this run's forward stays in the driver (None: it splits)."""
+    want = os.environ.get(SPLIT_ENV, "")
+    if want == "0":
+        return f"{SPLIT_ENV}=0"
+    if executor is not None and executor.workers > 1 and executor.name != "ray" and want != "1":
+        return (f"local processes share this host's cores, which the forward's threads already use "
+                f"({SPLIT_ENV}=1 splits it anyway)")
     if cal.plan.method == "awq":
         return "--method awq: its scale search probes the layer in the driver"
     if cal.static and cal.observer_method != MinMaxObserver.method:
@@ -242,8 +257,7 @@ class Forward:
 
     def __init__(self, cal: Any, dispatch: Any) -> None:
         self.cal, self.d = cal, dispatch
-        self.reason = serial_reason(cal)
-        self.pin = self.reason is None  # whatever the worker count: the same threads inline and in jobs
+        self.reason = serial_reason(cal, dispatch.ex)
         if self.reason is None and len(self.runs()) > 1:
             self.reason = self._hessian_budget()
         self.layer_i: int | None = None
@@ -341,10 +355,9 @@ class Forward:
         """The smoothing probe over every batch; fills `probe` (absmax, consumers) and `sites` as the serial loop."""
         with self._pass():
             if len(self.runs()) == 1:
-                with self._pinned():
-                    for samples in self.cal.batches:
-                        self.cal._forward(layer, samples, write=False)
-                        probe.end_batch()
+                for samples in self.cal.batches:
+                    self.cal._forward(layer, samples, write=False)
+                    probe.end_batch()
                 return
             names = self.cal.sk.module_names
             nm = {"norms": [names[m] for m in norms], "consumers": [names[c] for c in consumers],
@@ -366,10 +379,9 @@ class Forward:
         cal = self.cal
         with self._pass():
             if len(self.runs()) == 1:
-                with self._pinned():
-                    for samples in cal.batches:
-                        cal._forward(layer, samples, write=write, recorder=recorder)
-                        hooks.end_batch()
+                for samples in cal.batches:
+                    cal._forward(layer, samples, write=write, recorder=recorder)
+                    hooks.end_batch()
                 return
             names = cal.sk.module_names
             by_name = {names[m]: m for m in hooks.targets}
@@ -397,9 +409,8 @@ class Forward:
         `cal.h`: what the next layer calibrates on."""
         with self._pass():
             if len(self.runs()) == 1:
-                with self._pinned():
-                    for samples in self.cal.batches:
-                        self.cal._forward(layer, samples, write=True)
+                for samples in self.cal.batches:
+                    self.cal._forward(layer, samples, write=True)
             else:
                 for _ in self._submit(i, layer, "plain", {}, write=True):
                     pass
@@ -417,10 +428,6 @@ class Forward:
             driver = time.process_time() - c
             self.cpu += driver + sum(self._job_cpu)
             self.cpu_critical += driver + max(self._job_cpu, default=0.0)
-
-    def _pinned(self) -> Any:
-        """The serial loop of a run that could split runs with the jobs' thread count, so --workers 1 and N agree."""
-        return _threads(JOB_THREADS) if self.pin else nullcontext()
 
 
 def _merge_site(a: SiteSample, b: SiteSample, offset: int) -> None:
