@@ -2,8 +2,9 @@
 
 The calibration tokens are embedded once, then each decoder layer is materialised from the checkpoint, all
 calibration activations are pushed through it with statistics streamed by hooks (as jobs over runs of the
-calibration batches where the run allows: forward_jobs.py), its linears are quantized and written, and it is freed. Routed experts run after the rest of the layer, each as its own job (calib_jobs.py: its
-forward, statistics and quantization), as do the quantization of the layer's other linears once their statistics are
+calibration batches where the run allows: forward_jobs.py), its linears are quantized and written, and it is freed.
+Routed experts run after the rest of the layer, each as its own job (calib_jobs.py: its forward, statistics and
+quantization), as do the quantization of the layer's other linears once their statistics are
 in; the jobs run on the executor (`--workers`, `--executor ray`), the driver writes their results in order, so peak
 driver memory is one layer without its experts, the jobs in flight, and the activations ([tokens, hidden] float32,
 twice).
@@ -102,14 +103,7 @@ class Calibrator:
 
     # ---- batches --------------------------------------------------------------------------------------------
     def _batch(self, samples: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        L = max(self.lengths[j] for j in samples)
-        idx = torch.full((len(samples), L), -1, dtype=torch.long)
-        for r, j in enumerate(samples):
-            idx[r, : self.lengths[j]] = torch.arange(int(self.starts[j]), int(self.starts[j]) + self.lengths[j])
-        mask = idx >= 0
-        x = self.h[idx.clamp(min=0)]
-        x[~mask] = 0.0
-        return x, idx, mask
+        return forward_jobs.padded_batch(self.h, samples, self.lengths, self.starts)
 
     def _forward(self, layer: nn.Module, samples: list[int], write: bool,
                  recorder: ExpertRecorder | None = None) -> None:

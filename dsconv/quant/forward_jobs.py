@@ -109,15 +109,20 @@ def serial_reason(cal: Any, executor: Any = None) -> str | None:
     return None
 
 
-def _batch(h: np.ndarray, samples: list[int], lengths: np.ndarray, starts: np.ndarray
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Calibrator._batch on the layer input read from its file: the same rows, the same padding."""
+def padded_batch(h: torch.Tensor | np.ndarray, samples: list[int], lengths: Any, starts: Any
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Calibration samples `samples` as one zero-padded batch of rows of `h` (the driver's activations, or the layer
+    input a job reads from its file): (x [b, L, hidden], token index [b, L] with -1 on padding, mask). One function
+    for the driver and the jobs, so both push the same rows with the same padding."""
     L = max(int(lengths[j]) for j in samples)
     idx = torch.full((len(samples), L), -1, dtype=torch.long)
     for r, j in enumerate(samples):
         idx[r, : int(lengths[j])] = torch.arange(int(starts[j]), int(starts[j]) + int(lengths[j]))
     mask = idx >= 0
-    x = torch.from_numpy(np.ascontiguousarray(h[idx.clamp(min=0).numpy()]))
+    if isinstance(h, torch.Tensor):
+        x = h[idx.clamp(min=0)]
+    else:
+        x = torch.from_numpy(np.ascontiguousarray(h[idx.clamp(min=0).numpy()]))
     x[~mask] = 0.0
     return x, idx, mask
 
@@ -212,7 +217,7 @@ def _run(job: ForwardJob, sk: Any, layer: nn.Module, env: Any) -> ForwardResult:
     held = None if job.held is None else torch.from_numpy(job.held)
     pos, ys = [], []
     for samples in job.batches:
-        x, idx, mask = _batch(h, samples, job.lengths, job.starts)
+        x, idx, mask = padded_batch(h, samples, job.lengths, job.starts)
         rows.set(mask)
         rows.held = None if held is None else held[idx[mask]]
         if recorder is not None:
