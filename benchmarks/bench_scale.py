@@ -19,13 +19,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks import bench_shard, worker_memory
+from benchmarks.cli_runner import run_cli_jobs
 from benchmarks.common import RESULTS, save, scratch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,53 +37,6 @@ def _load() -> str:
 
 
 # ------------------------------------------------------------------------------------------------ 1. fan-out
-RUNNER = """
-import json, sys, time
-from dsconv.cli import main
-mode, workers, jobs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-out = {}
-if mode == "ray":
-    import ray
-    t = time.perf_counter()
-    ray.init(num_cpus=int(workers), include_dashboard=False, log_to_driver=False, configure_logging=False)
-    out["ray_start_s"] = time.perf_counter() - t
-extra = ["--workers", workers] + (["--executor", "ray"] if mode == "ray" else [])
-import os, shutil
-from pathlib import Path
-for name, args in jobs:
-    os.sync()
-    t = time.perf_counter()
-    if name.startswith("copy"):  # the anchor, right before the run it anchors: user-space read + write of the files
-        dst = Path(args[1])
-        dst.mkdir()
-        for f in sorted(Path(args[0]).glob("*.safetensors")):
-            with open(f, "rb") as fi, open(dst / f.name, "wb") as fo:
-                while chunk := fi.read(16 * 2**20):
-                    fo.write(chunk)
-        out[name] = time.perf_counter() - t
-        shutil.rmtree(dst)
-        continue
-    try:
-        main(args + extra + ["--force"])
-    except SystemExit as e:
-        assert not e.code, (name, e.code)
-    out[name] = time.perf_counter() - t
-if mode == "ray":
-    ray.shutdown()
-out["load_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
-print("@@" + json.dumps(out))
-"""
-
-
-def _runner(mode: str, workers: int, jobs: list) -> dict[str, float]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-    p = subprocess.run([sys.executable, "-c", RUNNER, mode, str(workers), json.dumps(jobs)], capture_output=True,
-                       text=True, env=env, cwd=str(ROOT))
-    if p.returncode:
-        raise RuntimeError(f"runner {mode} {workers} failed:\n{p.stderr[-3000:]}")
-    return json.loads(next(x for x in p.stdout.splitlines() if x.startswith("@@"))[2:])
-
-
 def _dir_bytes(d: Path) -> int:
     return sum(p.stat().st_size for p in d.rglob("*.safetensors"))
 
@@ -118,7 +71,7 @@ def bench_fanout() -> dict[str, Any]:
         runs = {}
         for label, mode, w in (("workers_1", "local", 1), ("workers_2", "local", 2), ("ray_2", "ray", 2)):
             load = _load()
-            r = _runner(mode, w, jobs)
+            r = run_cli_jobs(mode, w, jobs)
             r["load_before"] = load
             r["copy"], r["shard"] = min(r["copy1"], r["copy2"]), min(r["shard1"], r["shard2"])
             runs[label] = r

@@ -5,13 +5,15 @@
 2. Weight bytes per card for `--ep 8 --tp 4` on 32 x 64 GB in FP8 (the published checkpoint), W8A8 (msModelSlim
    W8A8_DYNAMIC layout synthesised from the BF16 list: int8 weight + fp32 per-channel scale and offset) and BF16,
    against the reference's 24.9 / 48.5 GiB; the difference is itemised.
-3. Writing: a ~1.3 GB synthetic DeepSeek-architecture checkpoint sharded `--ep 4 --tp 2` (8 ranks) against a plain
-   copy of the same files, with the peak RSS of the shard process and the largest tensor for scale.
+3. Writing: a ~1.3 GB synthetic DeepSeek-architecture checkpoint sharded `--ep 4 --tp 2` (8 ranks, the default
+   MindIE layout) with `--workers 1` and the default worker count, against a user-space copy of the same files right
+   before each run, with the driver's peak RSS and the largest tensor for scale; then `dsconv verify` of the output.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -19,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.cli_runner import run_cli_jobs
 from benchmarks.common import run_measured, save, scratch
 
 CONFIG = Path(__file__).resolve().parent.parent / "tests" / "data" / "deepseek_v3_config.json"
@@ -214,17 +217,6 @@ def write_synthetic(root: Path, config: dict[str, Any] = SYNTH, normal: bool = F
     return sum(s.nbytes for s in specs), max(s.nbytes for s in specs)
 
 
-SHARD_CHILD = CHILD_PEAK + """
-import sys, time
-from pathlib import Path
-from dsconv.shard.stage import ShardRequest, run
-t = time.perf_counter()
-r = run(ShardRequest(model=Path(sys.argv[1]), ep=4, tp=2, output=Path(sys.argv[2]), force=True, progress=False))
-wall = time.perf_counter() - t
-assert r.failure is None, r.failure
-print(json.dumps({"shard_s": wall, "bytes_written": r.written["bytes_written"], "peak_rss_bytes": peak_rss_bytes()}))
-"""
-
 VERIFY_CHILD = CHILD_PEAK + """
 import sys, time
 from pathlib import Path
@@ -237,55 +229,45 @@ print(json.dumps({"verify_s": time.perf_counter() - t, "problems": len(problems)
 
 
 def bench_write() -> dict:
+    """`dsconv shard --ep 4 --tp 2` (the default, MindIE layout) with `--workers 1` and the default (the CPU count),
+    each timed twice beside a user-space copy of the same files right before it (benchmarks.cli_runner: one warm
+    process per worker count, synced page cache and absent output before each timed run, best of two pairs). The
+    first shard run of each process is timed apart: it pays torch's import in the worker pool's start-up."""
     root = scratch("dsconv-shard-w-")
     try:
         src = root / "src"
         # normal values: random bits hold NaNs whose payloads a float cast (MindIE's router transform) does not keep,
         # so verify would report the bench's own data as differing (3 routers did)
         total, largest = write_synthetic(src, normal=True)
-        files = sorted(src.glob("*.safetensors"))
-        # plain copies of the same files (page cache warm, like the shard run after it), synced; best of 2:
-        # shutil.copyfile (in-kernel copy_file_range) and a user-space read/write copy in 16 MiB chunks
-        for f in files:
-            f.read_bytes()
-
-        def userspace(a: Path, b: Path) -> None:
-            with open(a, "rb") as fi, open(b, "wb") as fo:
-                while chunk := fi.read(16 * 2**20):
-                    fo.write(chunk)
-
-        copy_s = {}
-        for label, fn in (("kernel", shutil.copyfile), ("userspace", userspace)):
-            copy_s[label] = 1e9
-            for _ in range(2):
-                t = time.perf_counter()
-                (root / "copy").mkdir()
-                for f in files:
-                    fn(f, root / "copy" / f.name)
-                subprocess.run(["sync"])
-                copy_s[label] = min(copy_s[label], time.perf_counter() - t)
-                shutil.rmtree(root / "copy")
-        runs = [run_measured(SHARD_CHILD, str(src), str(root / "out")) for _ in range(2)]  # the writer fsyncs
-        r = min(runs, key=lambda x: x["shard_s"])
-        r["peak_rss_bytes"] = max(x["peak_rss_bytes"] for x in runs)
+        for f in sorted(src.glob("*.safetensors")):
+            f.read_bytes()  # page cache warm for every run alike
+        shard = ["shard", "-m", str(src), "-o", str(root / "out"), "--ep", "4", "--tp", "2"]
+        copy = [str(src), str(root / "copy")]
+        jobs = [["first", shard], *[job for i in (1, 2) for job in ([f"copy{i}", copy], [f"kcopy{i}", copy],
+                                                                    [f"shard{i}", shard])]]
+        out: dict[str, Any] = {"source_gb": round(total / 1e9, 3), "largest_tensor_mib": round(largest / 2**20, 1)}
+        written = 0
+        for label, workers in (("workers_1", 1), ("workers_default", os.cpu_count() or 1)):
+            r = run_cli_jobs("local", workers, jobs)
+            written = sum(p.stat().st_size for p in (root / "out").rglob("*.safetensors"))
+            copy_s, shard_s = min(r["copy1"], r["copy2"]), min(r["shard1"], r["shard2"])
+            kcopy_s = min(r["kcopy1"], r["kcopy2"])
+            out[label] = {"workers": workers, "startup_s": round(r["startup_s"], 2),
+                          "first_run_s": round(r["first"], 2), "shard_s": round(shard_s, 2),
+                          "userspace_copy_s": round(copy_s, 2),
+                          "userspace_copy_gbps": round(total / copy_s / 1e9, 3),
+                          "shard_write_gbps": round(written / shard_s / 1e9, 3),
+                          "shard_vs_userspace_copy_write_ratio": round(written / shard_s / (total / copy_s), 2),
+                          "first_run_vs_copy_write_ratio": round(written / r["first"] / (total / copy_s), 2),
+                          "kernel_copy_gbps": round(total / kcopy_s / 1e9, 3),
+                          "shard_vs_kernel_copy_write_ratio": round(written / shard_s / (total / kcopy_s), 2),
+                          "driver_peak_rss_mib": round(r["driver_peak_rss_bytes"] / 2**20, 1),
+                          "load_after": r["load_after"]}
+        out["shard_written_gb"] = round(written / 1e9, 3)
         v = run_measured(VERIFY_CHILD, str(root / "out"))
-        base = run_measured(CHILD_PEAK + """
-import torch, numpy, tqdm, safetensors
-import dsconv.shard.stage, dsconv.shard.write, dsconv.checkpoint, dsconv.writer
-print(json.dumps({"peak_rss_bytes": peak_rss_bytes()}))
-""")
-        return {"source_gb": round(total / 1e9, 3), "largest_tensor_mib": round(largest / 2**20, 1),
-                "import_baseline_rss_mib": round(base["peak_rss_bytes"] / 2**20, 1),
-                "plain_copy_kernel_gbps": round(total / copy_s["kernel"] / 1e9, 3),
-                "plain_copy_userspace_gbps": round(total / copy_s["userspace"] / 1e9, 3),
-                "shard_s": round(r["shard_s"], 2), "shard_written_gb": round(r["bytes_written"] / 1e9, 3),
-                "shard_read_gbps": round(total / r["shard_s"] / 1e9, 3),
-                "shard_write_gbps": round(r["bytes_written"] / r["shard_s"] / 1e9, 3),
-                "shard_vs_userspace_copy_write_ratio": round(r["bytes_written"] / r["shard_s"] /
-                                                             (total / copy_s["userspace"]), 2),
-                "shard_peak_rss_mib": round(r["peak_rss_bytes"] / 2**20, 1),
-                "verify_s": round(v["verify_s"], 2), "verify_problems": v["problems"],
-                "verify_peak_rss_mib": round(v["peak_rss_bytes"] / 2**20, 1)}
+        out.update({"verify_s": round(v["verify_s"], 2), "verify_problems": v["problems"],
+                    "verify_peak_rss_mib": round(v["peak_rss_bytes"] / 2**20, 1)})
+        return out
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

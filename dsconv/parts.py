@@ -13,7 +13,7 @@ import mmap
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -100,7 +100,37 @@ class PartWriter:
     def write_chunks(self, name: str, chunks: Iterable[Any]) -> None:
         """One slot from byte chunks (memoryviews, bytes, contiguous arrays), so no tensor need be whole in memory."""
         slot = self._slot(name)
-        pos = slot.offset
+        self._check_end(name, slot, self._put(name, slot, chunks, slot.offset))
+
+    def write_regions(self, name: str, regions: Iterable["Region"]) -> None:
+        """One slot from byte regions of source files (see `Region`): contiguous ranges are copied in the kernel
+        (copy_file_range) and hashed beside the copy from the page cache; strided ones are gathered a window at a
+        time into one reused buffer; nothing passes through a fresh allocation."""
+        slot = self._slot(name)
+        regions = coalesce(regions)
+        pos, i = slot.offset, 0
+        while i < len(regions):
+            j = i
+            while j < len(regions) and regions[j].contiguous:
+                j += 1
+            if j > i:
+                pos = self._copy(name, slot, regions[i:j], pos)
+                i = j
+            else:
+                pos = self._put(name, slot, region_chunks(regions[i]), pos)
+                i += 1
+        self._check_end(name, slot, pos)
+
+    def copy_from(self, name: str, path: str, start: int, nbytes: int) -> None:
+        """One slot copied from a byte range of another file."""
+        self.write_regions(name, [Region(path, start, nbytes)])
+
+    @staticmethod
+    def _check_end(name: str, slot: Slot, pos: int) -> None:
+        if pos != slot.offset + slot.nbytes:
+            raise ValueError(f"tensor {name}: {pos - slot.offset} bytes written, {slot.nbytes} planned")
+
+    def _put(self, name: str, slot: Slot, chunks: Iterable[Any], pos: int) -> int:
         for chunk in chunks:
             if isinstance(chunk, np.ndarray):  # any numpy dtype, ml_dtypes' bfloat16 included (no buffer format)
                 chunk = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
@@ -121,28 +151,33 @@ class PartWriter:
             if self._hash is not None and t is None:
                 self._hash.update(data)
             pos += len(data)
-        if pos != slot.offset + slot.nbytes:
-            raise ValueError(f"tensor {name}: {pos - slot.offset} bytes written, {slot.nbytes} planned")
+        return pos
 
-    def copy_from(self, name: str, path: str, start: int, nbytes: int) -> None:
-        """One slot copied from a byte range of another file, in the kernel (copy_file_range; pread/pwrite where
-        the file system refuses), hashed on the way from the page cache by a window-at-a-time mmap."""
-        slot = self._slot(name)
-        if nbytes != slot.nbytes:
-            raise ValueError(f"tensor {name}: {nbytes} bytes to copy, {slot.nbytes} planned")
-        src = os.open(path, os.O_RDONLY)
+    def _copy(self, name: str, slot: Slot, regions: list["Region"], pos: int) -> int:
+        """Contiguous ranges in the kernel, in order, with one thread hashing the same ranges beside the copy."""
+        if pos + sum(r.nbytes for r in regions) > slot.offset + slot.nbytes:
+            raise ValueError(f"tensor {name}: more than its planned {slot.nbytes} bytes")
+        fds: dict[str, int] = {}
         try:
-            if self._hash is None or not nbytes:
-                copy_range(src, self._fd, start, slot.offset, nbytes)
-                return
-            t = threading.Thread(target=_hash_range, args=(self._hash, src, start, nbytes))
-            t.start()  # hashing (outside the GIL) beside the copy
+            for r in regions:
+                if r.file not in fds:
+                    fds[r.file] = os.open(r.file, os.O_RDONLY)
+            t = None
+            if self._hash is not None:
+                t = threading.Thread(target=_hash_ranges, args=(self._hash, [(fds[r.file], r.start, r.nbytes)
+                                                                              for r in regions]))
+                t.start()  # hashing (outside the GIL) beside the copy
             try:
-                copy_range(src, self._fd, start, slot.offset, nbytes)
+                for r in regions:
+                    copy_range(fds[r.file], self._fd, r.start, pos, r.nbytes)
+                    pos += r.nbytes
             finally:
-                t.join()
+                if t is not None:
+                    t.join()
         finally:
-            os.close(src)
+            for fd in fds.values():
+                os.close(fd)
+        return pos
 
     def close(self) -> str | None:
         if self._next != len(self.part.slots):
@@ -157,6 +192,71 @@ class PartWriter:
 
 
 WINDOW = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class Region:
+    """Bytes of a source file that go into a slot unchanged: `rows` runs of `width` bytes, `stride` apart, from
+    `start` (one contiguous range when rows == 1: whole tensors and first-dimension slices; several for a column
+    slice); `file` None: `width` x `rows` zero bytes."""
+
+    file: str | None
+    start: int
+    width: int
+    rows: int = 1
+    stride: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.width
+
+    @property
+    def contiguous(self) -> bool:
+        return self.file is not None and (self.rows == 1 or self.stride == self.width)
+
+    def flat(self) -> "Region":
+        return Region(self.file, self.start, self.nbytes) if self.contiguous else self
+
+
+def coalesce(regions: Iterable[Region]) -> list[Region]:
+    """Adjacent ranges of one file merged into one copy (a row permutation's runs of consecutive rows), empty ones
+    dropped."""
+    out: list[Region] = []
+    for r in regions:
+        r = r.flat()
+        if not r.nbytes:
+            continue
+        last = out[-1] if out else None
+        if (last is not None and r.contiguous and last.contiguous and last.file == r.file
+                and last.start + last.nbytes == r.start):
+            out[-1] = Region(r.file, last.start, last.nbytes + r.nbytes)
+        else:
+            out.append(r)
+    return out
+
+
+def region_chunks(r: Region, block: int = WINDOW) -> Iterator[Any]:
+    """A region's bytes a window at a time through one reused buffer: zeros, or strided rows gathered from a
+    window-sized mmap of the source (nothing stays mapped)."""
+    if r.file is None:
+        buf = memoryview(bytearray(min(block, r.nbytes)))
+        for lo in range(0, r.nbytes, block):
+            yield buf[: min(block, r.nbytes - lo)]
+        return
+    rows_per = max(1, block // max(1, r.stride))
+    out = np.empty((min(rows_per, r.rows), r.width), dtype=np.uint8)
+    with open(r.file, "rb") as f:
+        for r0 in range(0, r.rows, rows_per):
+            n = min(rows_per, r.rows - r0)
+            lo = r.start + r0 * r.stride
+            base = lo - lo % mmap.ALLOCATIONGRANULARITY
+            span = (n - 1) * r.stride + r.width
+            with mmap.mmap(f.fileno(), lo - base + span, offset=base, access=mmap.ACCESS_READ) as mm:
+                rows = np.lib.stride_tricks.as_strided(np.frombuffer(mm, np.uint8, span, lo - base),
+                                                       (n, r.width), (r.stride, 1))
+                np.copyto(out[:n], rows)
+                del rows
+            yield out[:n]
 
 
 def copy_range(src: int, dst: int, src_off: int, dst_off: int, nbytes: int) -> None:
@@ -185,13 +285,15 @@ def copy_range(src: int, dst: int, src_off: int, dst_off: int, nbytes: int) -> N
         done += n
 
 
-def _hash_range(h: Any, fd: int, start: int, nbytes: int) -> None:
-    """Feed a file's byte range to `h` from the page cache, one mapped window at a time (nothing stays mapped)."""
-    pos, end = start, start + nbytes
-    while pos < end:
-        lo = pos - pos % mmap.ALLOCATIONGRANULARITY
-        hi = min(end, lo + WINDOW)
-        with mmap.mmap(fd, hi - lo, offset=lo, access=mmap.ACCESS_READ) as mm:
-            with memoryview(mm) as mv:
-                h.update(mv[pos - lo:hi - lo])
-        pos = hi
+def _hash_ranges(h: Any, ranges: list[tuple[int, int, int]]) -> None:
+    """Feed byte ranges (fd, start, nbytes) of files to `h` in order from the page cache, one mapped window at a time
+    (nothing stays mapped)."""
+    for fd, start, nbytes in ranges:
+        pos, end = start, start + nbytes
+        while pos < end:
+            lo = pos - pos % mmap.ALLOCATIONGRANULARITY
+            hi = min(end, lo + WINDOW)
+            with mmap.mmap(fd, hi - lo, offset=lo, access=mmap.ACCESS_READ) as mm:
+                with memoryview(mm) as mv:
+                    h.update(mv[pos - lo:hi - lo])
+            pos = hi

@@ -265,3 +265,45 @@ def test_folder_files_are_what_safetensors_save_file_writes(sharded, tmp_path):
         ref = tmp_path / "ref.safetensors"
         save_file(load_file(str(f)), str(ref), metadata={"format": "pt"})
         assert f.read_bytes() == ref.read_bytes(), f
+
+
+@pytest.mark.parametrize("min_run", [None, 0], ids=["default", "every-permutation-by-region"])
+def test_unchanged_tensors_are_copied_as_byte_regions_of_the_source(tiny_model, monkeypatch, min_run):
+    """Most of the layout's bytes are source bytes in another order (experts stacked, row and column cuts, the padded
+    embedding): the writer copies those by byte region (parts.Region: kernel copies, window gathers) instead of
+    computing them. Every such tensor's regions, read back with numpy, equal MindIE's transform (`make`); the ones
+    left to `make` are exactly those a transform touches (cast, negation, transpose, shift) or, by default, whose
+    rows are permuted into short runs (the rope rows)."""
+    import numpy as np
+
+    from dsconv.checkpoint import Checkpoint
+    from dsconv.shard import mindie_sharded as M
+    from dsconv.shard.layout import make_layout
+    from dsconv.shard.mindie_write import build_plan
+
+    if min_run is not None:
+        monkeypatch.setattr(M, "MIN_RUN", min_run)
+    src = Checkpoint.open(tiny_model("deepseek_v3", dtype="bf16"))
+    plan = build_plan(src, make_layout(EP, TP))
+    copied = made = 0
+    for _, it in plan.items():
+        want = M.make(it, src.load).contiguous().view(torch.uint8).numpy().tobytes()
+        rg = M.regions(it, {p.src: src.info(p.src) for g in it.groups for p in g})
+        touched = it.transpose12 or it.negate or it.shift_min or it.zeros or it.dtype != it.src_dtype
+        if rg is None:
+            assert touched or (min_run is None and any(p.rows is not None for g in it.groups for p in g)), it.name
+            made += len(want)
+            continue
+        assert not touched, it.name
+        got = b""
+        for r in rg:
+            if r.file is None:
+                got += bytes(r.nbytes)
+                continue
+            raw = np.fromfile(r.file, np.uint8, count=(r.rows - 1) * r.stride + r.width, offset=r.start)
+            got += np.lib.stride_tricks.as_strided(raw, (r.rows, r.width), (r.stride, 1)).tobytes() \
+                if r.rows > 1 else raw.tobytes()
+        assert got == want, it.name
+        copied += len(want)
+    assert copied > 0.8 * (copied + made), (copied, made)
+    src.close()

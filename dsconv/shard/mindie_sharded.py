@@ -11,12 +11,15 @@ function's docstring names the MindIE code it mirrors.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from dsconv.errors import UserError
+from dsconv.parts import Region
+from dsconv.tensors import DTYPE_SIZES
 
 FOLDER_KINDS = ("moe", "dense", "attn", "model", "norm")  # the loader's order (weights.py::Weights.__init__)
 METADATA = "model_sharded_metadata.json"
@@ -24,6 +27,7 @@ DESCRIPTION = "quant_model_description.json"
 MAX_SHARD = 10 * 10**9  # BaseModel.save_state_dict: shard_checkpoint(max_shard_size="10GB")
 COPY_MARKS = ("tokenizer", "tokenization", "special_token_map", "generation", "configuration")  # copy_tokenizer_files
 SUPPORTED = ("FLOAT", "W8A8", "W8A8_DYNAMIC", "W8A16")
+MIN_RUN = 256 * 2**10  # mean bytes per region of permuted rows below which `make` gathers them instead
 # casts that lose information (checked by recomputation, not inverted): narrower floats, and a float input_offset
 # cast to int8 (w8a8.py::W8A8LinearStatic), which drops the sign of a -0.0 offset
 NARROWING = {("F32", "BF16"), ("F32", "F16"), ("BF16", "F16"), ("F16", "BF16"), ("F32", "I8"), ("BF16", "I8"),
@@ -179,6 +183,36 @@ def invert(item: Item, stored) -> list[tuple[Part, Any]]:
             out.append((p, gt[at:at + p.shape[0]]))
             at += p.shape[0]
     return out
+
+
+def regions(item: Item, infos: dict[str, Any]) -> list[Region] | None:
+    """The dumped tensor as byte regions of its (unquantized) sources, when no transform touches the values: the
+    source bytes in order (row runs, column slices), a zero row per group for the embedding pad; None when `make`
+    must compute it (a cast, transpose, negation, shift or dequantization). `infos`: source name -> TensorInfo."""
+    if item.transpose12 or item.negate or item.shift_min or item.zeros or item.dtype != item.src_dtype:
+        return None
+    out: list[Region] = []
+    for g in item.groups:
+        for p in g:
+            info = infos.get(p.src)
+            if info is None or info.dtype != item.dtype or not info.shape:
+                return None
+            row = info.nbytes // max(1, info.shape[0])
+            inner = row // max(1, info.shape[1]) if len(info.shape) > 1 else row
+            c0, c1 = p.cols or (0, info.shape[1] if len(info.shape) > 1 else 1)
+            width = (c1 - c0) * inner
+            rows = np.arange(info.shape[0]) if p.rows is None else np.asarray(p.rows)
+            # runs of consecutive source rows: one region each
+            cuts = np.flatnonzero(np.diff(rows) != 1) + 1
+            for run in np.split(rows, cuts):
+                if len(run):
+                    out.append(Region(str(info.file), info.start + int(run[0]) * row + c0 * inner, width,
+                                      len(run), row))
+        if item.pad_row:
+            out.append(Region(None, 0, math.prod(g[0].shape[1:]) * DTYPE_SIZES[item.dtype]))
+    # permuted rows (the rope rows) come in runs of a row or two: one gather in memory beats a syscall per run
+    permuted = len(out) > sum(len(g) + int(item.pad_row) for g in item.groups)
+    return None if permuted and sum(r.nbytes for r in out) < MIN_RUN * len(out) else out
 
 
 # ------------------------------------------------------------------------------------------------ the plan

@@ -19,7 +19,8 @@ from dsconv.parts import PartLayout, PartWriter
 
 from dsconv.errors import UserError
 from dsconv.shard.mindie_sharded import (COPY_MARKS, DESCRIPTION, FOLDER_KINDS, MAX_SHARD, METADATA, Item,
-                                         MindiePlan, Planner, Ranks, check_ranks, invert, make)
+                                         MindiePlan, Planner, Ranks, check_ranks, invert, make,
+                                         regions)
 
 TORCH_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 # safetensors' Dtype enum order: its serializer sorts tensors by dtype (descending), then name
@@ -123,12 +124,18 @@ class _PathLoad(_Loader):
 
 
 def folder_part(job: FolderJob) -> str | None:
-    """Make and write one folder part's tensors by path; its sha256."""
+    """Write one folder part's tensors by path; its sha256. Tensors whose values MindIE leaves alone (most of the
+    bytes: experts, row and column slices, the padded embedding) are copied from the source's byte ranges in the
+    kernel; the rest are made (cast, transposed, dequantized, ...) and written."""
     load = _PathLoad(job)
     out = PartWriter(job.part)
     try:
         for it in job.items:
-            out.write(it.name, make(it, load))
+            rg = regions(it, job.infos)
+            if rg is None:
+                out.write(it.name, make(it, load))
+            else:
+                out.write_regions(it.name, rg)
         return out.close()
     except BaseException:
         out.abort()

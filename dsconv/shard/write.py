@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-import numpy as np
 
 from dsconv.exec import Executor
-from dsconv.parts import WINDOW, PartLayout, PartWriter
+from dsconv.parts import PartLayout, PartWriter, Region
 
 from dsconv.shard.placement import is_first_holder, iter_tensor_ranks, slice_for_rank, tensor_entry
 from dsconv.shard.plan import ShardPlan
@@ -122,16 +120,10 @@ def _write_loaded(src: Any, placed: list, sets: list, bar: Any) -> None:
 
 @dataclass(frozen=True)
 class Copy:
-    """One rank tensor as bytes of the source: `rows` runs of `width` bytes, `stride` apart, from `start + offset`
-    (one run for whole tensors and slices of the first dimension); `file` None: zeros."""
+    """One rank tensor as bytes of the source (a zero region for the non-first holders of a 'first' tensor)."""
 
     name: str
-    file: str | None
-    start: int
-    rows: int
-    stride: int
-    offset: int
-    width: int
+    region: Region
 
 
 @dataclass(frozen=True)
@@ -153,12 +145,12 @@ def copy_jobs(src: Any, placed: list, sets: list) -> list[CopyJob]:
             if p.mode == "split":
                 lo, hi = p.bounds(shape, r)
                 inner = math.prod(shape[p.dim + 1:]) * elem
-                c = Copy(name, str(info.file), info.start, math.prod(shape[:p.dim]), shape[p.dim] * inner,
-                         lo * inner, (hi - lo) * inner)
+                c = Copy(name, Region(str(info.file), info.start + lo * inner, (hi - lo) * inner,
+                                      math.prod(shape[:p.dim]), shape[p.dim] * inner))
             elif p.mode == "first" and p.piece(r) != 0:
-                c = Copy(name, None, 0, 1, info.nbytes, 0, info.nbytes)
+                c = Copy(name, Region(None, 0, info.nbytes))
             else:
-                c = Copy(name, str(info.file), info.start, 1, info.nbytes, 0, info.nbytes)
+                c = Copy(name, Region(str(info.file), info.start, info.nbytes))
             ops[r][name] = c
     return [CopyJob(r, i, part, tuple(ops[r][s.name] for s in part.slots))
             for r, ts in enumerate(sets) for i, part in enumerate(ts.layout())]
@@ -169,38 +161,11 @@ def copy_part(job: CopyJob) -> str | None:
     out = PartWriter(job.part)
     try:
         for c in job.copies:
-            nbytes = c.rows * c.width
-            if c.file is None:
-                out.write_chunks(c.name, _zeros(nbytes))
-            elif c.rows == 1:
-                out.copy_from(c.name, c.file, c.start + c.offset, nbytes)
-            else:
-                out.write_chunks(c.name, _gather(c))
+            out.write_regions(c.name, [c.region])
         return out.close()
     except BaseException:
         out.abort()
         raise
-
-
-def _zeros(nbytes: int, block: int = WINDOW) -> Iterator[memoryview]:
-    buf = memoryview(bytearray(min(block, nbytes)))
-    for lo in range(0, nbytes, block):
-        yield buf[: min(block, nbytes - lo)]
-
-
-def _gather(c: Copy) -> Iterator[np.ndarray]:
-    """A column slice, WINDOW bytes of rows at a time: mapped source rows -> one contiguous block."""
-    rows_per = max(1, WINDOW // c.stride)
-    with open(c.file, "rb") as f:
-        for r0 in range(0, c.rows, rows_per):
-            n = min(rows_per, c.rows - r0)
-            lo = c.start + r0 * c.stride
-            base = lo - lo % mmap.ALLOCATIONGRANULARITY
-            with mmap.mmap(f.fileno(), lo - base + n * c.stride, offset=base, access=mmap.ACCESS_READ) as mm:
-                rows = np.frombuffer(mm, np.uint8, n * c.stride, lo - base).reshape(n, c.stride)
-                block = np.ascontiguousarray(rows[:, c.offset:c.offset + c.width])
-                del rows
-            yield block
 
 
 # ------------------------------------------------------------------------------------------------ verify

@@ -1,0 +1,88 @@
+"""PartWriter.write_regions: a slot filled from byte regions of source files (kernel copies for contiguous ranges,
+window gathers for column slices, zeros), checked byte for byte against numpy and by the part's sha256."""
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+
+import numpy as np
+import pytest
+
+from dsconv import parts
+from dsconv.parts import PartLayout, PartWriter, Region, Slot, coalesce
+
+
+def _source(tmp_path, rows=300, cols=40):
+    a = np.random.default_rng(0).integers(0, 256, size=(rows, cols), dtype=np.uint8)
+    f = tmp_path / "src.bin"
+    f.write_bytes(b"HEAD" * 5 + a.tobytes())  # 20 bytes before the tensor: offsets are not aligned
+    return a, str(f), 20
+
+
+def _part(tmp_path, sizes):
+    header = 16
+    path = tmp_path / "part.bin"
+    slots, pos = [], header
+    for i, n in enumerate(sizes):
+        slots.append(Slot(f"t{i}", pos, n))
+        pos += n
+    with open(path, "wb") as f:
+        f.write(b"h" * header)
+        f.truncate(pos)
+    return PartLayout(str(path), header, tuple(slots), pos)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["copy_file_range", "pread-pwrite-fallback"])
+def test_regions_copy_gather_and_zero_with_the_whole_part_hashed(tmp_path, monkeypatch, kernel):
+    if not kernel:
+        def refuse(*a):
+            raise OSError(errno.EXDEV, "cross-device")
+        monkeypatch.setattr(parts.os, "copy_file_range", refuse)
+    a, f, base = _source(tmp_path)
+    cols = a.shape[1]
+    # slot 0: rows 10..59 whole (one range), then a permutation's runs (3 runs), then a zero pad row
+    perm = [100, 101, 102, 7, 8, 250]
+    r0 = [Region(f, base + 10 * cols, 50 * cols), *[Region(f, base + r * cols, cols) for r in perm],
+          Region(None, 0, cols)]
+    want0 = a[10:60].tobytes() + a[perm].tobytes() + bytes(cols)
+    # slot 1: a column slice (cols 8..24 of every row), then the whole tensor
+    r1 = [Region(f, base + 8, 16, rows=a.shape[0], stride=cols), Region(f, base, a.size)]
+    want1 = a[:, 8:24].tobytes() + a.tobytes()
+    part = _part(tmp_path, [len(want0), len(want1)])
+    w = PartWriter(part)
+    w.write_regions("t0", r0)
+    w.write_regions("t1", r1)
+    digest = w.close()
+    data = open(part.path, "rb").read()
+    assert data[part.header:] == want0 + want1
+    assert digest == hashlib.sha256(data).hexdigest()
+
+
+def test_gather_in_windows_smaller_than_the_slice(tmp_path):
+    """A column slice bigger than one window goes through the reused buffer window by window."""
+    a, f, base = _source(tmp_path, rows=1000, cols=64)
+    r = Region(f, base + 5, 50, rows=1000, stride=64)
+    got = b"".join(bytes(np.ascontiguousarray(c)) for c in parts.region_chunks(r, block=4096))
+    assert got == a[:, 5:55].tobytes()
+
+
+def test_coalesce_merges_adjacent_ranges_of_one_file_only():
+    rs = coalesce([Region("x", 0, 10), Region("x", 10, 5), Region("y", 15, 5), Region("y", 30, 5),
+                   Region("x", 0, 4, rows=3, stride=4), Region(None, 0, 3), Region("x", 50, 0)])
+    assert rs == [Region("x", 0, 15), Region("y", 15, 5), Region("y", 30, 5), Region("x", 0, 12),
+                  Region(None, 0, 3)]
+
+
+def test_more_or_fewer_bytes_than_planned_fail(tmp_path):
+    a, f, base = _source(tmp_path)
+    part = _part(tmp_path, [100])
+    w = PartWriter(part)
+    with pytest.raises(ValueError, match="more than its planned"):
+        w.write_regions("t0", [Region(f, base, 101)])
+    w.abort()
+    w = PartWriter(part)
+    with pytest.raises(ValueError, match="99 bytes written, 100 planned"):
+        w.write_regions("t0", [Region(f, base, 99)])
+    w.abort()
+    os.unlink(part.path)
