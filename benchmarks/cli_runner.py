@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 RUNNER = """
-import json, os, shutil, sys, time
+import hashlib, json, os, shutil, sys, threading, time
 from pathlib import Path
 t = time.perf_counter()
 from dsconv.cli import main
@@ -29,27 +29,44 @@ if mode == "ray":
     ray.init(num_cpus=int(workers), include_dashboard=False, log_to_driver=False, configure_logging=False)
     out["ray_start_s"] = time.perf_counter() - t
 extra = ["--workers", workers] + (["--executor", "ray"] if mode == "ray" else [])
+COPIES = ("copy", "bcopy", "hcopy", "kcopy")
+
+
+def copy(kind, src, dst):
+    # the anchors. copy: user-space read + write in 16 MiB blocks, a new block per read (round 1's anchor);
+    # bcopy: the same through one reused buffer; hcopy: bcopy hashing each file's sha256 beside the writes, as
+    # dsconv's writer does for its manifest; kcopy: the kernel's copy_file_range (shutil.copyfile)
+    dst.mkdir()
+    buf = memoryview(bytearray(16 * 2**20))
+    for f in sorted(src.glob("*.safetensors")):
+        if kind == "kcopy":
+            shutil.copyfile(f, dst / f.name)
+            continue
+        with open(f, "rb", buffering=0) as fi, open(dst / f.name, "wb", buffering=0) as fo:
+            if kind == "copy":
+                while chunk := fi.read(16 * 2**20):
+                    fo.write(chunk)
+            elif kind == "bcopy":
+                while n := fi.readinto(buf):
+                    fo.write(buf[:n])
+            else:
+                h = hashlib.sha256()
+                while n := fi.readinto(buf):
+                    th = threading.Thread(target=h.update, args=(buf[:n],))
+                    th.start()
+                    fo.write(buf[:n])
+                    th.join()
+                h.hexdigest()
+
+
 for name, args in jobs:
-    if name.startswith(("copy", "kcopy")):  # anchors: user-space read + write in 16 MiB blocks; kernel copy
-        dst = Path(args[1])
-    else:
-        dst = Path(args[args.index("-o") + 1])
+    kind = next((k for k in COPIES if name.startswith(k)), None)
+    dst = Path(args[1] if kind else args[args.index("-o") + 1])
     shutil.rmtree(dst, ignore_errors=True)
     os.sync()
     t = time.perf_counter()
-    if name.startswith("copy"):
-        dst.mkdir()
-        for f in sorted(Path(args[0]).glob("*.safetensors")):
-            with open(f, "rb") as fi, open(dst / f.name, "wb") as fo:
-                while chunk := fi.read(16 * 2**20):
-                    fo.write(chunk)
-        out[name] = time.perf_counter() - t
-        shutil.rmtree(dst)
-        continue
-    if name.startswith("kcopy"):
-        dst.mkdir()
-        for f in sorted(Path(args[0]).glob("*.safetensors")):
-            shutil.copyfile(f, dst / f.name)  # copy_file_range / sendfile: no user-space buffer
+    if kind:
+        copy(kind, Path(args[0]), dst)
         out[name] = time.perf_counter() - t
         shutil.rmtree(dst)
         continue
@@ -68,7 +85,7 @@ print("@@" + json.dumps(out))
 
 
 def run_cli_jobs(mode: str, workers: int, jobs: list) -> dict[str, float]:
-    """Run `jobs` ([label, argv] pairs; labels starting with "copy" / "kcopy" are user-space / kernel copy anchors
+    """Run `jobs` ([label, argv] pairs; labels starting with "copy" / "bcopy" / "hcopy" / "kcopy" are copy anchors
     [src_dir, dst_dir]) in one child with
     `--workers workers` (and `--executor ray` for mode "ray"); each label's seconds."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}

@@ -235,6 +235,18 @@ def coalesce(regions: Iterable[Region]) -> list[Region]:
     return out
 
 
+_LOCAL = threading.local()
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """This thread's reused gather buffer (grown as needed, at most a window): fresh pages for every gather would
+    cost a page fault per 4 KiB, as much as the copy itself."""
+    buf = getattr(_LOCAL, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _LOCAL.buf = np.empty(nbytes, dtype=np.uint8)
+    return buf[:nbytes]
+
+
 def region_chunks(r: Region, block: int = WINDOW) -> Iterator[Any]:
     """A region's bytes a window at a time through one reused buffer: zeros, or strided rows gathered from a
     window-sized mmap of the source (nothing stays mapped)."""
@@ -244,7 +256,7 @@ def region_chunks(r: Region, block: int = WINDOW) -> Iterator[Any]:
             yield buf[: min(block, r.nbytes - lo)]
         return
     rows_per = max(1, block // max(1, r.stride))
-    out = np.empty((min(rows_per, r.rows), r.width), dtype=np.uint8)
+    out = _scratch(min(rows_per, r.rows) * r.width).reshape(-1, r.width)
     with open(r.file, "rb") as f:
         for r0 in range(0, r.rows, rows_per):
             n = min(rows_per, r.rows - r0)

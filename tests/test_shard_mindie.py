@@ -226,7 +226,7 @@ def test_verify_catches_a_changed_byte_and_a_duplicate(sharded, run_cli, tmp_pat
     data = bytearray(f.read_bytes())
     data[-3] ^= 0x01
     f.write_bytes(bytes(data))
-    from dsconv.shard.mindie_write import verify
+    from dsconv.shard.mindie_verify import verify
 
     manifest = json.loads((d / "dsconv_manifest.json").read_text())
     doc = json.loads((d / "plan.json").read_text())
@@ -307,3 +307,20 @@ def test_unchanged_tensors_are_copied_as_byte_regions_of_the_source(tiny_model, 
         copied += len(want)
     assert copied > 0.8 * (copied + made), (copied, made)
     src.close()
+
+
+def test_coverage_is_counted_per_row_and_column_segment():
+    """verify's coverage (mindie_verify.uncovered): every element of a source tensor must be in some folder; the
+    count of the missing ones is exact for row sets x column ranges, 1-D and 3-D tensors included."""
+    import numpy as np
+
+    from dsconv.shard.mindie_sharded import Part
+    from dsconv.shard.mindie_verify import uncovered
+
+    full = [Part("w", (6, 4), None, (0, 4))]
+    assert uncovered((6, 4), full) == 0
+    halves = [Part("w", (6, 2), None, (0, 2)), Part("w", (5, 2), np.array([0, 1, 2, 4, 5]), (2, 4))]
+    assert uncovered((6, 4), halves) == 2  # row 3, columns 2..3
+    assert uncovered((6, 4), halves[:1]) == 12
+    assert uncovered((10,), [Part("b", (7,), np.arange(7))]) == 3
+    assert uncovered((2, 3, 5), [Part("e", (2, 1, 5), None, (0, 1))]) == 20  # 2 rows x 2 columns x 5

@@ -51,7 +51,7 @@ def verify(directory: Path, manifest: dict[str, Any]) -> list[str]:
 
     doc = shard_plan(Path(directory) / "plan.json")
     if doc.get("format") == "mindie":
-        from dsconv.shard.mindie_write import verify as verify_mindie
+        from dsconv.shard.mindie_verify import verify as verify_mindie
 
         return verify_mindie(Path(directory), manifest, doc)
     if doc.get("format") == "plan":

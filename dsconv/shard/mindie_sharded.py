@@ -126,7 +126,8 @@ class Item:
         return tuple(shape)
 
 
-def _select(t, p: Part):
+def select(t, p: Part):
+    """A part's rows and columns of its source tensor."""
     import torch
 
     if p.rows is not None:
@@ -142,7 +143,7 @@ def make(item: Item, load: Callable[[str], Any]):
 
     from dsconv.tensors import torch_dtype
 
-    gs = [torch.cat([_select(load(p.src), p) for p in g], 0) for g in item.groups]
+    gs = [torch.cat([select(load(p.src), p) for p in g], 0) for g in item.groups]
     if item.pad_row:  # tensor_embedding.py::TensorParallelEmbedding: F.pad(weight, (0, 0, 0, 1))
         gs = [torch.nn.functional.pad(t, (0, 0, 0, 1)) for t in gs]
     t = torch.stack(gs) if item.stacked else gs[0]

@@ -1,9 +1,8 @@
-"""Write and verify MindIE's offline-sharded DeepSeek layout (the items come from mindie_sharded.Planner).
+"""Write MindIE's offline-sharded DeepSeek layout (the items come from mindie_sharded.Planner; `dsconv verify` of it
+is mindie_verify.py).
 
-Writing streams one dumped tensor at a time (its source tensors mmapped, a few cached). Verifying re-plans from the
-source, checks what MindIE's loader checks (five folders per rank, each with safetensors, no name twice among them,
-the metadata file), recomputes every dumped tensor and compares bytes, and inverts every exact transform to
-reassemble each source tensor bit for bit.
+Writing streams one dumped tensor at a time: tensors MindIE leaves unchanged are copied as byte regions of the source,
+the others are made from their source tensors (mmapped, a few cached).
 """
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ from dsconv.parts import PartLayout, PartWriter
 
 from dsconv.errors import UserError
 from dsconv.shard.mindie_sharded import (COPY_MARKS, DESCRIPTION, FOLDER_KINDS, MAX_SHARD, METADATA, Item,
-                                         MindiePlan, Planner, Ranks, check_ranks, invert, make,
-                                         regions)
+                                         MindiePlan, Planner, Ranks, check_ranks, make, regions)
 
 TORCH_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 # safetensors' Dtype enum order: its serializer sorts tensors by dtype (descending), then name
@@ -78,18 +76,22 @@ def description(src: Any, plan: MindiePlan) -> dict[str, Any]:
 
 
 class _Loader:
-    """src.load with a small LRU (fused and stacked tensors read the same source several times)."""
+    """src.load with a small LRU (fused and stacked tensors read the same source several times), bounded by count and
+    by bytes (the newest tensor always stays, however big)."""
 
-    def __init__(self, src: Any, size: int = 16) -> None:
-        self.src, self.size, self.cache = src, size, OrderedDict()
+    def __init__(self, src: Any, size: int = 16, budget: int = 2**30) -> None:
+        self.src, self.size, self.budget, self.cache = src, size, budget, OrderedDict()
+        self.held = 0
 
     def __call__(self, name: str):
         t = self.cache.pop(name, None)
         if t is None:
             t = self.src.load(name, dequantize=True)
+            self.held += t.numel() * t.element_size()
         self.cache[name] = t
-        while len(self.cache) > self.size:
-            self.cache.popitem(last=False)
+        while len(self.cache) > 1 and (len(self.cache) > self.size or self.held > self.budget):
+            _, old = self.cache.popitem(last=False)
+            self.held -= old.numel() * old.element_size()
         return t
 
 
@@ -212,106 +214,3 @@ def write(src: Any, plan: MindiePlan, output: Path, *, head: dict[str, Any], fil
             out.write_json(rel, obj)
     return {"output": str(Path(output).absolute()), "ranks": rk.world, "bytes_written": total,
             "folders": len(plan.folders), "format": "mindie", "execution": ex.summary()}
-
-
-# ------------------------------------------------------------------------------------------------ verify
-def loader_problems(directory: Path, rank_folders: list[dict[str, str]]) -> list[str]:
-    """What MindIE's loader checks before reading a tensor (atb/utils/weights.py::Weights.__init__ L76-92,
-    ::load_routing L148-165): the metadata file exists; each rank's five folders exist and hold safetensors; no name
-    in two of a rank's files."""
-    from dsconv.tensorfile import read_tensor_infos
-
-    problems = []
-    if not (directory / METADATA).is_file():
-        problems.append(f"{METADATA} is missing: MindIE would load the directory as unsharded")
-    names: dict[str, set[str]] = {}
-    for folder in sorted({f for fo in rank_folders for f in fo.values()}):
-        files = sorted(p for p in (directory / folder).glob("*.safetensors") if not p.name.startswith("."))
-        if not files:
-            problems.append(f"{folder}: no safetensors ('No local weights found')")
-        names[folder] = set()
-        for f in files:
-            names[folder].update(read_tensor_infos(f))
-    for r, fo in enumerate(rank_folders):
-        seen: dict[str, str] = {}
-        for kind in FOLDER_KINDS:
-            for n in names.get(fo[kind], ()):
-                if n in seen:
-                    problems.append(f"rank {r}: {n} in {seen[n]} and {fo[kind]} ('routing weight key error')")
-                seen[n] = fo[kind]
-    return problems
-
-
-def verify(directory: Path, manifest: dict[str, Any], doc: dict[str, Any]) -> list[str]:
-    import torch
-
-    from dsconv.checkpoint import Checkpoint
-    from dsconv.tensorfile import TensorReader, read_tensor_infos
-    from dsconv.shard.layout import make_layout
-    from dsconv.shard.write import _same
-
-    problems = loader_problems(directory, doc["rank_folders"])
-    inputs = manifest.get("inputs") or []
-    source = Path(inputs[0]) if inputs else None
-    if problems or source is None or not source.is_dir():
-        return problems or [f"the source {source} is gone: checked the loader's rules only"]
-    src = Checkpoint.open(source)
-    lay = doc["layout"]
-    layout = make_layout(lay["ep"], lay["tp"], lay["world"], lay["nodes"], lay["cards_per_node"])
-    plan = build_plan(src, layout)
-    load = _Loader(src)
-    reader = TensorReader()
-    buffers: dict[str, tuple[Any, Any]] = {}
-    lossy: set[str] = set()
-    try:
-        for folder, items in plan.folders.items():
-            where = {}
-            for f in sorted((directory / folder).glob("*.safetensors")):
-                where.update(read_tensor_infos(f))
-            planned = {it.name for it in items}
-            if set(where) != planned:
-                problems.append(f"{folder}: {len(planned - set(where))} planned tensors missing, "
-                                f"{len(set(where) - planned)} unplanned")
-                continue
-            for it in items:
-                stored = reader.read(where[it.name])
-                if not _same(stored, make(it, load)):
-                    problems.append(f"{folder}/{it.name}: differs from MindIE's transform of the source")
-                    continue
-                pieces = invert(it, stored)
-                if not pieces:
-                    lossy.update(p.src for g in it.groups for p in g)
-                for part, vals in pieces:
-                    if part.src not in buffers:
-                        ref = load(part.src)
-                        buffers[part.src] = (torch.empty_like(ref), torch.zeros(ref.shape[:2] if ref.dim() > 1
-                                                                                  else ref.shape, dtype=torch.bool))
-                    buf, seen = buffers[part.src]
-                    rows = torch.arange(buf.shape[0]) if part.rows is None else torch.as_tensor(part.rows)
-                    if buf.dim() > 1:
-                        c0, c1 = part.cols or (0, buf.shape[1])
-                        ix: tuple = (rows.unsqueeze(1), torch.arange(c0, c1))
-                    else:
-                        ix = (rows,)
-                    vals = vals.reshape(buf[ix].shape)
-                    if bool(seen[ix].all()) and not _same(buf[ix].contiguous(), vals.contiguous()):
-                        problems.append(f"{part.src}: two copies in the layout disagree")
-                    buf[ix] = vals
-                    seen[ix] = True
-        if problems:
-            return problems[:50]
-        for name in src.names():
-            if name in plan.dropped:
-                continue
-            if name in buffers:
-                buf, seen = buffers[name]
-                if not bool(seen.all()):
-                    problems.append(f"{name}: {int((~seen).sum())} elements are in no folder")
-                elif not _same(buf, load(name)):
-                    problems.append(f"{name}: reassembled tensor differs from the source")
-            elif name not in lossy:
-                problems.append(f"{name}: not in the layout")
-    finally:
-        reader.close()
-        src.close()
-    return problems[:50]
