@@ -145,13 +145,14 @@ def test_a_merge_that_would_misplace_samples_fails_loudly():
     a.update(torch.randn(10, 4))
     b = InputStats(4, "x", "minmax", hessian=False, sample_tokens=8, stride=3)
     b.tokens = 12
+    b.sampler.start_at(12)
     b.update(torch.randn(5, 4))
     with pytest.raises(RuntimeError, match="saw 10 tokens"):
         _merge_stats(a, b, 12)
     s = SiteSample(100, cap=8)
     s.update(torch.randn(10, 4))
     t = SiteSample(100, cap=8)
-    t.seen = 12
+    t.sampler.start_at(12)
     t.update(torch.randn(5, 4))
     with pytest.raises(RuntimeError, match="saw 10 tokens"):
         _merge_site(s, t, 12)
@@ -162,7 +163,7 @@ def test_merged_statistics_equal_one_stream():
     import numpy as np
     import torch
 
-    from dsconv.quant.forward_jobs import _merge_site, _merge_stats, _sampled
+    from dsconv.quant.forward_jobs import _merge_site, _merge_stats
     from dsconv.quant.smoothing import SiteSample
     from dsconv.quant.stats import InputStats
 
@@ -176,10 +177,11 @@ def test_merged_statistics_equal_one_stream():
     merged, msite, off = None, SiteSample(129, cap=9), 0
     for p in parts:
         st = InputStats(6, "x", "minmax", hessian=False, sample_tokens=9, stride=11)
-        st.tokens, st._sampled = off, _sampled(off, 11, 9)
+        st.tokens = off
+        st.sampler.start_at(off)
         st.update(p)
         s = SiteSample(129, cap=9)
-        s.seen, s.kept = off, _sampled(off, s.stride, 9)
+        s.sampler.start_at(off)
         s.update(p)
         if merged is None:
             merged = st
@@ -191,7 +193,7 @@ def test_merged_statistics_equal_one_stream():
     assert np.array_equal(merged.observer.channel_min, one.observer.channel_min)
     assert np.array_equal(merged.observer.channel_max, one.observer.channel_max)
     assert merged.observer.tokens == one.observer.tokens
-    assert torch.equal(msite.x, site.x) and torch.equal(msite.cmin, site.cmin) and msite.seen == site.seen
+    assert torch.equal(msite.x, site.x) and torch.equal(msite.cmin, site.cmin) and msite.sampler.seen == site.sampler.seen
 
 
 @pytest.fixture(scope="module")

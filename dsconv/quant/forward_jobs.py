@@ -36,7 +36,6 @@ checkpoint by path (Skeleton). Never a pickled module.
 """
 from __future__ import annotations
 
-import math
 import os
 import time
 from contextlib import contextmanager
@@ -150,11 +149,6 @@ class HessianParts(HessianAccumulator):
         return acc
 
 
-def _sampled(offset: int, stride: int, cap: int) -> int:
-    """Rows a stride sampler (InputStats, SiteSample) has kept after `offset` tokens: the multiples of stride."""
-    return min(cap, math.ceil(offset / stride))
-
-
 # ---- the task side ---------------------------------------------------------------------------------------------
 _SKELETONS: dict[str, Any] = {}
 
@@ -196,13 +190,14 @@ def _run(job: ForwardJob, sk: Any, layer: nn.Module, env: Any) -> ForwardResult:
         sites = SiteProbe([mods[m] for m in n["site_out"]], [mods[m] for m in n["site_in"]], job.ctx.tokens,
                           rows.apply)
         for s in sites.sites.values():
-            s.seen, s.kept = job.offset, _sampled(job.offset, s.stride, s.cap)
+            s.sampler.start_at(job.offset)
     elif job.kind == "stats":
         targets = {mods[m]: lp for m, lp in n["targets"].items()}
 
         def make(lp: LinearPlan) -> InputStats:
             st = env._stats(lp.k, lp.module)
-            st.tokens, st._sampled = job.offset, _sampled(job.offset, st.stride, st.sample_cap)
+            st.tokens = job.offset
+            st.sampler.start_at(job.offset)
             if st.hessian is not None:
                 st.hessian = HessianParts(st.k, st.hessian.sum.dtype)
             if st.held is not None:
@@ -439,12 +434,9 @@ def _merge_site(a: SiteSample, b: SiteSample, offset: int) -> None:
     """Fold a job's SiteSample (started at token `offset`) into the driver's, in batch order."""
     if b.cmin is None:
         return
-    if a.seen != offset:
-        raise RuntimeError(f"forward jobs: a smoothing site saw {a.seen} tokens before a job starting at {offset}")
+    a.sampler.extend(b.sampler, offset, "a smoothing site")
     a.cmin = b.cmin if a.cmin is None else torch.minimum(a.cmin, b.cmin)
     a.cmax = b.cmax if a.cmax is None else torch.maximum(a.cmax, b.cmax)
-    a.rows += b.rows
-    a.kept, a.seen = b.kept, b.seen
 
 
 def _merge_stats(a: InputStats, b: InputStats, offset: int, held_offset: int = 0) -> None:
@@ -469,5 +461,5 @@ def _merge_stats(a: InputStats, b: InputStats, offset: int, held_offset: int = 0
             o.channel_min = np.minimum(o.channel_min, b.observer.channel_min)
             o.channel_max = np.maximum(o.channel_max, b.observer.channel_max)
         o.tokens += b.observer.tokens
-    a._sample += b._sample
-    a._sampled, a.tokens = b._sampled, b.tokens
+    a.sampler.extend(b.sampler, offset, a.name)
+    a.tokens = b.tokens

@@ -27,6 +27,7 @@ import torch
 
 from dsconv.errors import UserError
 from dsconv.quant.schemes import activation_qparams, smooth_scales
+from dsconv.quant.stats import RowSampler
 
 ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)   # candidates besides "off" (s = 1)
 SEARCH_CLIPS = (1.0, 0.85, 0.7)                 # clip ratios tried with each alpha for static sites
@@ -39,13 +40,9 @@ class SiteSample:
     """Per-channel min/max of one activation over all real calibration tokens, and an evenly spread row sample."""
 
     def __init__(self, total_tokens: int, cap: int = SAMPLE_ROWS) -> None:
-        self.stride = max(1, total_tokens // max(cap, 1))
-        self.cap = cap
-        self.seen = 0
+        self.sampler = RowSampler(max(1, total_tokens // max(cap, 1)), cap)
         self.cmin: torch.Tensor | None = None
         self.cmax: torch.Tensor | None = None
-        self.rows: list[torch.Tensor] = []
-        self.kept = 0
 
     def update(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).float()
@@ -54,16 +51,15 @@ class SiteSample:
         lo, hi = x.amin(dim=0), x.amax(dim=0)
         self.cmin = lo if self.cmin is None else torch.minimum(self.cmin, lo)
         self.cmax = hi if self.cmax is None else torch.maximum(self.cmax, hi)
-        first = (-self.seen) % self.stride
-        idx = torch.arange(min(first, x.shape[0]), x.shape[0], self.stride)[: self.cap - self.kept]
-        if idx.numel():
-            self.rows.append(x[idx].clone())
-            self.kept += int(idx.numel())
-        self.seen += x.shape[0]
+        self.sampler.update(x)
 
     @property
     def absmax(self) -> torch.Tensor:
         return torch.maximum(-self.cmin, self.cmax)
+
+    @property
+    def rows(self) -> list[torch.Tensor]:
+        return self.sampler.rows
 
     @property
     def x(self) -> torch.Tensor:

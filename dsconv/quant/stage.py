@@ -95,12 +95,11 @@ def run(req: QuantRequest) -> QuantResult:
             needs[f"GPTQ Hessians (2 x the widest input, {k}, after holding out 1/{HOLD_EVERY} of the prompts)"] = \
                 -(-2 * k * HOLD_EVERY // (HOLD_EVERY - 1))
         w = min_tokens_warning(calib, needs)
-        if plan.method == "gptq" and held_out_prompts(len(calib.samples)) is None:
-            req.warn(f"{len(calib.samples)} calibration prompts are too few to hold some out: GPTQ is used on "
-                     f"every layer without checking it against round-to-nearest (give >= {MIN_PROMPTS} prompts)")
-        if plan.method == "awq" and held_out_prompts(len(calib.samples)) is None:
-            req.warn(f"{len(calib.samples)} calibration prompts are too few to hold some out: AWQ's choices against "
-                     f"round-to-nearest are judged on the rows they were searched on (give >= {MIN_PROMPTS} prompts)")
+        unchecked = {"gptq": "GPTQ is used on every layer without checking it against round-to-nearest",
+                     "awq": "AWQ's choices against round-to-nearest are judged on the rows they were searched on"}
+        if plan.method in unchecked and held_out_prompts(len(calib.samples)) is None:
+            req.warn(f"{len(calib.samples)} calibration prompts are too few to hold some out: "
+                     f"{unchecked[plan.method]} (give >= {MIN_PROMPTS} prompts)")
         if w:
             req.warn(w)
     with OutputDir(output, stage="quantize", inputs=[model_dir], force=req.force, options=opts.as_dict(),

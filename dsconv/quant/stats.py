@@ -7,6 +7,7 @@ not once per consumer. Memory is O(channels) for the observer, k^2 for a Hessian
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,42 @@ from dsconv.quant.schemes import dequant_weight, fake_quant_activation
 HESSIAN_F64_MAX_K = 8192  # wider inputs accumulate in float32 (k^2 x 8 bytes would be 2.7 GB for k = 18432)
 
 
+class RowSampler:
+    """Every stride-th row by global token index, at most `cap` of them: a sample spread over the whole calibration
+    set, not its first prompt. A forward job's sampler starts at its first token (`start_at`) and the driver appends
+    the jobs' samplers in batch order (`extend`), which gives the serial sample bit for bit."""
+
+    def __init__(self, stride: int, cap: int) -> None:
+        self.stride, self.cap = max(1, int(stride)), cap
+        self.seen = self.kept = 0
+        self.rows: list[torch.Tensor] = []
+
+    def update(self, x: torch.Tensor) -> None:
+        t = x.shape[0]
+        if self.kept < self.cap:
+            first = (-self.seen) % self.stride
+            idx = torch.arange(min(first, t), t, self.stride)[: self.cap - self.kept]  # none: batch < gap
+            if idx.numel():
+                self.rows.append(x[idx].detach().to(torch.float32).clone())
+                self.kept += int(idx.numel())
+        self.seen += t
+
+    def start_at(self, offset: int) -> None:
+        """Placed after `offset` tokens: the multiples of stride below it are already taken (by earlier jobs)."""
+        self.seen, self.kept = offset, min(self.cap, math.ceil(offset / self.stride))
+
+    def extend(self, other: "RowSampler", offset: int, what: str) -> None:
+        """Append the sampler of the job that started at token `offset`; a misplaced job is a bug, never merged."""
+        if self.seen != offset:
+            raise RuntimeError(f"forward jobs: {what} saw {self.seen} tokens before a job starting at {offset}")
+        self.rows += other.rows
+        self.kept, self.seen = other.kept, other.seen
+
+    @property
+    def x(self) -> torch.Tensor | None:
+        return torch.cat(self.rows) if self.rows else None
+
+
 class InputStats:
     """Streaming statistics of one linear input [tokens, k]."""
 
@@ -30,12 +67,8 @@ class InputStats:
         self.observer: MinMaxObserver | None = make_observer(act_method, name=name) if act_method else None
         self.hessian = HessianAccumulator(k, torch.float64 if k <= HESSIAN_F64_MAX_K else torch.float32) \
             if hessian else None
-        self.sample_cap = sample_tokens
-        self._sample: list[torch.Tensor] = []
-        self._sampled = 0
         self.tokens = 0
-        # every stride-th token is sampled, so the sample spans the calibration set instead of its first prompt
-        self.stride = max(1, int(stride))
+        self.sampler = RowSampler(stride, sample_tokens)
         self.clip_ratio = 1.0  # static range x ratio, chosen by output error (clipping.py)
         # held-out tokens (whole calibration prompts) are kept out of the Hessian to compare GPTQ with RTN on them
         self.held: HeldOut | None = HeldOut(k, sample_tokens * 2) if held_out and hessian else None
@@ -45,7 +78,6 @@ class InputStats:
         t = x.shape[0]
         if t == 0:
             return
-        seen = self.tokens
         self.tokens += t
         if self.observer is not None:
             self.observer.update(x)
@@ -55,16 +87,11 @@ class InputStats:
                 self.hessian.update(x[~held])
             else:
                 self.hessian.update(x)
-        if self._sampled < self.sample_cap:
-            first = (-seen) % self.stride
-            idx = torch.arange(min(first, t), t, self.stride)[: self.sample_cap - self._sampled]  # none: batch < gap
-            if idx.numel():
-                self._sample.append(x[idx].detach().to(torch.float32).clone())
-                self._sampled += int(idx.numel())
+        self.sampler.update(x)
 
     @property
     def sample(self) -> torch.Tensor | None:
-        return torch.cat(self._sample) if self._sample else None
+        return self.sampler.x
 
     def clip_range(self) -> tuple[float, float] | None:
         if self.observer is None or self.observer.tokens == 0:
@@ -75,7 +102,7 @@ class InputStats:
     def free(self) -> None:
         self.hessian = None
         self.held = None
-        self._sample = []
+        self.sampler.rows = []
 
 
 class HeldOut:
