@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from dsconv.shard.mindie_sharded import FOLDER_KINDS, METADATA, Part, invert, make, select
-from dsconv.shard.mindie_write import _Loader, build_plan
+from dsconv.shard.mindie_write import CachedLoader, build_plan
 
 
 def loader_problems(directory: Path, rank_folders: list[dict[str, str]]) -> list[str]:
@@ -79,7 +79,7 @@ def verify(directory: Path, manifest: dict[str, Any], doc: dict[str, Any]) -> li
         return [f"the source {source} changed since it was sharded (file sizes differ)"]
     lay = doc["layout"]
     plan = build_plan(src, make_layout(lay["ep"], lay["tp"], lay["world"], lay["nodes"], lay["cards_per_node"]))
-    load = _Loader(src)
+    load = CachedLoader(src)
     reader = TensorReader()
     held: dict[str, list[Part]] = defaultdict(list)  # source tensor -> the pieces the layout holds of it
     lossy: set[str] = set()

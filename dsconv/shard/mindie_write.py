@@ -75,7 +75,7 @@ def description(src: Any, plan: MindiePlan) -> dict[str, Any]:
     return out
 
 
-class _Loader:
+class CachedLoader:
     """src.load with a small LRU (fused and stacked tensors read the same source several times), bounded by count and
     by bytes (the newest tensor always stays, however big)."""
 
@@ -108,8 +108,8 @@ class FolderJob:
     block: tuple[int, int]
 
 
-class _PathLoad(_Loader):
-    """_Loader by byte ranges (a task's: no checkpoint object), FP8 dequantized like Checkpoint.load."""
+class _PathLoad(CachedLoader):
+    """CachedLoader by byte ranges (a task's: no checkpoint object), FP8 dequantized like Checkpoint.load."""
 
     def __init__(self, job: FolderJob) -> None:
         from dsconv.tensorfile import TensorReader
@@ -167,7 +167,7 @@ def write(src: Any, plan: MindiePlan, output: Path, *, head: dict[str, Any], fil
     from dsconv.tensors import TensorSpec
     from dsconv.writer import OutputDir
 
-    load = _Loader(src)
+    load = CachedLoader(src)
     ex = executor or Executor(1)
     total = sum(TensorSpec(it.name, it.dtype, it.shape).nbytes for _, it in plan.items())
     listing: dict[str, list[str]] = {}
