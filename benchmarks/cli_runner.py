@@ -1,9 +1,12 @@
 """Timed CLI jobs in one warm process, each beside its copy anchor (shared by bench_shard and bench_scale).
 
-Why one process: the figures are throughput, so imports and the worker pool's start-up are paid once, before the
-timed runs, and reported apart (`startup_s`, the first job). Every timed job starts from a synced page cache (dirty
+Why one process: the figures are throughput, so the imports are paid once before the timed runs (`startup_s`), and
+so is the forkserver that preloads torch for the worker pools (started by the first job, which callers time apart;
+each CLI job still starts its own pool of workers from it). Every timed job starts from a synced page cache (dirty
 pages of the last job written back, outside the timing) and an absent output (a previous output is removed outside
-the timing, as the copy's is); neither the copy nor the job syncs its own writes.
+the timing, as the copy's is); neither the copy nor the job syncs its own writes. `peak_rss_bytes[label]` is the
+driver's own high-water mark during that job (reset before it; workers not included: with `--workers 1` the work
+runs inline in the driver, with more it does not).
 """
 from __future__ import annotations
 
@@ -35,12 +38,16 @@ COPIES = ("copy", "bcopy", "hcopy", "kcopy")
 def copy(kind, src, dst):
     # the anchors. copy: user-space read + write in 16 MiB blocks, a new block per read (round 1's anchor);
     # bcopy: the same through one reused buffer; hcopy: bcopy hashing each file's sha256 beside the writes, as
-    # dsconv's writer does for its manifest; kcopy: the kernel's copy_file_range (shutil.copyfile)
+    # dsconv's writer does for its manifest; kcopy: os.copy_file_range, the call dsconv's writer uses (on ext4 a
+    # copy in the kernel; file systems that clone extents would make it no copy at all: see "filesystem")
     dst.mkdir()
     buf = memoryview(bytearray(16 * 2**20))
     for f in sorted(src.glob("*.safetensors")):
         if kind == "kcopy":
-            shutil.copyfile(f, dst / f.name)
+            with open(f, "rb") as fi, open(dst / f.name, "wb") as fo:
+                n, done = os.fstat(fi.fileno()).st_size, 0
+                while done < n:
+                    done += os.copy_file_range(fi.fileno(), fo.fileno(), n - done)
             continue
         with open(f, "rb", buffering=0) as fi, open(dst / f.name, "wb", buffering=0) as fo:
             if kind == "copy":
@@ -59,11 +66,19 @@ def copy(kind, src, dst):
                 h.hexdigest()
 
 
+def peak_rss():
+    with open("/proc/self/status") as f:  # VmHWM: this process's high-water mark since the last reset
+        return next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmHWM:"))
+
+
+out["peak_rss_bytes"] = {}
 for name, args in jobs:
     kind = next((k for k in COPIES if name.startswith(k)), None)
     dst = Path(args[1] if kind else args[args.index("-o") + 1])
     shutil.rmtree(dst, ignore_errors=True)
     os.sync()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
     t = time.perf_counter()
     if kind:
         copy(kind, Path(args[0]), dst)
@@ -75,13 +90,23 @@ for name, args in jobs:
     except SystemExit as e:
         assert not e.code, (name, e.code)
     out[name] = time.perf_counter() - t
+    out["peak_rss_bytes"][name] = peak_rss()
 if mode == "ray":
     ray.shutdown()
-with open("/proc/self/status") as f:  # the driver's own high-water mark (VmHWM), workers not included
-    out["driver_peak_rss_bytes"] = next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmHWM:"))
 out["load_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
 print("@@" + json.dumps(out))
 """
+
+
+def filesystem(path: Path) -> str:
+    """The file system type `path` is on (/proc/mounts, longest mount point): copy_file_range clones on xfs/btrfs."""
+    best, kind = "", "unknown"
+    with open("/proc/mounts") as f:
+        for line in f:
+            mnt, fs = line.split()[1:3]
+            if str(path.resolve()).startswith(mnt.rstrip("/") + "/") and len(mnt) > len(best):
+                best, kind = mnt, fs
+    return kind
 
 
 def run_cli_jobs(mode: str, workers: int, jobs: list) -> dict[str, float]:

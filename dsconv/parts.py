@@ -139,8 +139,7 @@ class PartWriter:
                 raise ValueError(f"tensor {name}: more than its planned {slot.nbytes} bytes")
             t = None
             if self._hash is not None and len(data) >= 2**20:  # hash beside the write (both outside the GIL)
-                t = threading.Thread(target=self._hash.update, args=(data,))
-                t.start()
+                t = _Beside(self._hash.update, data)
             try:
                 done = 0
                 while done < len(data):
@@ -163,10 +162,8 @@ class PartWriter:
                 if r.file not in fds:
                     fds[r.file] = os.open(r.file, os.O_RDONLY)
             t = None
-            if self._hash is not None:
-                t = threading.Thread(target=_hash_ranges, args=(self._hash, [(fds[r.file], r.start, r.nbytes)
-                                                                              for r in regions]))
-                t.start()  # hashing (outside the GIL) beside the copy
+            if self._hash is not None:  # hashing (outside the GIL) beside the copy
+                t = _Beside(_hash_ranges, self._hash, [(fds[r.file], r.start, r.nbytes) for r in regions])
             try:
                 for r in regions:
                     copy_range(fds[r.file], self._fd, r.start, pos, r.nbytes)
@@ -192,6 +189,27 @@ class PartWriter:
 
 
 WINDOW = 64 * 2**20
+
+
+class _Beside(threading.Thread):
+    """`fn(*args)` on a thread beside the caller's writes; `join()` re-raises what it raised, so a failed hash is the
+    write's error, never a part with a digest of partial data."""
+
+    def __init__(self, fn: Any, *args: Any) -> None:
+        super().__init__(daemon=True)
+        self._fn, self._args, self._error = fn, args, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self._fn(*self._args)
+        except BaseException as e:  # noqa: BLE001 - handed to the joining thread
+            self._error = e
+
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self._error is not None:
+            raise self._error
 
 
 @dataclass(frozen=True)
@@ -239,8 +257,8 @@ _LOCAL = threading.local()
 
 
 def _scratch(nbytes: int) -> np.ndarray:
-    """This thread's reused gather buffer (grown as needed, at most a window): fresh pages for every gather would
-    cost a page fault per 4 KiB, as much as the copy itself."""
+    """This thread's reused gather buffer (grown as needed: a window, or one row where a row is wider; kept for the
+    thread's next gather): fresh pages for every gather would cost a page fault per 4 KiB, as much as the copy."""
     buf = getattr(_LOCAL, "buf", None)
     if buf is None or len(buf) < nbytes:
         buf = _LOCAL.buf = np.empty(nbytes, dtype=np.uint8)

@@ -86,3 +86,29 @@ def test_more_or_fewer_bytes_than_planned_fail(tmp_path):
         w.write_regions("t0", [Region(f, base, 99)])
     w.abort()
     os.unlink(part.path)
+
+
+def test_a_failed_hash_fails_the_write_instead_of_recording_a_partial_digest(tmp_path, monkeypatch):
+    """The sha256 runs on a thread beside the copy and the pwrite; its error must reach the writer's caller."""
+    a, f, base = _source(tmp_path)
+
+    def broken(*args):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(parts, "_hash_ranges", broken)
+    part = _part(tmp_path, [a.size])
+    w = PartWriter(part)
+    with pytest.raises(OSError, match="Cannot allocate memory"):
+        w.write_regions("t0", [Region(f, base, a.size)])
+    w.abort()
+
+    class Refusing:
+        def update(self, data):
+            raise MemoryError("hash")
+
+    part = _part(tmp_path, [2**20])
+    w = PartWriter(part)
+    w._hash = Refusing()
+    with pytest.raises(MemoryError):
+        w.write_chunks("t0", [bytes(2**20)])  # >= 1 MiB: hashed on the thread
+    w.abort()

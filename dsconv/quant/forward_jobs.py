@@ -442,8 +442,7 @@ def _merge_site(a: SiteSample, b: SiteSample, offset: int) -> None:
 def _merge_stats(a: InputStats, b: InputStats, offset: int, held_offset: int = 0) -> None:
     """Fold a job's InputStats (started at token `offset`, held-out token `held_offset`) into the first job's, in
     batch order."""
-    if a.tokens != offset:
-        raise RuntimeError(f"forward jobs: {a.name} saw {a.tokens} tokens before a job starting at {offset}")
+    a.sampler.extend(b.sampler, offset, a.name)  # first: it checks the job's place
     if a.hessian is not None:
         b.hessian.into(a.hessian)
     if a.held is not None:
@@ -461,5 +460,4 @@ def _merge_stats(a: InputStats, b: InputStats, offset: int, held_offset: int = 0
             o.channel_min = np.minimum(o.channel_min, b.observer.channel_min)
             o.channel_max = np.maximum(o.channel_max, b.observer.channel_max)
         o.tokens += b.observer.tokens
-    a.sampler.extend(b.sampler, offset, a.name)
     a.tokens = b.tokens

@@ -62,64 +62,73 @@ def uncovered(shape: tuple[int, ...], parts: list[Part]) -> int:
 
 
 def verify(directory: Path, manifest: dict[str, Any], doc: dict[str, Any]) -> list[str]:
-    from dsconv.checkpoint import Checkpoint
+    """The problems of a MindIE-layout output (`doc`: its plan.json); [] when it is what MindIE's sharder would write
+    from the source (or, with the source gone, when the loader's rules hold: then a warning says so)."""
     from dsconv.shard.layout import make_layout
+    from dsconv.shard.write import open_source
+
+    problems = loader_problems(directory, doc["rank_folders"])
+    if problems:
+        return problems
+    src, changed = open_source(manifest, "MindIE's loader rules and the manifest's hashes")
+    if src is None:
+        return changed
+    try:
+        lay = doc["layout"]
+        plan = build_plan(src, make_layout(lay["ep"], lay["tp"], lay["world"], lay["nodes"], lay["cards_per_node"]))
+        return _check_folders(directory, src, plan)[:50]
+    finally:
+        src.close()
+
+
+def _check_folders(directory: Path, src: Any, plan: Any) -> list[str]:
     from dsconv.shard.write import _same
     from dsconv.tensorfile import TensorReader, read_tensor_infos
 
-    problems = loader_problems(directory, doc["rank_folders"])
-    inputs = manifest.get("inputs") or []
-    source = Path(inputs[0]) if inputs else None
-    if problems or source is None or not source.is_dir():
-        return problems or [f"the source {source} is gone: checked the loader's rules only"]
-    src = Checkpoint.open(source)
-    sizes = {p.name: p.stat().st_size for p in src.files}
-    if sizes != manifest.get("input_identity", {}).get("files", sizes):
-        src.close()
-        return [f"the source {source} changed since it was sharded (file sizes differ)"]
-    lay = doc["layout"]
-    plan = build_plan(src, make_layout(lay["ep"], lay["tp"], lay["world"], lay["nodes"], lay["cards_per_node"]))
     load = CachedLoader(src)
-    reader = TensorReader()
     held: dict[str, list[Part]] = defaultdict(list)  # source tensor -> the pieces the layout holds of it
     lossy: set[str] = set()
-    try:
-        for folder, items in plan.folders.items():
-            where = {}
-            for f in sorted((directory / folder).glob("*.safetensors")):
-                where.update(read_tensor_infos(f))
-            planned = {it.name for it in items}
-            if set(where) != planned:
-                problems.append(f"{folder}: {len(planned - set(where))} planned tensors missing, "
-                                f"{len(set(where) - planned)} unplanned")
-                continue
+    problems: list[str] = []
+    for folder, items in plan.folders.items():
+        where = {}
+        for f in sorted((directory / folder).glob("*.safetensors")):
+            where.update(read_tensor_infos(f))
+        planned = {it.name for it in items}
+        if set(where) != planned:
+            problems.append(f"{folder}: {len(planned - set(where))} planned tensors missing, "
+                            f"{len(set(where) - planned)} unplanned")
+            continue
+        reader = TensorReader()  # one per folder: its files are unmapped when the folder is done
+        try:
             for it in items:
                 stored = reader.read(where[it.name])
-                if not _same(stored, make(it, load)):
+                # the item's sources, held while it is checked (a stacked item reads each expert for make and again
+                # for its pieces): memory is one dumped tensor and its sources
+                srcs = {n: load(n) for n in dict.fromkeys(p.src for g in it.groups for p in g)}
+                if not _same(stored, make(it, srcs.__getitem__)):
                     problems.append(f"{folder}/{it.name}: differs from MindIE's transform of the source")
                     continue
                 pieces = invert(it, stored)
                 if not pieces:
                     lossy.update(p.src for g in it.groups for p in g)
                 for part, vals in pieces:
-                    want = select(load(part.src), part).contiguous()
+                    want = select(srcs[part.src], part).contiguous()
                     if not _same(want, vals.reshape(want.shape).contiguous()):
                         problems.append(f"{part.src}: {folder}/{it.name} does not give back its rows of the source")
                     held[part.src].append(part)
-            if len(problems) >= 50:
-                break
-        if problems:
-            return problems[:50]
-        for name in src.names():
-            if name in plan.dropped:
-                continue
-            if name in held:
-                missing = uncovered(tuple(src.info(name).shape), held[name])
-                if missing:
-                    problems.append(f"{name}: {missing} elements are in no folder")
-            elif name not in lossy:
-                problems.append(f"{name}: not in the layout")
-    finally:
-        reader.close()
-        src.close()
-    return problems[:50]
+        finally:
+            reader.close()
+        if len(problems) >= 50:
+            return problems
+    if problems:
+        return problems
+    for name in src.names():
+        if name in plan.dropped:
+            continue
+        if name in held:
+            missing = uncovered(tuple(src.info(name).shape), held[name])
+            if missing:
+                problems.append(f"{name}: {missing} elements are in no folder")
+        elif name not in lossy:
+            problems.append(f"{name}: not in the layout")
+    return problems

@@ -133,7 +133,8 @@ def folder_part(job: FolderJob) -> str | None:
     out = PartWriter(job.part)
     try:
         for it in job.items:
-            rg = regions(it, job.infos)
+            dequantized = any(q.src in job.scales for g in it.groups for q in g)
+            rg = None if dequantized else regions(it, job.infos)
             if rg is None:
                 out.write(it.name, make(it, load))
             else:

@@ -198,12 +198,29 @@ def _same(a, b) -> bool:
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
+def open_source(manifest: dict[str, Any], checked: str) -> tuple[Any, list[str]]:
+    """The checkpoint a shard output was made from, for `dsconv verify`: (None, []) and a warning saying what was
+    still checked (`checked`) when it is gone; (None, [problem]) when its files changed size since; else (it, [])."""
+    from dsconv.checkpoint import Checkpoint
+    from dsconv.errors import warn
+
+    inputs = manifest.get("inputs") or []
+    source = Path(inputs[0]) if inputs else None
+    if source is None or not source.is_dir():
+        warn(f"the source {source} is gone: checked {checked}, not against the source")
+        return None, []
+    src = Checkpoint.open(source)
+    sizes = {p.name: p.stat().st_size for p in src.files}
+    if sizes != manifest.get("input_identity", {}).get("files", sizes):
+        src.close()
+        return None, [f"the source {source} changed since it was sharded (file sizes differ)"]
+    return src, []
+
+
 def verify_shard(directory: Path, manifest: dict[str, Any], plan: dict[str, Any]) -> list[str]:
     """Every rank holds exactly the plan's tensors, replicas agree, and each original tensor reassembles bit-exactly
     from the ranks (compared to the source when it is still there; said so when it is not). `plan`: plan.json as
     schemas.shard_plan validated it."""
-    from dsconv.errors import warn
-
     directory = Path(directory)
     world = plan["layout"]["world"]
     dirs = plan.get("rank_dirs") or [rank_dir(r, world) for r in range(world)]
@@ -218,22 +235,14 @@ def verify_shard(directory: Path, manifest: dict[str, Any], plan: dict[str, Any]
         if extra or missing:
             problems.append(f"{dirs[r]}: {len(missing)} planned tensors missing, {len(extra)} unplanned "
                             f"(e.g. {next(iter(missing or extra))})")
-    if problems:
-        return problems
     src = None
-    inputs = manifest.get("inputs") or []
-    source = Path(inputs[0]) if inputs else None
-    if source is None or not source.is_dir():
-        warn(f"the source {source} is gone: checked the ranks against each other and the plan, not against the source")
-    else:
-        from dsconv.checkpoint import Checkpoint
-
-        src = Checkpoint.open(source)
-        sizes = {p.name: p.stat().st_size for p in src.files}
-        if sizes != manifest.get("input_identity", {}).get("files", sizes):
-            return [f"the source {source} changed since it was sharded (file sizes differ)"]
-    load = src.load if src is not None else None
     try:
+        if problems:
+            return problems
+        src, changed = open_source(manifest, "the ranks against each other and the plan")
+        if changed:
+            return changed
+        load = src.load if src is not None else None
         for name, e in plan["tensors"].items():
             bad = _check_tensor(name, e, world, readers, dirs, load, src)
             if bad:
