@@ -229,14 +229,15 @@ print(json.dumps({"verify_s": time.perf_counter() - t, "problems": len(problems)
 
 
 # the stronger anchors beside round 1's (a new 16 MiB block per read): benchmarks.cli_runner.RUNNER's copy()
+ROUNDS = (1, 2, 3)  # interleaved (anchors, shard) rounds, best of each: this VM's I/O varies 2-20x between runs
 ANCHORS = {"bcopy": "reused_buffer_copy", "hcopy": "reused_buffer_copy_with_sha256",
            "kcopy": "copy_file_range_copy"}
 
 
 def bench_write() -> dict:
     """`dsconv shard --ep 4 --tp 2` (the default, MindIE layout) with `--workers 1` and the default (the CPU count),
-    each timed twice beside a user-space copy of the same files right before it (benchmarks.cli_runner: one warm
-    process per worker count, synced page cache and absent output before each timed run, best of two pairs). The
+    each timed three times beside copies of the same files right before it (benchmarks.cli_runner: one warm
+    process per worker count, synced page cache and absent output before each timed run, best of three). The
     first shard run of each process is timed apart: it pays torch's import in the worker pool's start-up."""
     root = scratch("dsconv-shard-w-")
     try:
@@ -248,16 +249,15 @@ def bench_write() -> dict:
             f.read_bytes()  # page cache warm for every run alike
         shard = ["shard", "-m", str(src), "-o", str(root / "out"), "--ep", "4", "--tp", "2"]
         copy = [str(src), str(root / "copy")]
-        jobs = [["first", shard], *[job for i in (1, 2) for job in ([f"copy{i}", copy], [f"bcopy{i}", copy], [f"hcopy{i}", copy],
-                                                                    [f"kcopy{i}", copy],
-                                                                    [f"shard{i}", shard])]]
+        jobs = [["first", shard], *[[f"{k}{i}", copy if k != "shard" else shard] for i in ROUNDS
+                                    for k in ("copy", "bcopy", "hcopy", "kcopy", "shard")]]
         out: dict[str, Any] = {"source_gb": round(total / 1e9, 3), "largest_tensor_mib": round(largest / 2**20, 1)}
         written = 0
         for label, workers in (("workers_1", 1), ("workers_default", os.cpu_count() or 1)):
             r = run_cli_jobs("local", workers, jobs)
             written = sum(p.stat().st_size for p in (root / "out").rglob("*.safetensors"))
-            copy_s, shard_s = min(r["copy1"], r["copy2"]), min(r["shard1"], r["shard2"])
-            best = {k: min(r[k + "1"], r[k + "2"]) for k in ("bcopy", "hcopy", "kcopy")}
+            best = {k: min(r[f"{k}{i}"] for i in ROUNDS) for k in ("copy", "bcopy", "hcopy", "kcopy", "shard")}
+            copy_s, shard_s = best["copy"], best["shard"]
             out[label] = {"workers": workers, "startup_s": round(r["startup_s"], 2),
                           "first_run_s": round(r["first"], 2), "shard_s": round(shard_s, 2),
                           "userspace_copy_s": round(copy_s, 2),
@@ -268,7 +268,7 @@ def bench_write() -> dict:
                           **{f"{label}_gbps": round(total / best[k] / 1e9, 3) for k, label in ANCHORS.items()},
                           **{f"shard_vs_{label}_write_ratio": round(written / shard_s / (total / best[k]), 2)
                              for k, label in ANCHORS.items()},
-                          "driver_peak_rss_mib": round(max(r["peak_rss_bytes"][k] for k in ("shard1", "shard2"))
+                          "driver_peak_rss_mib": round(max(r["peak_rss_bytes"][f"shard{i}"] for i in ROUNDS)
                                                        / 2**20, 1),
                           "load_after": r["load_after"]}
         out["shard_written_gb"] = round(written / 1e9, 3)
