@@ -164,13 +164,17 @@ class PartWriter:
             t = None
             if self._hash is not None:  # hashing (outside the GIL) beside the copy
                 t = _Beside(_hash_ranges, self._hash, [(fds[r.file], r.start, r.nbytes) for r in regions])
+            current = regions[0].file
             try:
                 for r in regions:
+                    current = r.file
                     copy_range(fds[r.file], self._fd, r.start, pos, r.nbytes)
                     pos += r.nbytes
             finally:
                 if t is not None:
                     t.join()
+        except (OSError, ValueError) as e:
+            raise _named(e, self.part.path if _is_destination(e) else current) from e
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -189,6 +193,7 @@ class PartWriter:
 
 
 WINDOW = 64 * 2**20
+SHORT = "source ended"  # copy_range's message when the source file is shorter than the range
 
 
 class _Beside(threading.Thread):
@@ -281,7 +286,11 @@ def region_chunks(r: Region, block: int = WINDOW) -> Iterator[Any]:
             lo = r.start + r0 * r.stride
             base = lo - lo % mmap.ALLOCATIONGRANULARITY
             span = (n - 1) * r.stride + r.width
-            with mmap.mmap(f.fileno(), lo - base + span, offset=base, access=mmap.ACCESS_READ) as mm:
+            try:
+                mm = mmap.mmap(f.fileno(), lo - base + span, offset=base, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as e:
+                raise _named(e, r.file) from e
+            with mm:
                 rows = np.lib.stride_tricks.as_strided(np.frombuffer(mm, np.uint8, span, lo - base),
                                                        (n, r.width), (r.stride, 1))
                 np.copyto(out[:n], rows)
@@ -296,7 +305,7 @@ def copy_range(src: int, dst: int, src_off: int, dst_off: int, nbytes: int) -> N
         while done < nbytes:
             n = os.copy_file_range(src, dst, min(nbytes - done, 1 << 30), src_off + done, dst_off + done)
             if n == 0:
-                raise OSError(errno.EIO, f"source ended {nbytes - done} bytes early")
+                raise OSError(errno.EIO, f"{SHORT} {nbytes - done} bytes early")
             done += n
         return
     except (AttributeError, OSError) as e:
@@ -308,11 +317,26 @@ def copy_range(src: int, dst: int, src_off: int, dst_off: int, nbytes: int) -> N
     while done < nbytes:
         n = os.preadv(src, [view[: min(len(buf), nbytes - done)]], src_off + done)
         if n <= 0:
-            raise OSError(errno.EIO, f"source ended {nbytes - done} bytes early")
+            raise OSError(errno.EIO, f"{SHORT} {nbytes - done} bytes early")
         w = 0
         while w < n:
             w += os.pwrite(dst, view[w:n], dst_off + done + w)
         done += n
+
+
+def _is_destination(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
+
+
+def _named(e: BaseException, path: str | None) -> BaseException:
+    """A failed read or write of a region as an OSError naming its file (the CLI shows it as a one-line user error):
+    a ValueError from mmap, or a copy that ended early, means the source is shorter than its header says - it changed
+    while dsconv read it."""
+    if isinstance(e, OSError) and (e.filename or not path):
+        return e
+    if isinstance(e, ValueError) or str(e.strerror or "").startswith(SHORT):
+        return OSError(errno.EIO, "shorter than its safetensors header says: it changed while dsconv read it", path)
+    return OSError(e.errno, e.strerror or str(e), path)
 
 
 def _hash_ranges(h: Any, ranges: list[tuple[int, int, int]]) -> None:

@@ -112,3 +112,17 @@ def test_a_failed_hash_fails_the_write_instead_of_recording_a_partial_digest(tmp
     with pytest.raises(MemoryError):
         w.write_chunks("t0", [bytes(2**20)])  # >= 1 MiB: hashed on the thread
     w.abort()
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["copy", "gather"])
+def test_a_source_shorter_than_its_regions_is_an_error_naming_the_file(tmp_path, strided):
+    """A source that shrank after its header was read (changed during the run): an OSError naming the file, which the
+    CLI prints as one line and exit 2, never a traceback from mmap."""
+    a, f, base = _source(tmp_path)
+    r = Region(f, base, 16, rows=a.shape[0] + 5, stride=a.shape[1]) if strided else Region(f, base, a.size + 100)
+    part = _part(tmp_path, [r.nbytes])
+    w = PartWriter(part)
+    with pytest.raises(OSError, match="shorter than its safetensors header") as e:
+        w.write_regions("t0", [r])
+    assert e.value.filename == f
+    w.abort()
