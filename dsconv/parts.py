@@ -121,10 +121,6 @@ class PartWriter:
                 i += 1
         self._check_end(name, slot, pos)
 
-    def copy_from(self, name: str, path: str, start: int, nbytes: int) -> None:
-        """One slot copied from a byte range of another file."""
-        self.write_regions(name, [Region(path, start, nbytes)])
-
     @staticmethod
     def _check_end(name: str, slot: Slot, pos: int) -> None:
         if pos != slot.offset + slot.nbytes:

@@ -144,7 +144,6 @@ def test_a_merge_that_would_misplace_samples_fails_loudly():
     a = InputStats(4, "x", "minmax", hessian=False, sample_tokens=8, stride=3)
     a.update(torch.randn(10, 4))
     b = InputStats(4, "x", "minmax", hessian=False, sample_tokens=8, stride=3)
-    b.tokens = 12
     b.sampler.start_at(12)
     b.update(torch.randn(5, 4))
     with pytest.raises(RuntimeError, match="saw 10 tokens"):
@@ -177,7 +176,6 @@ def test_merged_statistics_equal_one_stream():
     merged, msite, off = None, SiteSample(129, cap=9), 0
     for p in parts:
         st = InputStats(6, "x", "minmax", hessian=False, sample_tokens=9, stride=11)
-        st.tokens = off
         st.sampler.start_at(off)
         st.update(p)
         s = SiteSample(129, cap=9)

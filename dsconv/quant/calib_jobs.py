@@ -251,11 +251,11 @@ def _load_stats(path: str) -> Any:
     so a file swapped into the shared temporary directory cannot run code (never a plain unpickle)."""
     from dsconv.quant.gptq import HessianAccumulator
     from dsconv.quant.observers import HistogramObserver, MinMaxObserver
-    from dsconv.quant.stats import HeldOut, InputStats, RowSampler
+    from dsconv.quant.stats import InputStats, RowSampler
 
     numpy_arrays = [np.core.multiarray._reconstruct, np.ndarray, np.dtype,
                     *(type(np.dtype(t)) for t in (np.float32, np.float64, np.int64, np.int32, np.bool_))]
-    with torch.serialization.safe_globals([InputStats, HeldOut, RowSampler, MinMaxObserver, HistogramObserver,
+    with torch.serialization.safe_globals([InputStats, RowSampler, MinMaxObserver, HistogramObserver,
                                            HessianAccumulator, *numpy_arrays]):
         return torch.load(path, weights_only=True)
 

@@ -196,12 +196,11 @@ def _run(job: ForwardJob, sk: Any, layer: nn.Module, env: Any) -> ForwardResult:
 
         def make(lp: LinearPlan) -> InputStats:
             st = env._stats(lp.k, lp.module)
-            st.tokens = job.offset
             st.sampler.start_at(job.offset)
             if st.hessian is not None:
                 st.hessian = HessianParts(st.k, st.hessian.sum.dtype)
             if st.held is not None:
-                st.held.count = min(st.held.cap, job.held_offset)
+                st.held.start_at(job.held_offset)
             return st
 
         hooks = LinearHooks(targets, make, rows)
@@ -446,11 +445,7 @@ def _merge_stats(a: InputStats, b: InputStats, offset: int, held_offset: int = 0
     if a.hessian is not None:
         b.hessian.into(a.hessian)
     if a.held is not None:
-        if a.held.count != min(a.held.cap, held_offset):
-            raise RuntimeError(f"forward jobs: {a.name} kept {a.held.count} held-out rows before a job at "
-                               f"{held_offset}")
-        a.held.rows += b.held.rows
-        a.held.count = b.held.count
+        a.held.extend(b.held, held_offset, f"{a.name}'s held-out rows")
     if b.observer is not None and b.observer.channel_min is not None:
         o = a.observer
         if o.channel_min is None:
@@ -460,4 +455,3 @@ def _merge_stats(a: InputStats, b: InputStats, offset: int, held_offset: int = 0
             o.channel_min = np.minimum(o.channel_min, b.observer.channel_min)
             o.channel_max = np.maximum(o.channel_max, b.observer.channel_max)
         o.tokens += b.observer.tokens
-    a.tokens = b.tokens

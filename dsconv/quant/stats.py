@@ -67,18 +67,17 @@ class InputStats:
         self.observer: MinMaxObserver | None = make_observer(act_method, name=name) if act_method else None
         self.hessian = HessianAccumulator(k, torch.float64 if k <= HESSIAN_F64_MAX_K else torch.float32) \
             if hessian else None
-        self.tokens = 0
         self.sampler = RowSampler(stride, sample_tokens)
         self.clip_ratio = 1.0  # static range x ratio, chosen by output error (clipping.py)
         # held-out tokens (whole calibration prompts) are kept out of the Hessian to compare GPTQ with RTN on them
-        self.held: HeldOut | None = HeldOut(k, sample_tokens * 2) if held_out and hessian else None
+        # (selection.py): their first rows, capped
+        self.held: RowSampler | None = RowSampler(1, sample_tokens * 2) if held_out and hessian else None
 
     def update(self, x: torch.Tensor, held: torch.Tensor | None = None) -> None:
         """Fold in rows [t, k] (real tokens only); `held` marks rows of held-out prompts."""
         t = x.shape[0]
         if t == 0:
             return
-        self.tokens += t
         if self.observer is not None:
             self.observer.update(x)
         if self.hessian is not None:
@@ -88,6 +87,11 @@ class InputStats:
             else:
                 self.hessian.update(x)
         self.sampler.update(x)
+
+    @property
+    def tokens(self) -> int:
+        """Real tokens seen (the sampler counts every row it is shown)."""
+        return self.sampler.seen
 
     @property
     def sample(self) -> torch.Tensor | None:
@@ -103,25 +107,6 @@ class InputStats:
         self.hessian = None
         self.held = None
         self.sampler.rows = []
-
-
-class HeldOut:
-    """Rows of held-out prompts, capped: what GPTQ and RTN are compared on (selection.py)."""
-
-    def __init__(self, k: int, cap: int) -> None:
-        self.k, self.cap = k, cap
-        self.rows: list[torch.Tensor] = []
-        self.count = 0
-
-    def update(self, x: torch.Tensor) -> None:
-        take = x[: self.cap - self.count]
-        if take.shape[0]:
-            self.rows.append(take.detach().float().clone())
-            self.count += int(take.shape[0])
-
-    @property
-    def x(self) -> torch.Tensor | None:
-        return torch.cat(self.rows) if self.rows else None
 
 
 @dataclass
