@@ -20,7 +20,7 @@ import torch
 
 from dsconv.checkpoint import Checkpoint
 from dsconv.exec import Executor
-from dsconv.parts import PartLayout, PartWriter
+from dsconv.parts import PartLayout, PartWriter, Region
 from dsconv.quant.formats.msmodelslim import LinearResult, emit_linear
 from dsconv.quant.output import QuantWriter, as_float
 from dsconv.quant.plan import LinearPlan, QuantPlan, linear_specs
@@ -30,7 +30,6 @@ from dsconv.quant.weights import quantize_weight, rtn_linear_into
 from dsconv.tensorfile import TensorInfo, TensorReader, dequant_fp8_block
 
 ERROR_SAMPLE_ROWS = 256  # rows used to estimate a big tensor's relative error
-COPY_BLOCK = 16 * 2**20  # pass-through tensors move in blocks of this size (memory flat in the largest tensor)
 VIEWABLE = ("BF16", "F16", "F32")
 
 
@@ -199,8 +198,8 @@ def _rtn_rows(reader: TensorReader, src: Source, params: Params, out: PartWriter
 
 def _write_items(out: PartWriter, items: list[tuple[str, Any]], reader: TensorReader, src: Source) -> None:
     for name, arr in items:
-        if isinstance(arr, TensorInfo):
-            out.write_chunks(name, reader.iter_bytes(arr, COPY_BLOCK))
+        if isinstance(arr, TensorInfo):  # kept as stored: a copy in the kernel, as the shard writer copies
+            out.write_regions(name, [Region(str(arr.file), arr.start, arr.nbytes)])
         else:
             out.write(name, arr)
     reader.advise(src.weight, getattr(mmap, "MADV_DONTNEED", 4))
@@ -208,7 +207,7 @@ def _write_items(out: PartWriter, items: list[tuple[str, Any]], reader: TensorRe
 
 def _produce(reader: TensorReader, src: Source, params: Params, records: list) -> list[tuple[str, Any]]:
     """The (name, array) pairs of one source, in the output's order; a float kept as stored is its TensorInfo
-    (copied block by block when written)."""
+    (copied in the kernel when written)."""
     info = src.weight
     if src.lp is None:
         if src.scale is None and info.dtype == src.out_dtype:
