@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test bench bench-fidelity fuzz clean
+.PHONY: install demo test bench bench-fidelity fuzz engine-check engine-check-real clean
 
 install: $(STAMP)
 
@@ -19,6 +19,13 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# vLLM-Ascend's real weight loader (vLLM 0.23.0 + vLLM-Ascend 0.23.0.post1 on CPU, in its own cached venv: see
+# tests/engine_check/) loads every output `dsconv quantize --engine vllm-ascend` writes for the tiny models of every
+# family; every tensor must land in its parameter. First run ~3 min of setup (~3.3 GB), then ~3 min.
+engine-check: install
+	bash tests/engine_check/setup_env.sh
+	$(BIN)/python -m tests.engine_check.matrix --out engine-check-out
 
 bench: install
 	$(BIN)/python -m benchmarks

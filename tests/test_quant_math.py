@@ -39,7 +39,7 @@ from dsconv.quant.schemes import (
 def test_per_channel_int8_by_hand():
     w = np.array(
         [
-            [0.5, -1.27, 0.0],  # absmax 1.27 -> scale 0.01 -> 50, -127, 0
+            [0.5, -1.27, 0.0],  # absmax 1.27 -> scale 0.01, up to bf16's 0.010009765625 -> 50, -127, 0
             [63.5, 1.25, -0.75],  # absmax 63.5 -> scale 0.5 -> 127, 2.5 -> 2 (half to even), -1.5 -> -2
             [0.0, 0.0, 0.0],  # zero row -> scale 1.0, no NaN
         ],
@@ -47,7 +47,7 @@ def test_per_channel_int8_by_hand():
     )
     q, scale = quantize_weight_per_channel(w, bits=8)
     assert q.dtype == np.int8 and scale.dtype == np.float32 and scale.shape == (3, 1)
-    np.testing.assert_allclose(scale[:, 0], [0.01, 0.5, 1.0], rtol=1e-6)
+    np.testing.assert_array_equal(scale[:, 0], np.array([0.010009765625, 0.5, 1.0], np.float32))
     np.testing.assert_array_equal(q, [[50, -127, 0], [127, 2, -2], [0, 0, 0]])
 
 
@@ -161,17 +161,18 @@ def test_pack_int4_odd_rows_is_user_error():
 # ------------------------------------------------------------------------------------------ activations and W8A8
 def test_activation_qparams_by_hand():
     scale, offset = activation_qparams(-1.0, 3.0)
-    # scale = 4 / 255; offset = round(-128 - (-1) / (4/255)) = round(-128 + 63.75) = round(-64.25) = -64
+    # scale = 4 / 255 = 0.0156862..., rounded up onto bf16's grid (8 significant bits: 2**-6 * 129/128) =
+    # 0.0157470703125; offset = round(-128 - (-1) / scale) = round(-128 + 63.504) = -64
     assert scale.dtype == np.float32 and offset.dtype == np.float32
-    assert scale == np.float32(4.0 / 255.0)
+    assert scale == np.float32(2.0 ** -6 * 129 / 128)
     assert offset == -64.0
     xq = quantize_activation(np.array([-1.0, 0.0, 3.0], np.float32), scale, offset)
-    np.testing.assert_array_equal(xq, [-128, -64, 127])  # min -> -128, 0 exact, max -> 127
+    np.testing.assert_array_equal(xq, [-128, -64, 127])  # min -> -128, 0 exact, max -> 127 (126.51)
     # ranges are widened to include 0
-    s2, o2 = activation_qparams(2.0, 5.0)
-    assert s2 == np.float32(5.0 / 255.0) and o2 == -128.0
-    s3, o3 = activation_qparams(-2.0, -1.0)  # offset = round(-128 + 255) = 127
-    assert s3 == np.float32(2.0 / 255.0) and o3 == 127.0
+    s2, o2 = activation_qparams(2.0, 5.0)  # 5/255 = 2**-6 * 1.2549 -> 2**-6 * 161/128
+    assert s2 == np.float32(2.0 ** -6 * 161 / 128) and o2 == -128.0
+    s3, o3 = activation_qparams(-2.0, -1.0)  # 2/255 = 2**-7 * 1.0039 -> 2**-7 * 129/128; round(-128 + 254.02)
+    assert s3 == np.float32(2.0 ** -7 * 129 / 128) and o3 == 126.0
     # degenerate range: never a zero scale
     s4, o4 = activation_qparams(0.0, 0.0)
     assert s4 == 1.0 and o4 == -128.0
@@ -441,3 +442,26 @@ def test_emitted_tensors_are_the_layout_tables(qtype, deq_dtype):
         assert (ST_OF_NUMPY[arr.dtype], tuple(arr.shape)) == (dtype, shape), name
     with pytest.raises(ValueError):
         linear_layout("m.p", "W3A3", n, k)
+
+
+def test_scales_are_values_every_engine_dtype_holds():
+    """vLLM-Ascend and MindIE keep input_scale and dynamic weight scales in the model dtype (bf16 or fp16): every
+    scale dsconv writes survives float32 -> bf16 and -> fp16 unchanged, is never below the exact one (no extra
+    clipping), and at most 2**-7 above it; all-zero rows still get 1.0."""
+    import torch
+
+    from dsconv.quant.schemes import activation_qparams, usable_scale
+
+    rng = np.random.default_rng(0)
+    exact = np.concatenate([10.0 ** rng.uniform(-9, 3, 4000), [2.0 ** -24, 2.0 ** -17, 2.0 ** -14, 1.0, 3.0]])
+    exact = exact.astype(np.float32)
+    s = usable_scale(exact)
+    t = torch.from_numpy(s)
+    assert torch.equal(t.to(torch.bfloat16).float(), t) and torch.equal(t.to(torch.float16).float(), t)
+    assert (s >= exact).all()
+    big = exact >= 2.0 ** -17
+    assert (s[big] / exact[big] - 1 < 2.0 ** -7).all()
+    assert torch.equal(usable_scale(torch.from_numpy(exact)), t)  # the torch path is the same rule
+    assert usable_scale(np.zeros(2, np.float32)).tolist() == [1.0, 1.0]
+    scale, offset = activation_qparams(-0.37, 5.1)
+    assert float(torch.tensor(float(scale)).to(torch.bfloat16)) == float(scale) and offset == np.rint(offset)

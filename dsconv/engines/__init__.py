@@ -14,7 +14,7 @@ from dsconv.errors import UserError
 from dsconv.families.roles import Category, Role
 
 __all__ = ["ENGINES", "EngineProfile", "get", "default_engine", "layer_kind", "kind_types", "assigner",
-           "check_plan", "check_layout", "check_fallback", "config_updates", "kind_table", "FLOAT", "KINDS"]
+           "check_plan", "check_packing", "check_layout", "check_fallback", "config_updates", "description_updates", "kind_table", "FLOAT", "KINDS"]
 
 # --bits 8 recipes: (family, engine) -> kind -> type ("*" = any). DeepSeek follows Ascend's own recipe for both
 # engines: MLA static W8A8, dense MLP / shared / routed experts W8A8_DYNAMIC (MindIE-LLM
@@ -149,6 +149,20 @@ def preview(ck: Any, types: dict[str, str], default: str) -> list[Any]:
     return out
 
 
+def check_packing(prof: EngineProfile, family: Any, linears: Iterable[Any], group_size: int) -> None:
+    """UserError (exit 2) for int4 packed along the output dim (W4A16 per group) on rows the engine permutes for
+    rope at load time (profiles: rules["rope_rows"])."""
+    if prof.rope_rows_packed_ok:
+        return
+    for lp in linears:
+        if lp.qtype == "W4A16" and lp.slot in family.rope_permuted_slots and group_size not in (0, lp.k):
+            rule = prof.rules["rope_rows"]
+            raise UserError(f"--engine {prof.name}: {lp.module} cannot be W4A16 with groups of {group_size}: "
+                            f"{prof.label}: {rule.text} ({rule.source})",
+                            hint="use --group-size 0 (per channel, packed along the input dim), "
+                                 "or keep these float with --ignore 'q_b_proj|kv_a_proj_with_mqa'")
+
+
 def check_layout(prof: EngineProfile, layout: str) -> None:
     if layout == "mindie" and not prof.legacy_layout:
         raise UserError(f"--layout mindie: {prof.label} reads only quant_model_description.json "
@@ -192,6 +206,20 @@ def config_updates(prof: EngineProfile, family: str, types: dict[str, str], kind
     for key in prof.config_keys:
         if key != "quantize" and key in regions and regions[key] != quantize:
             out[key] = regions[key]
+    return out
+
+
+def description_updates(prof: EngineProfile, desc: dict[str, Any]) -> dict[str, Any]:
+    """Keys the engine's description lookup needs beyond one per tensor: vLLM-Ascend reads a fused MoE layer's type
+    under `<moe>.experts.weight` (profiles.VLLM_ASCEND.rules["moe_key"]); it is the type of that layer's expert 0,
+    which the engine requires all its experts to share."""
+    if not prof.moe_type_key:
+        return {}
+    out: dict[str, Any] = {}
+    for name, qtype in desc.items():
+        moe, sep, rest = name.partition(".experts.0.")
+        if sep and rest.endswith(".weight") and rest.count(".") == 1:
+            out.setdefault(moe + ".experts.weight", qtype)
     return out
 
 

@@ -40,6 +40,8 @@ class EngineProfile:
     # config key -> kinds it governs (MindIE: one quantized type per region); {} = per-layer lookup
     regions: Mapping[str, Mapping[str, tuple[str, ...]]]
     fallback_ok: bool                                # may one region mix quantized types (per-unit fallback)?
+    moe_type_key: bool = False                       # description names each MoE layer's type `<moe>.experts.weight`
+    rope_rows_packed_ok: bool = True                 # may rows the loader permutes for rope be int4-packed along n?
     rules: Mapping[str, Rule] = field(default_factory=dict)
 
     def layer_type(self, kind: str) -> str:
@@ -75,6 +77,7 @@ MINDIE = EngineProfile(
     config_keys=("quantize", "mla_quantize", "moe_quantize"),
     regions=_MINDIE_REGIONS,
     fallback_ok=False,
+    rope_rows_packed_ok=False,
     rules={
         "quantize": Rule("config.json `quantize` (lower case) selects the loader branch; without it int8 weights "
                          "are not read as quantized",
@@ -87,6 +90,12 @@ MINDIE = EngineProfile(
                         "atb/utils/weights.py::Weights.get_multi_weights_col"),
         "description": Rule("quant_model_description.json first, else quant_model_description_{quantize}.json",
                             "MindIE-LLM atb/utils/weights.py::Weights._set_quant_params; router.py::BaseRouter.config"),
+        "rope_rows": Rule("MLA rope rows of q_b_proj / kv_a_proj_with_mqa are regrouped (even rows, then odd) on "
+                          "the weight as stored, by `weight.view(heads, q_head_dim, -1)`: int4 packed along the "
+                          "output dim holds two rows per byte, so the permutation would move half-rows and "
+                          "scramble them silently",
+                          "MindIE-LLM atb/utils/layers/attention/process_mla_linear.py::preprocess_linear_for_rope, "
+                          "trans_rope_weight"),
         "w4a16": Rule("per-channel int4 packed along k [n, k/2], per-group along n [n/2, k]; low nibble first; "
                       "version != 0.0.0 means pre-packed",
                       "MindIE-LLM atb/utils/quantize/w4a16.py::W4A16LinearStatic.__init__; "
@@ -118,6 +127,7 @@ VLLM_ASCEND = EngineProfile(
     config_keys=(),
     regions={},
     fallback_ok=True,
+    moe_type_key=True,
     rules={
         "description": Rule("only quant_model_description.json; a quantization_config in config.json replaces it",
                             "vllm-ascend vllm_ascend/quantization/modelslim_config.py::AscendModelSlimConfig."
@@ -125,6 +135,10 @@ VLLM_ASCEND = EngineProfile(
         "fused": Rule("fused layers (qkv, gate_up, fused_qkv_a, experts) need one type across shards; MoE type "
                       "from experts.0",
                       "vllm-ascend vllm_ascend/quantization/modelslim_config.py::get_linear_quant_type"),
+        "moe_key": Rule("a fused MoE layer's type is looked up as `<prefix>.experts.weight` unless the model type's "
+                        "packed_modules_model_mapping lists its experts (qwen2_moe and mixtral are not listed: "
+                        "KeyError without the key)",
+                        "vllm-ascend vllm_ascend/quantization/modelslim_config.py::get_linear_quant_type"),
     },
 )
 

@@ -121,6 +121,22 @@ class Family:
     required_config: tuple[str, ...] = ()
     #: transformers' fused 3-D expert parameters -> the per-expert slots each holds, stacked along dim 1
     fused_params: dict[str, tuple[str, ...]] = {"gate_up_proj": ("gate", "up"), "down_proj": ("down",)}
+    #: config.json keys the engines read with a default that is wrong for this family, and the value this family's
+    #: transformers code implies when the key is absent (transformers 5 stops writing some of them)
+    engine_config_defaults: dict[str, Any] = {}
+    #: slots whose output rows an engine permutes at load time for rotary embedding (MindIE regroups MLA rope rows)
+    rope_permuted_slots: tuple[str, ...] = ()
+
+    def engine_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """config.json as the engines read it: the keys transformers 5 renamed written back under the names MindIE
+        (transformers 4.30) and vLLM read, beside the new ones; then the family's implied keys. Values come from
+        the model's own config; a key already present is never changed."""
+        from dsconv.families.facts import legacy_config_keys
+
+        out = dict(config)
+        for k, v in {**legacy_config_keys(config), **self.engine_config_defaults}.items():
+            out.setdefault(k, v)
+        return out
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)

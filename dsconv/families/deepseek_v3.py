@@ -35,6 +35,13 @@ class DeepseekV3(Family):
     name = "deepseek_v3"
     required_config = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
     model_types = ("deepseek_v3",)
+    # transformers' DeepseekV3 always routes with sigmoid scores and the correction bias (noaux_tc); its saved
+    # config omits both keys, and vLLM then builds softmax routing without the bias parameter
+    # (vllm/model_executor/models/deepseek_v2.py: getattr(config, "topk_method", None) == "noaux_tc",
+    # getattr(config, "scoring_func", "softmax"))
+    engine_config_defaults = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+    # MindIE-LLM atb_llm/utils/layers/attention/process_mla_linear.py::preprocess_linear_for_rope
+    rope_permuted_slots = ("q_b", "q", "kv_a")
     table = (
         *linear("embed", "model.embed_tokens", Role.EMBED, Category.EMBEDDING, "vocab_size", "hidden_size"),
         *MTP_IN, *norm("norm.input", L + "input_layernorm"), *norm("norm.post", L + "post_attention_layernorm"),

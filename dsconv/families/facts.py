@@ -202,3 +202,22 @@ def hf_config(config: dict[str, Any], where: str = "config.json"):
     except (ValueError, TypeError, KeyError) as e:
         raise UserError(f"{where}: transformers cannot read it as a {model_type} config ({e})",
                         hint="compare it with the model's published config.json") from None
+
+
+def legacy_config_keys(config: dict[str, Any]) -> dict[str, Any]:
+    """The pre-transformers-5 spellings of keys transformers 5 renamed, from the new ones: `torch_dtype` (MindIE's
+    ModelRunner reads it under its pinned transformers 4.30, which ignores `dtype`), `rope_theta` and
+    `rope_scaling` (from `rope_parameters`; read as attributes by MindIE's model configs, where a missing
+    rope_theta silently means 10000 and a missing rope_scaling is a TypeError for DeepSeek). Empty when the config
+    already uses the old names."""
+    out: dict[str, Any] = {}
+    if config.get("dtype") is not None:
+        out["torch_dtype"] = config["dtype"]
+    rp = config.get("rope_parameters")
+    if isinstance(rp, dict) and "rope_theta" in rp:  # one table (not nested per attention type)
+        out["rope_theta"] = rp["rope_theta"]
+        kind = rp.get("rope_type", rp.get("type", "default"))
+        # null for plain rope: MindIE's DeepseekV2Config takes rope_scaling as a required argument
+        out["rope_scaling"] = None if kind == "default" else {
+            **{k: v for k, v in rp.items() if k != "rope_theta"}, "type": kind, "rope_type": kind}
+    return out

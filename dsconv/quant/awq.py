@@ -37,7 +37,7 @@ from dsconv.quant import smoothing as sm
 from dsconv.quant.hooks import FlowProbe, LinearHooks
 from dsconv.quant.layers import install_forward
 from dsconv.quant.plan import BITS, LinearPlan
-from dsconv.quant.schemes import _MIN_SCALE, qrange
+from dsconv.quant.schemes import qrange, usable_scale
 from dsconv.tensors import torch_dtype
 
 ALPHAS = tuple(i / 10 for i in range(11))          # 0.0 = no scaling
@@ -90,8 +90,7 @@ def fake_quant(w: torch.Tensor, bits: int, g: int) -> torch.Tensor:
     qmin, qmax = qrange(bits)
     n, k = w.shape
     w3 = w.reshape(n, _groups(k, g), -1)
-    sc = w3.abs().amax(dim=-1, keepdim=True) / qmax
-    sc = torch.where(sc < _MIN_SCALE, torch.ones_like(sc), sc)
+    sc = usable_scale(w3.abs().amax(dim=-1, keepdim=True) / qmax)
     return (torch.round(w3 / sc).clamp_(qmin, qmax) * sc).reshape(n, k)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from dsconv.errors import UserError
 from dsconv.quant.grid import search_scales
-from dsconv.quant.schemes import _MIN_SCALE, _is_torch, check_group_size, qrange, to_float32
+from dsconv.quant.schemes import _is_torch, check_group_size, qrange, to_float32, usable_scale
 
 
 def _as_torch_f32(x: Any) -> torch.Tensor:
@@ -26,8 +26,7 @@ def _as_torch_f32(x: Any) -> torch.Tensor:
 
 def _sym_scale(absmax: torch.Tensor, qmax: int) -> torch.Tensor:
     """Same rule as schemes.symmetric_scale, in torch: absmax / qmax, all-zero rows/groups -> 1.0."""
-    s = absmax / qmax
-    return torch.where(s < _MIN_SCALE, torch.ones_like(s), s)
+    return usable_scale(absmax / qmax)
 
 
 def _tri_inv_lower(M: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from dsconv.quant.schemes import _MIN_SCALE
+from dsconv.quant.schemes import usable_scale
 
 # 1.0 first (ties keep max|w|), then down to 0.5 in steps of 1/40 (0.875 = 7/8 is on it)
 RATIOS = tuple(1.0 - i / 40 for i in range(21))
@@ -41,11 +41,11 @@ def search(w: torch.Tensor, qmin: int, qmax: int, importance: torch.Tensor | Non
     for s in range(0, n, step):
         blk = w[s:s + step].to(torch.float32)
         base = blk.abs().amax(dim=2) / qmax
-        best_scale = torch.where(base < _MIN_SCALE, torch.ones_like(base), base)
+        best_scale = usable_scale(base)
         best_r = torch.ones_like(base)
         best_err = None
         for r in ratios:
-            sc = best_scale if r == 1.0 else torch.where(base < _MIN_SCALE, torch.ones_like(base), base * r)
+            sc = best_scale if r == 1.0 else usable_scale(base * r)
             d = torch.round(blk / sc[..., None]).clamp_(qmin, qmax).mul_(sc[..., None]).sub_(blk)
             if hblocks is not None:
                 dt = d.transpose(0, 1)

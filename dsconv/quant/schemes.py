@@ -34,6 +34,14 @@ INT8_MIN, INT8_MAX = -128, 127
 # Smallest usable scale: below it 1/scale overflows float32. Rows (or groups) whose absmax gives a smaller scale are
 # all (near) zero; they get scale 1.0 so dequantisation yields exact zeros and quant_bias = bias/deq_scale stays small.
 _MIN_SCALE = float(np.finfo(np.float32).tiny) * 16
+# Scales are written as float32, but vLLM-Ascend loads input_scale and the W8A8_DYNAMIC / W8A16 weight_scale into
+# parameters of the model dtype (bf16 or fp16; w8a8_static.py::get_pertensor_param, w8a8_dynamic.py), so a float32
+# value that dtype cannot hold would be rounded by the engine and it would compute with another scale than the one
+# the weights were quantized with. Every scale is therefore rounded UP onto a grid all three dtypes hold exactly:
+# bf16's 8 significant bits, and below 2**-17 (where bf16 is finer than fp16's subnormal step) multiples of 2**-24.
+# Rounding up keeps every weight and calibrated activation inside the int range; it costs < 0.8% of scale.
+_FP16_SUBNORMAL_STEP = 2.0 ** -24
+_BF16_FINER_THAN_FP16 = 2.0 ** -17
 
 
 # ----------------------------------------------------------------------------------------------- input helpers
@@ -125,13 +133,40 @@ def qrange(bits: int) -> tuple[int, int]:
     raise UserError(f"unsupported weight bit width {bits}", hint="use 8 or 4")
 
 
+def usable_scale(scale: Any) -> Any:
+    """The scale as written (numpy or torch float32, same kind as given): values too small to invert (all-zero
+    rows/groups) become 1.0, the rest are rounded up onto the grid bf16, fp16 and float32 all hold exactly (see
+    _FP16_SUBNORMAL_STEP), so every engine computes with the value the weights were quantized with."""
+    if _is_torch(scale):
+        import torch
+
+        s = scale.to(torch.float32)
+        s = torch.where(s < _MIN_SCALE, torch.ones_like(s), s)
+        return torch.from_numpy(_onto_grid(s.numpy()))
+    s = np.asarray(scale, dtype=np.float32)
+    return _onto_grid(np.where(s < _MIN_SCALE, np.float32(1.0), s).astype(np.float32))
+
+
+def _onto_grid(s: np.ndarray) -> np.ndarray:
+    """Positive float32 -> the next value up with 8 significant bits (bf16); below 2**-17 the next multiple of
+    2**-24 (fp16's subnormal step, which is then coarser than bf16's)."""
+    shape = np.shape(s)
+    s = np.ascontiguousarray(s, dtype=np.float32).reshape(-1)  # (a 0-d input comes back 1-d from numpy)
+    bits = s.view(np.uint32).astype(np.uint64)
+    up = ((bits + 0xFFFF) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+    tiny = s < _BF16_FINER_THAN_FP16
+    if tiny.any():
+        up = np.where(tiny, (np.ceil(s.astype(np.float64) / _FP16_SUBNORMAL_STEP) * _FP16_SUBNORMAL_STEP)
+                      .astype(np.float32), up)
+    return up.reshape(shape)
+
+
 def symmetric_scale(absmax: np.ndarray, bits: int, name: str = "weight") -> np.ndarray:
-    """float32 ``absmax / qmax``; all-zero rows/groups get 1.0 (no NaN, no huge quant_bias); NaN/Inf is an error."""
+    """float32 ``absmax / qmax`` as a usable_scale; NaN/Inf is an error."""
     absmax = np.asarray(absmax, dtype=np.float32)
     if not np.isfinite(absmax).all():
         raise UserError(f"tensor {name} contains NaN or Inf values", hint="check the checkpoint (dsconv inspect)")
-    scale = absmax / np.float32(qrange(bits)[1])
-    return np.where(scale < _MIN_SCALE, np.float32(1.0), scale).astype(np.float32, copy=False)
+    return usable_scale(absmax / np.float32(qrange(bits)[1]))
 
 
 def _absmax_rows(blk: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -270,15 +305,14 @@ def activation_qparams(min_val: float, max_val: float) -> tuple[np.float32, np.f
     """Per-tensor asymmetric int8 parameters ``(input_scale, input_offset)`` for a calibrated range.
 
     The range is widened to include 0 (so 0 is exactly representable: padding and ReLU zeros stay exact);
-    ``scale = (max - min) / 255``; ``offset = round(-128 - min / scale)`` so min -> -128 and max -> 127.
-    A degenerate range (all zeros) gets scale 1.0, never 0.
+    ``scale = (max - min) / 255`` as a usable_scale (the engines keep input_scale in the model dtype);
+    ``offset = round(-128 - min / scale)`` so min -> -128 and max -> 127. A degenerate range (all zeros) gets
+    scale 1.0, never 0.
     """
     lo, hi = float(min(min_val, 0.0)), float(max(max_val, 0.0))
     if not (np.isfinite(lo) and np.isfinite(hi)):
         raise UserError(f"activation range [{min_val}, {max_val}] is not finite", hint="check the calibration data")
-    scale = np.float32((hi - lo) / 255.0)
-    if not scale >= _MIN_SCALE:
-        scale = np.float32(1.0)
+    scale = np.float32(usable_scale(np.float32((hi - lo) / 255.0)))
     offset = np.clip(np.rint(-128.0 - lo / float(scale)), INT8_MIN, INT8_MAX)
     return scale, np.float32(offset)
 

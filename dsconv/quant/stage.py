@@ -73,6 +73,7 @@ def run(req: QuantRequest) -> QuantResult:
     plan = make_plan(ck, opts.scheme, opts.group_size, opts.method, opts.ignore, assign=engines.assigner(prof, ktypes),
                      recipe=opts.recipe, mix_ok=prof.fallback_ok)
     engines.check_plan(prof, family, plan.linears.values())
+    engines.check_packing(prof, ck.family, plan.linears.values(), plan.group_size)
     check_options(opts, plan)
     policy = fallback_policy(opts, plan) if engines.check_fallback(prof, opts.fallback, opts.fallback_threshold) \
         else None
@@ -120,11 +121,13 @@ def run(req: QuantRequest) -> QuantResult:
         t_cal = time.perf_counter() - t_cal
         decision = rep.decide(plan, records, policy, SCHEMES[opts.fallback_to])
         desc = qw.finish(decision.types)
+        desc.update(engines.description_updates(prof, desc))
         cfg_keys = engines.config_updates(prof, family, decision.types, kinds)
         if cfg_keys:  # MindIE: the description's global type is config's `quantize` (its own exporter's rule)
             desc["model_quant_type"] = cfg_keys["quantize"].upper()
         out.write_json(qw.description_name, desc)
-        config = {k: v for k, v in ck.config.items() if k not in ("quantization_config", *engines.ALL_CONFIG_KEYS)}
+        config = ck.family.engine_config(
+            {k: v for k, v in ck.config.items() if k not in ("quantization_config", *engines.ALL_CONFIG_KEYS)})
         config.update(cfg_keys)
         if ck.facts.fp8_block:  # weights arrive dequantized: the unquantized ones are written in the model dtype
             config["torch_dtype"] = config.get("torch_dtype") or "bfloat16"

@@ -2,7 +2,7 @@
 
 MindIE's own sharder (`examples.convert.weight_sharder`) loads the model on every NPU and dumps each rank's module
 state, so the files hold MindIE's *processed* tensors: k_b/v_b split from kv_b_proj, gate/up fused, routed experts
-stacked, rope rows permuted, dynamic-quant offsets negated, router rows rotated, an embedding pad row. This module
+stacked, rope rows permuted, dynamic-quant offsets negated, an embedding pad row. This module
 re-applies those transforms offline. Each output tensor is an `Item`: which source rows/columns it takes and which
 transforms follow, so the writer streams one output tensor at a time and `verify` can invert every exact transform
 to reassemble the source tensors bit for bit (the lossy ones - casts to a narrower float, the min-shifted
@@ -406,8 +406,13 @@ class Planner:
 
     def moe(self, t: int, e: int) -> list[Item]:
         """modeling_deepseek.py::DeepseekMoE.__init__/init_experts: router (float32 weight; bias = correction bias
-        - min, rows rotated to the EP rank's first expert with EP), shared experts over the MLP group (world; ep_level
-        1), routed experts of this EP rank stacked ([E_local, 2I/moe_tp, H] gate_up, [E_local, H, I/moe_tp] down)."""
+        - min; rows in source order), shared experts over the MLP group (world; ep_level 1), routed experts of this
+        EP rank stacked ([E_local, 2I/moe_tp, H] gate_up, [E_local, H, I/moe_tp] down).
+
+        The router rows stay unrotated in every EP folder: DeepseekMoE.__init__ rotates gate.weight/gate.bias rows to
+        the rank's first expert at load time (ep_level 1) whether or not the weights were sharded offline
+        (nothing there checks weights.sharded; FastLinear.load reads the stored `gate.weight`), so rows stored
+        rotated, as MindIE's own weight_sharder dumps them, would be rotated twice on EP ranks >= 1."""
         rk, items = self.rk, []
         r = e * rk.moe_tp + t  # the one world rank of this folder
         for L in self.layers():
@@ -417,8 +422,6 @@ class Planner:
             E = self.f.num_experts
             local = assign_experts(E, rk.moe_ep)[e]
             rows = np.arange(E)
-            if rk.moe_ep > 1:
-                rows = np.concatenate([np.arange(local.start, E), np.arange(0, local.start)])
             gw = p + "gate.weight"
             items.append(Item(p + "gate.weight", "F32", [[self._part(gw, rows)]], self._src_dtype(gw), qtype="FLOAT"))
             cb = p + "gate.e_score_correction_bias"

@@ -202,7 +202,8 @@ def write(src: Any, plan: MindiePlan, output: Path, *, head: dict[str, Any], fil
                 "model_sharded": {".": [DESCRIPTION] if plan.description is not None else [],
                                   **{f: sorted(v) for f, v in sorted(listing.items())}}}
         out.write_text(METADATA, json.dumps(meta, indent=4) + "\n")
-        cfg = dict(src.config)  # convert_utils.py::modify_config: only torch_dtype is rewritten
+        # convert_utils.py::modify_config rewrites only torch_dtype; the keys transformers 5 renamed go back too
+        cfg = src.family.engine_config(dict(src.config))
         cfg["torch_dtype"] = TORCH_DTYPE_NAMES[Planner(src, rk).model_dtype]
         out.write_text("config.json", json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
         for f in sorted(Path(src.root).iterdir()):  # convert_utils.py::copy_tokenizer_files

@@ -181,7 +181,51 @@ def read(d: Path, src_shapes: dict[str, tuple[int, ...]], model_dtype: str, mode
         for module in modules:
             if module.endswith("kv_b_proj") and types.get(module) != "FLOAT":
                 p.add("preprocess_kv_weights", f"{module} is {types.get(module)}: only its weight is reshaped")
+            # process_mla_linear.py::preprocess_linear_for_rope / trans_rope_weight: `weight.view(heads, q_head_dim,
+            # -1)` then even/odd rope rows regrouped, on the tensor as stored: int4 packed along the output dim
+            # ([n/2, k], two output rows per byte) moves half-rows and scrambles the rope rows without an error
+            if module.endswith(("q_b_proj", "kv_a_proj_with_mqa")) and types.get(module) == "W4A16" \
+                    and group_size > 0 and version != "0.0.0":
+                p.add("preprocess_linear_for_rope", f"{module}: W4A16 per group is packed along n; the rope-row "
+                                                    "permutation would move half-rows")
+    config_keys(cfg, model_type, p)
+    scales_in_model_dtype(route, model_dtype, p)
     return p
+
+
+def config_keys(cfg: dict, model_type: str, p: Problems) -> None:
+    """Keys MindIE reads from config.json with no default, under its pinned transformers 4.x (which maps neither
+    `dtype` -> torch_dtype nor `rope_parameters` -> rope_theta/rope_scaling):
+    atb/runner/model_runner.py::ModelRunner.__init__ `self.config.torch_dtype` (NotImplementedError unless
+    float16/bfloat16); deepseekv2/config_deepseekv2.py `__init__(self, rope_scaling, **kwargs)` (TypeError when the
+    key is missing; null allowed); router_deepseekv2.py `topk_method` (greedy / group_limited_greedy / noaux_tc);
+    config_qwen2.py / flash_causal_llama.py `rope_theta` (defaults to 10000: silently wrong for Qwen2's 1e6)."""
+    if cfg.get("torch_dtype") not in ("float16", "bfloat16"):
+        p.add("ModelRunner.__init__", f"config.json torch_dtype={cfg.get('torch_dtype')!r}")
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict) and "rope_theta" in rp and cfg.get("rope_theta") != rp["rope_theta"]:
+        p.add("config rope_theta", f"rope_theta={cfg.get('rope_theta')!r}, the model's is {rp['rope_theta']}")
+    if model_type == "deepseek_v3":
+        if "rope_scaling" not in cfg:
+            p.add("DeepseekV2Config.__init__", "config.json lacks rope_scaling (TypeError)")
+        if cfg.get("topk_method") not in ("greedy", "group_limited_greedy", "noaux_tc"):
+            p.add("router_deepseekv2", f"topk_method={cfg.get('topk_method')!r}")
+
+
+def scales_in_model_dtype(route: dict, model_dtype: str, p: Problems) -> None:
+    """weights.py::correct_tensor_dtype casts every float tensor but a bf16 model's deq_scale to the model dtype
+    (input_scale, weight_scale): a float32 value the model dtype cannot hold is rounded, and the kernel then
+    computes with another scale than the one deq_scale, quant_bias and the int weights were derived from."""
+    import torch
+
+    want = {"BF16": torch.bfloat16, "F16": torch.float16}.get(model_dtype)
+    if want is None:
+        return
+    for name, (_, dtype, _) in route.items():
+        if dtype == "F32" and name.endswith((".input_scale", ".weight_scale")):
+            t = torch.from_numpy(tensor(route, name))
+            if not torch.equal(t.to(want).float(), t):
+                p.add("correct_tensor_dtype", f"{name}: float32 values change when cast to {model_dtype}")
 
 
 def int4_nibbles_match(route: dict, module: str, w: np.ndarray, tol: float = 0.25) -> bool:

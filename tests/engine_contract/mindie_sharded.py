@@ -110,4 +110,25 @@ def read(d: Path) -> Problems:
         for name in need:
             if name not in route:
                 p.add("get_filename", f"rank {r}: weight {name} does not exist")
+    router_in_source_order(d, p)
     return p
+
+
+def router_in_source_order(d: Path, p: Problems) -> None:
+    """modeling_deepseek.py::DeepseekMoE.__init__ (ep_level 1) rotates gate.weight/gate.bias rows to the rank's
+    first expert at load time, with no check of weights.sharded (fast_linear.py::FastLinear.load reads the stored
+    `gate.weight` when sharded): the stored rows must be the same, unrotated, in every EP folder."""
+    import numpy as np
+
+    from tests.engine_contract.common import tensor
+
+    seen: dict[str, np.ndarray] = {}
+    for folder in sorted(x for x in d.iterdir() if x.name.startswith("model-moe-")):
+        route = routing(folder, p, folder.name)
+        for name in route:
+            if name.endswith((".mlp.gate.weight", ".mlp.gate.bias")):
+                t = tensor(route, name)
+                if name in seen and not np.array_equal(seen[name], t):
+                    p.add("DeepseekMoE.__init__", f"{folder.name}: {name} rows differ from another EP rank's "
+                                                  "(stored rotated: the loader rotates them again)")
+                seen.setdefault(name, t)

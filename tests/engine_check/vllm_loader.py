@@ -1,0 +1,282 @@
+"""Load quantized checkpoints with vLLM-Ascend's real weight loader on a CPU host and check where every tensor landed.
+
+Runs inside the engine-check environment (vLLM 0.23.0 + vLLM-Ascend 0.23.0.post1, see setup_env.sh), never in
+dsconv's own: it imports nothing from dsconv, so it cannot agree with dsconv by construction.
+
+    python vllm_loader.py DIR [DIR ...] --json results.jsonl
+
+For each directory: `EngineArgs(quantization="ascend")` -> `initialize_model` on CPU -> the engine's
+`DefaultModelLoader.load_weights`. vLLM skips its own "weights not initialized" check for quantized models, so the
+check is ours: every parameter is first filled with a sentinel, every checkpoint tensor is then compared with the
+part of the parameter it must land in (fused q/k/v, gate/up and q_a/kv_a slices, stacked `w13_*` / `w2_*`
+experts), and every parameter element must have been claimed by some checkpoint tensor. A tensor counts as
+bit-exact (same dtype and bytes), after-cast (the engine's parameter has another dtype and holds exactly the cast
+value, e.g. a float32 input_scale in a bf16 parameter: lossy when that cast changes a value, which is a failure:
+the engine would compute with another number than the one written) or mismatched; a tensor with no parameter is
+unmapped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import npu_stubs  # noqa: E402
+
+npu_stubs.install()
+
+import torch  # noqa: E402
+
+# Fused vLLM modules -> the checkpoint modules stacked into them, in order along the output dim. Restated from the
+# engine models (vllm/model_executor/models/{llama,qwen2,qwen3,qwen2_moe,qwen3_moe,mixtral,deepseek_v2}.py
+# `stacked_params_mapping`), not imported, so a change in the engine shows up as a failure here.
+STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+           "q_a_proj": ("fused_qkv_a_proj", 0), "kv_a_proj_with_mqa": ("fused_qkv_a_proj", 1)}
+STACK_ORDER = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+               "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")}
+# routed experts: checkpoint projection -> (fused parameter, half of w13 or None)
+EXPERT_RE = re.compile(r"^(?P<moe>.+\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.(?P<param>\w+)$")
+EXPERT_SLOT = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1),
+               "down_proj": ("w2", None), "w2": ("w2", None)}
+# per-tensor parameters of a fused layer hold one value for all its shards (vLLM-Ascend W8A8 static:
+# get_pertensor_param creates input_scale/input_offset of shape [1])
+PER_TENSOR = ("input_scale", "input_offset")
+
+_PATCHED = False
+_BOOTED = False
+
+
+def boot() -> None:
+    """The NPU worker's start-up, once per process (vllm_ascend/worker/worker.py and the platform's init)."""
+    global _PATCHED
+    if _PATCHED:
+        return
+    from vllm_ascend.utils import adapt_patch, register_ascend_customop
+
+    adapt_patch(True)
+    adapt_patch()
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    register_ascend_customop()
+    _PATCHED = True
+
+
+def init_parallel(vllm_config: Any) -> None:
+    """One process, world size 1: vLLM's groups, then vLLM-Ascend's (else "mc2 group is not initialized"). Runs
+    under the first checkpoint's config (vLLM-Ascend sizes its HCCL options from it); later ones reuse it."""
+    global _BOOTED
+    if _BOOTED:
+        return
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    port = 20000 + os.getpid() % 20000
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
+    initialize_model_parallel(1, 1)
+    # the W8A8-dynamic MoE method asks the process group for an "npu" backend and only catches AttributeError
+    pg = torch.distributed.ProcessGroup
+    real = pg._get_backend
+
+    def _get_backend(self, device):
+        if getattr(device, "type", device) == "npu":
+            return _StandInBackend()
+        return real(self, device)
+
+    pg._get_backend = _get_backend
+    from vllm_ascend.distributed.parallel_state import init_ascend_model_parallel
+
+    init_ascend_model_parallel(vllm_config.parallel_config)
+    _BOOTED = True
+
+
+class _StandInBackend:
+    def get_hccl_comm_name(self, rank: int) -> str:
+        return "stand-in"
+
+
+def build_and_load(directory: Path, dtype: str) -> Any:
+    """The engine's own path from a checkpoint directory to a model with its weights loaded."""
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    args = EngineArgs(model=str(directory), quantization="ascend", load_format="safetensors", dtype=dtype,
+                      enforce_eager=True, tensor_parallel_size=1, skip_tokenizer_init=True, max_model_len=256)
+    vllm_config = args.create_engine_config()
+    with set_current_vllm_config(vllm_config):
+        init_parallel(vllm_config)
+        # BaseModelLoader.load_model up to process_weights_after_loading (which runs NPU kernels)
+        with set_default_torch_dtype(vllm_config.model_config.dtype):
+            with torch.device("cpu"):
+                model = initialize_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
+            params = dict(model.named_parameters())
+            for p in params.values():
+                _fill_sentinel(p.data)
+            get_model_loader(vllm_config.load_config).load_weights(model, vllm_config.model_config)
+    return model, params
+
+
+def _fill_sentinel(t: torch.Tensor) -> None:
+    if t.is_floating_point():
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.fill_(False)
+    else:
+        t.fill_(torch.iinfo(t.dtype).min + 3)
+
+
+def _checkpoint(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN payloads included): the loader copies bytes, it never computes."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+
+
+def _destination(name: str, ck: dict[str, torch.Tensor], params: dict) -> tuple[str, Any] | None:
+    """(parameter name, index into it) where the engine must put checkpoint tensor `name`, or None."""
+    m = EXPERT_RE.match(name)
+    if m and m["proj"] in EXPERT_SLOT:
+        fused, half = EXPERT_SLOT[m["proj"]]
+        pname = f"{m['moe']}.{fused}_{m['param']}"
+        if pname not in params:
+            return None
+        e = int(m["e"])
+        if half is None:
+            return pname, (e,)
+        rows = ck[name].shape[0]
+        return pname, (e, slice(half * rows, (half + 1) * rows))
+    module, _, param = name.rpartition(".")
+    parent, _, leaf = module.rpartition(".")
+    if leaf in STACKED:
+        fused, idx = STACKED[leaf]
+        pname = f"{parent}.{fused}.{param}"
+        if pname not in params:
+            return None
+        if param in PER_TENSOR:
+            return pname, ()
+        start = sum(ck[f"{parent}.{s}.{param}"].shape[0] for s in STACK_ORDER[fused][:idx]
+                    if f"{parent}.{s}.{param}" in ck)
+        return pname, (slice(start, start + ck[name].shape[0]),)
+    if name in params:
+        return name, ()
+    return None
+
+
+def check(directory: Path, dtype: str | None = None) -> dict:
+    """Load `directory` with the engine and compare every tensor; a dict of counts and the problems found."""
+    cfg = json.loads((directory / "config.json").read_text())
+    dtype = dtype or cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    started = time.perf_counter()
+    res: dict[str, Any] = {"dir": str(directory), "dtype": dtype, "loaded": False, "tensors": 0, "bit_exact": 0,
+                           "after_cast": 0, "lossy": [], "mismatched": [], "unmapped": [], "unfilled": [], "error": None}
+    try:
+        boot()
+        model, params = build_and_load(directory, dtype)
+    except Exception as e:  # the engine refused the checkpoint: that IS the result
+        res["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:400]
+        res["traceback"] = traceback.format_exc(limit=-4)
+        res["seconds"] = round(time.perf_counter() - started, 2)
+        return res
+    res["loaded"] = True
+    ck = _checkpoint(directory)
+    claimed = {n: torch.zeros(p.shape, dtype=torch.bool) for n, p in params.items()}
+    for name, t in sorted(ck.items()):
+        res["tensors"] += 1
+        dest = _destination(name, ck, params)
+        if dest is None:
+            res["unmapped"].append(name)
+            continue
+        pname, index = dest
+        got = params[pname].data[index] if index else params[pname].data
+        if got.shape != t.shape and got.numel() == t.numel():
+            got = got.reshape(t.shape)  # [n] vs [n, 1] scales: the same values
+        if _same(got, t):
+            res["bit_exact"] += 1
+        elif got.shape == t.shape and _same(got, t.to(got.dtype)):
+            res["after_cast"] += 1
+            changed = int((t.to(got.dtype).to(t.dtype) != t).sum())  # values, so -0.0 -> 0 is no change
+            if changed:  # the engine keeps another value than the one written
+                res["lossy"].append(f"{name}: {t.dtype} -> {got.dtype} changes {changed} of {t.numel()} values")
+        else:
+            res["mismatched"].append(f"{name} -> {pname}{_fmt(index)}: {tuple(t.shape)} {t.dtype} vs "
+                                     f"{tuple(got.shape)} {got.dtype}")
+            continue
+        if index:
+            claimed[pname][index] = True
+        else:
+            claimed[pname][...] = True
+    tied = bool(cfg.get("tie_word_embeddings"))
+    for pname, mask in claimed.items():
+        if bool(mask.all()):
+            continue
+        if tied and pname == "lm_head.weight":
+            continue  # the same tensor as the embedding (vLLM ties the parameter)
+        if pname.endswith((".weight_scale", ".weight_offset")) and _static_w8a8(pname, params):
+            continue  # static W8A8 declares them for another format; nothing reads them for msModelSlim's
+        res["unfilled"].append(f"{pname}: {int((~mask).sum())} of {mask.numel()} elements")
+    res["seconds"] = round(time.perf_counter() - started, 2)
+    return res
+
+
+def _static_w8a8(pname: str, params: dict) -> bool:
+    """A static W8A8 linear (it has deq_scale): vLLM-Ascend w8a8_static.py::get_perchannel_param declares
+    weight_scale/weight_offset beside it, used only for compressed-tensors checkpoints (process_weights_after_loading
+    reads them only when ascend_quant_method is compressed-tensors)."""
+    return pname.rpartition(".")[0] + ".deq_scale" in params
+
+
+def _fmt(index: Any) -> str:
+    if not index:
+        return ""
+    parts = [f"{i.start}:{i.stop}" if isinstance(i, slice) else str(i) for i in index]
+    return "[" + ", ".join(parts) + "]"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dirs", nargs="+", type=Path)
+    ap.add_argument("--dtype", default=None, help="model dtype (default: config.json's)")
+    ap.add_argument("--json", type=Path, default=None, help="append one JSON line per directory")
+    a = ap.parse_args()
+    bad = 0
+    for d in a.dirs:
+        r = check(d, a.dtype)
+        ok = r["loaded"] and not (r["mismatched"] or r["unmapped"] or r["unfilled"] or r["lossy"])
+        bad += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} {d.name}: " + (f"loaded, {r['tensors']} tensors: {r['bit_exact']} bit-exact, "
+              f"{r['after_cast']} after cast ({len(r['lossy'])} lossy), {len(r['mismatched'])} mismatched, {len(r['unmapped'])} unmapped, "
+              f"{len(r['unfilled'])} unfilled params ({r['seconds']} s)" if r["loaded"] else f"refused: {r['error']}"),
+              flush=True)
+        for k in ("lossy", "mismatched", "unmapped", "unfilled"):
+            for line in r[k][:8]:
+                print(f"     {k}: {line}")
+        if a.json:
+            with open(a.json, "a") as f:
+                f.write(json.dumps({k: v for k, v in r.items() if k != "traceback"}) + "\n")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
