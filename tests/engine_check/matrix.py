@@ -37,18 +37,16 @@ FAST = ["--calib-samples", "4", "--seq-len", "32"]
 
 
 def cases() -> list[dict]:
-    """(family, scheme, dtype, layout): every scheme on bf16 per-expert checkpoints; fp16 inputs (int64 deq_scale,
-    fp16 parameters) for the schemes with static activations or float scales; fused 3-D experts for the MoE
-    families' loadable schemes."""
+    """(family, scheme, dtype, layout): every scheme on bf16 per-expert checkpoints; the engine recipe (`--bits 8`:
+    static and dynamic layers) on fp16 inputs (int64 deq_scale, fp16 parameters) and, for MoE families, on
+    checkpoints storing transformers' fused 3-D experts."""
     out = []
     for f in FAMILIES:
         for s in SCHEMES:
             out.append(dict(family=f, scheme=s, dtype="bf16", layout="per-expert"))
-        for s in ("bits8", "w8a8_dynamic"):
-            out.append(dict(family=f, scheme=s, dtype="fp16", layout="per-expert"))
+        out.append(dict(family=f, scheme="bits8", dtype="fp16", layout="per-expert"))
         if f in MOE:
-            for s in ("bits8", "w8a8_dynamic"):
-                out.append(dict(family=f, scheme=s, dtype="bf16", layout="fused"))
+            out.append(dict(family=f, scheme="bits8", dtype="bf16", layout="fused"))
     return out
 
 
@@ -71,12 +69,23 @@ def build_sources(root: Path, need: set[tuple[str, str, str]]) -> dict[tuple[str
 
 
 def quantize(src: Path, out: Path, scheme: str) -> tuple[int, str]:
-    """`dsconv quantize` as a user runs it: (exit code, last stderr line)."""
-    cmd = [sys.executable, "-m", "dsconv", "quantize", "-m", str(src), "-o", str(out), "--engine", "vllm-ascend",
-           "--force", *SCHEMES[scheme], *FAST]
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    last = (p.stderr.strip().splitlines() or [""])[-1]
-    return p.returncode, last
+    """`dsconv quantize` through its CLI entry point, in this process (imports paid once): (exit code, last line of
+    what it printed to stderr)."""
+    import contextlib
+    import io
+
+    from dsconv.cli import main
+
+    args = ["quantize", "-m", str(src), "-o", str(out), "--engine", "vllm-ascend", "--force",
+            *SCHEMES[scheme], *FAST]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            main(args)  # always ends in SystemExit with the CLI's exit code
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return code, (err.getvalue().strip().splitlines() or [""])[-1]
 
 
 def engine_python() -> str:
@@ -89,12 +98,20 @@ def engine_python() -> str:
     return p.stdout.strip()
 
 
+def _is_moe(d: Path) -> bool:
+    cfg = json.loads((d / "config.json").read_text())
+    return any(cfg.get(k) for k in ("n_routed_experts", "num_experts", "num_local_experts"))
+
+
 def load_all(py: str, dirs: list[Path], jsonl: Path) -> dict[str, dict]:
-    """One engine process for all directories (the engine's import and start-up take ~10 s once)."""
+    """One engine process for the dense directories and one for the MoE ones (the engine's import and start-up take
+    ~10 s once; vLLM creates its expert-parallel group only when the first model it is initialised with is MoE)."""
     jsonl.unlink(missing_ok=True)
     env = {**os.environ, "DSCONV_NPU_STUBS": "1", "PYTHONPATH": str(HERE), "VLLM_LOGGING_LEVEL": "ERROR",
            "TOKENIZERS_PARALLELISM": "false"}
-    subprocess.run([py, str(HERE / "vllm_loader.py"), *map(str, dirs), "--json", str(jsonl)], env=env)
+    for group in ([d for d in dirs if not _is_moe(d)], [d for d in dirs if _is_moe(d)]):
+        if group:
+            subprocess.run([py, str(HERE / "vllm_loader.py"), *map(str, group), "--json", str(jsonl)], env=env)
     out = {}
     for line in jsonl.read_text().splitlines() if jsonl.exists() else []:
         r = json.loads(line)
@@ -114,7 +131,8 @@ def summarize(r: dict | None) -> dict:
             **({"problems": (r["mismatched"] + r["unmapped"] + r["unfilled"] + r["lossy"])[:6]} if not clean else {})}
 
 
-def run_matrix(root: Path, only: str | None) -> list[dict]:
+def run_matrix(root: Path, only: str | None) -> tuple[list[dict], list[str]]:
+    """The matrix's results, and what the broken controls show about the check itself (failures)."""
     todo = [c for c in cases() if not only or only in case_id(c)]
     t0 = time.perf_counter()
     srcs = build_sources(root, {(c["family"], c["dtype"], c["layout"]) for c in todo})
@@ -129,12 +147,60 @@ def run_matrix(root: Path, only: str | None) -> list[dict]:
             written.append(out)
         print(f"quantize {case_id(c)}: {c['dsconv']}", flush=True)
     t1 = time.perf_counter()
-    loaded = load_all(engine_python(), written, root / "loads.jsonl")
+    base = root / "out" / CONTROL_OF
+    controls = make_controls(base, root / "out") if base in written else []
+    loaded = load_all(engine_python(), written + controls, root / "loads.jsonl")
     for c in todo:
         if c["dsconv"] == "wrote":
             c.update(summarize(loaded.get(case_id(c))))
-    print(f"quantize {t1 - t0:.0f} s, engine {time.perf_counter() - t1:.0f} s for {len(written)} checkpoints")
-    return todo
+    print(f"quantize {t1 - t0:.0f} s, engine {time.perf_counter() - t1:.0f} s for {len(written)} checkpoints "
+          f"and {len(controls)} broken controls")
+    return todo, check_controls(loaded) if controls else []
+
+
+# Controls: copies of one loadable output, each broken in one way the check must catch (else it proves nothing).
+CONTROL_OF = "llama-bits8-bf16-per-expert"
+CONTROLS = {
+    "drop-weight-scale": "unfilled",      # a dynamic layer's weight_scale removed: its parameter stays unfilled
+    "rename-tensor": "unmapped",          # a weight under a name the model has no parameter for (or a refusal)
+    "scale-off-grid": "lossy",            # an input_scale the model dtype cannot hold: the engine would round it
+}
+
+
+def make_controls(written: Path, root: Path) -> list[Path]:
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = []
+    for name in CONTROLS:
+        d = root / f"control-{name}"
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(written, d)
+        (f,) = sorted(d.glob("*.safetensors"))
+        t = load_file(str(f))
+        if name == "drop-weight-scale":
+            del t[next(k for k in sorted(t) if k.endswith("down_proj.weight_scale"))]
+        elif name == "rename-tensor":
+            k = next(k for k in sorted(t) if k.endswith("o_proj.weight"))
+            t[k.replace("o_proj", "oo_proj")] = t.pop(k)
+        else:
+            k = next(k for k in sorted(t) if k.endswith("o_proj.input_scale"))
+            t[k] = t[k] * torch.tensor(1.0 + 2.0 ** -12, dtype=torch.float32)
+        save_file(t, str(f), metadata={"format": "pt"})
+        out.append(d)
+    return out
+
+
+def check_controls(loaded: dict[str, dict]) -> list[str]:
+    bad = []
+    for name, field in CONTROLS.items():
+        r = loaded.get(f"control-{name}")
+        caught = r is not None and (r.get(field) if r.get("loaded") else field == "unmapped" and r.get("error"))
+        if not caught:
+            bad.append(f"control {name}: the check did not report it as {field} ({r and r.get('error')})")
+    return bad
 
 
 def run_real(root: Path, models: list[Path]) -> list[dict]:
@@ -175,14 +241,15 @@ def main() -> int:
     ap.add_argument("--real", type=Path, nargs="*", default=None, help="real checkpoints (engine-check-real)")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
+    control_failures: list[str] = []
     if a.real is not None:
         results = run_real(a.out, a.real)
         (a.out / "real-results.json").write_text(json.dumps(results, indent=1) + "\n")
     else:
-        results = run_matrix(a.out, a.only)
+        results, control_failures = run_matrix(a.out, a.only)
     for c in results:
         print(json.dumps(c))
-    bad = failures(results)
+    bad = failures(results) + control_failures
     for b in bad:
         print("FAIL", b)
     if a.real is None and not a.only:
