@@ -36,10 +36,11 @@ STEPS: list[tuple[str, list[str]]] = [
 
 
 def write_demo_model(model_dir: Path, mtp: bool = False, seed: int = 0) -> Path:
+    from dsconv.families.deepseek_v3 import DeepseekV3
     from dsconv.tiny import add_mtp_layer, make_tiny, train_tokenizer
 
     tok = train_tokenizer(calib_texts(), vocab_size=512)
-    make_tiny("deepseek_v3", model_dir, seed=seed, dtype="bf16", tokenizer=tok)
+    make_tiny(DeepseekV3.name, model_dir, seed=seed, dtype="bf16", tokenizer=tok)
     if mtp:
         add_mtp_layer(model_dir, seed=seed)
     return model_dir

@@ -22,13 +22,18 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
               max_position_embeddings=512, rms_norm_eps=1e-6)
 
 
+def _family(name: str) -> Any:
+    fam = next((f for f in families() if f.name == name), None)
+    if fam is None:
+        raise ValueError(f"unknown tiny family {name}")
+    return fam
+
+
 def tiny_config(family: str, vocab_size: int = 320, **overrides: Any):
     """A transformers config of `family` with a few layers and small widths (RoPE and MoE routing intact)."""
     from dsconv.families.facts import hf_config
 
-    fam = next((f for f in families() if f.name == family), None)
-    if fam is None:
-        raise ValueError(f"unknown tiny family {family}")
+    fam = _family(family)
     cfg = hf_config({"model_type": fam.model_types[0], "vocab_size": vocab_size, **COMMON, **fam.tiny})
     for k, v in overrides.items():
         setattr(cfg, k, v)
@@ -41,6 +46,7 @@ def build_model(family: str, seed: int = 0, **overrides: Any):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
+    fam = _family(family)
     cfg = tiny_config(family, **overrides)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
@@ -54,7 +60,7 @@ def build_model(family: str, seed: int = 0, **overrides: Any):
             if name.endswith("mlp.gate.weight") or name.endswith("router.weight"):
                 # spread enough that routing varies by input, small enough that DeepSeek's sigmoid scores do not
                 # saturate at 1.0, where fp16 cannot tell experts apart (real routers are not saturated either)
-                p.normal_(0.0, 0.15 if cfg.model_type == "deepseek_v3" else 0.5)
+                p.normal_(0.0, fam.tiny_router_std)
         for name, b in model.named_buffers():
             if name.endswith(ROUTER_BIAS):  # DeepSeek's routing bias: a buffer in transformers
                 b.normal_(0.0, 0.05)

@@ -257,3 +257,30 @@ def test_graph_sees_function_level_imports():
 if __name__ == "__main__":
     print(report())
     sys.exit(0)
+
+
+def model_type_literals(paths: dict[str, Path] | None = None) -> list[str]:
+    """String constants equal to a registered model_type anywhere in dsconv/ outside families/: a family decision
+    made elsewhere (the family table and its attributes are the one place that knows model types)."""
+    from dsconv.families import supported_model_types
+
+    types = set(supported_model_types())
+    found = []
+    for mod, path in (modules() if paths is None else paths).items():
+        if mod.startswith("dsconv.families"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in types:
+                found.append(f"{path.name}:{node.lineno}: {node.value!r}")
+    return found
+
+
+def test_no_model_type_decisions_outside_families():
+    assert model_type_literals() == []
+
+
+def test_model_type_literal_check_sees_one(tmp_path):
+    """The check above would catch a literal: a module comparing against "deepseek_v3" is reported."""
+    probe = tmp_path / "probe.py"
+    probe.write_text('def f(c):\n    return c.model_type == "deepseek_v3"\n')
+    assert model_type_literals({"dsconv.shard.probe": probe}) == ["probe.py:2: 'deepseek_v3'"]

@@ -16,18 +16,23 @@ from dsconv.families.roles import Category, Role
 __all__ = ["ENGINES", "EngineProfile", "get", "default_engine", "layer_kind", "kind_types", "assigner",
            "check_plan", "check_packing", "check_layout", "check_fallback", "config_updates", "description_updates", "kind_table", "FLOAT", "KINDS"]
 
-# --bits 8 recipes: (family, engine) -> kind -> type ("*" = any). DeepSeek follows Ascend's own recipe for both
-# engines: MLA static W8A8, dense MLP / shared / routed experts W8A8_DYNAMIC (MindIE-LLM
-# examples/atb_models/examples/models/deepseek-v3/README.md "W8A8 mixed"; msModelSlim DeepSeek W8A8 script).
-BITS8_RECIPES: dict[tuple[str, str], dict[str, str]] = {
-    ("deepseek_v3", "*"): {"attention": "W8A8", "dense_mlp": "W8A8_DYNAMIC", "shared_experts": "W8A8_DYNAMIC",
-                           "routed_experts": "W8A8_DYNAMIC"},
-    # MindIE reads one `quantize` region for other families: static everywhere
-    ("*", "mindie"): {k: "W8A8" for k in KINDS},
+# --bits 8 recipes per engine, for families without one of their own (Family.bits8_recipe: DeepSeek's mix)
+DEFAULT_BITS8: dict[str, dict[str, str]] = {
+    # MindIE reads one `quantize` region: static everywhere
+    "mindie": {k: "W8A8" for k in KINDS},
     # vLLM-Ascend has no static MoE scheme: routed experts per-token dynamic
-    ("*", "vllm-ascend"): {"attention": "W8A8", "dense_mlp": "W8A8", "shared_experts": "W8A8",
-                           "routed_experts": "W8A8_DYNAMIC"},
+    "vllm-ascend": {"attention": "W8A8", "dense_mlp": "W8A8", "shared_experts": "W8A8",
+                    "routed_experts": "W8A8_DYNAMIC"},
 }
+
+
+def _family(family: Any) -> Any:
+    """A Family, from itself or its model_type."""
+    if isinstance(family, str):
+        from dsconv.families import family_for
+
+        return family_for({"model_type": family})
+    return family
 
 
 def get(name: str | None) -> EngineProfile:
@@ -66,12 +71,12 @@ def layer_kind(r: Any) -> str | None:
     return None
 
 
-def kind_types(prof: EngineProfile, family: str, qtype: str, bits_default: bool,
+def kind_types(prof: EngineProfile, family: Any, qtype: str, bits_default: bool,
                moe_qtype: str | None = None) -> dict[str, str]:
     """kind -> type: the --bits 8 recipe, or the one --scheme everywhere; --moe-scheme for routed experts; the
     engine's float-only kinds (DeepSeek kv_b_proj) FLOAT."""
     if bits_default and qtype == "W8A8":
-        out = dict(BITS8_RECIPES.get((family, "*")) or BITS8_RECIPES[("*", prof.name)])
+        out = dict(_family(family).bits8_recipe or DEFAULT_BITS8[prof.name])
     else:
         out = {k: qtype for k in KINDS}
     if moe_qtype is not None:
@@ -106,7 +111,7 @@ def _alternatives(prof: EngineProfile, kind: str, qtype: str) -> str:
     return alt
 
 
-def check_plan(prof: EngineProfile, family: str, linears: Iterable[Any]) -> None:
+def check_plan(prof: EngineProfile, family: Any, linears: Iterable[Any]) -> None:
     """UserError (exit 2) for the first layer kind the engine cannot load in its planned type, and for MindIE
     regions holding two quantized types. Runs on the plan, before any tensor is read."""
     by_kind: dict[str, dict[str, str]] = {}
@@ -123,7 +128,7 @@ def check_plan(prof: EngineProfile, family: str, linears: Iterable[Any]) -> None
             reason = f"{why.text} ({why.source})" if why else f"it has no {qtype} {prof.layer_type(kind)} scheme"
             raise UserError(f"--engine {prof.name}: {kind} layers (e.g. {example}) cannot be {qtype}: "
                             f"{prof.label}: {reason}", hint=_alternatives(prof, kind, qtype))
-    for key, kinds in prof.region_map(family).items():
+    for key, kinds in prof.region_map(_family(family)).items():
         present = {t: k for k in kinds for t in by_kind.get(k, {}) if t != FLOAT}
         if len(present) > 1:
             (t1, k1), (t2, k2) = sorted(present.items())[:2]
@@ -183,17 +188,17 @@ def check_fallback(prof: EngineProfile, fallback: int | None, threshold: float |
     return False
 
 
-def region_types(prof: EngineProfile, family: str, types: dict[str, str], kinds: dict[str, str]) -> dict[str, str]:
+def region_types(prof: EngineProfile, family: Any, types: dict[str, str], kinds: dict[str, str]) -> dict[str, str]:
     """config key -> lower-case type of the linears it governs (module -> type; module -> kind)."""
     out: dict[str, str] = {}
-    for key, governed in prof.region_map(family).items():
+    for key, governed in prof.region_map(_family(family)).items():
         ts = sorted({t for m, t in types.items() if kinds.get(m) in governed and t != FLOAT})
         if ts:
             out[key] = ts[0].lower()
     return out
 
 
-def config_updates(prof: EngineProfile, family: str, types: dict[str, str], kinds: dict[str, str]) -> dict[str, str]:
+def config_updates(prof: EngineProfile, family: Any, types: dict[str, str], kinds: dict[str, str]) -> dict[str, str]:
     """Keys the engine needs in config.json: MindIE `quantize` (+ DeepSeek `mla_quantize` / `moe_quantize` when they
     differ from it). vLLM-Ascend needs none (and must not find quantization_config)."""
     if not prof.config_keys:
@@ -248,6 +253,6 @@ def recipes(ck: Any) -> dict[str, dict[str, str]]:
                if ck.role(n).param == "weight" and ck.role(n).role.quantized_by_default}
     out = {}
     for name, prof in ENGINES.items():
-        t = kind_types(prof, ck.family.name, "W8A8", bits_default=True)
+        t = kind_types(prof, ck.family, "W8A8", bits_default=True)
         out[name] = {k: t[k] for k in KINDS if k in present}
     return out

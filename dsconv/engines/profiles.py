@@ -7,7 +7,7 @@ linears (from the family's Role/Category table); each engine maps a kind to its 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 FLOAT = "FLOAT"
 # dsconv's layer kinds, in model order
@@ -37,8 +37,9 @@ class EngineProfile:
     description_names: tuple[str, ...]               # description files the loader opens, in its order
     legacy_layout: bool                              # reads quant_model_description_{quantize}.json too
     config_keys: tuple[str, ...]                     # keys dsconv writes into config.json for it
-    # config key -> kinds it governs (MindIE: one quantized type per region); {} = per-layer lookup
-    regions: Mapping[str, Mapping[str, tuple[str, ...]]]
+    # config key -> kinds it governs (MindIE: one quantized type per region); {} = per-layer lookup; a family's
+    # engine_regions replace it
+    regions: Mapping[str, tuple[str, ...]]
     fallback_ok: bool                                # may one region mix quantized types (per-unit fallback)?
     moe_type_key: bool = False                       # description names each MoE layer's type `<moe>.experts.weight`
     rope_rows_packed_ok: bool = True                 # may rows the loader permutes for rope be int4-packed along n?
@@ -50,17 +51,14 @@ class EngineProfile:
     def loads(self, qtype: str, kind: str) -> bool:
         return qtype == FLOAT or qtype in self.schemes[self.layer_type(kind)]
 
-    def region_map(self, family: str) -> dict[str, tuple[str, ...]]:
-        return dict(self.regions.get(family) or self.regions.get("*") or {})
+    def region_map(self, family: Any) -> dict[str, tuple[str, ...]]:
+        """config key -> the kinds it governs for this family (families.base.Family)."""
+        return dict(family.engine_regions.get(self.name) or self.regions)
 
 
-_MINDIE_REGIONS = {
-    # MindIE DeepSeek: mla_quantize (attention, default = quantize), moe_quantize (routed experts, default =
-    # quantize); dense MLP and shared experts use quantize.
-    "deepseek_v3": {"mla_quantize": ("attention", "kv_b"), "quantize": ("dense_mlp", "shared_experts"),
-                    "moe_quantize": ("routed_experts",)},
-    "*": {"quantize": KINDS},
-}
+# MindIE reads one `quantize` region unless the family names others (Family.engine_regions: DeepSeek's
+# mla_quantize / moe_quantize)
+_MINDIE_REGIONS = {"quantize": KINDS}
 
 MINDIE = EngineProfile(
     name="mindie",
@@ -144,10 +142,9 @@ VLLM_ASCEND = EngineProfile(
 
 ENGINES: dict[str, EngineProfile] = {p.name: p for p in (MINDIE, VLLM_ASCEND)}
 
-# engine -> family -> the offline-sharded layout its loader reads; every other family is sharded at load time
-OFFLINE_SHARDED: dict[str, dict[str, Rule]] = {
-    "mindie": {"deepseek_v3": Rule(
-        "MindIE loads DeepSeek-V3/R1 from per-rank folders when model_sharded_metadata.json exists",
-        "MindIE-LLM atb/utils/weights.py::Weights.__init__; atb/models/base/model_utils.py::BaseModel.save_sharded")},
-    "vllm-ascend": {},
-}
+
+def offline_sharded(engine: str, family: Any) -> Rule | None:
+    """The offline-sharded layout `engine`'s loader reads for `family` (Family.offline_sharded), None when the
+    engine shards the family itself at load time."""
+    fact = family.offline_sharded.get(engine)
+    return Rule(*fact) if fact else None

@@ -126,6 +126,19 @@ class Family:
     engine_config_defaults: dict[str, Any] = {}
     #: slots whose output rows an engine permutes at load time for rotary embedding (MindIE regroups MLA rope rows)
     rope_permuted_slots: tuple[str, ...] = ()
+    #: `quantize --bits 8` for every engine, where the family follows a recipe of its own: layer kind -> type
+    #: (None: each engine's default recipe, engines.DEFAULT_BITS8)
+    bits8_recipe: dict[str, str] | None = None
+    #: engine -> config.json key -> the layer kinds it governs, where that engine reads one type per region
+    #: (absent: the engine's default regions)
+    engine_regions: dict[str, dict[str, tuple[str, ...]]] = {}
+    #: engine -> (rule, source) of an offline-sharded layout the engine's loader reads for this family; every
+    #: other engine shards the family itself at load time
+    offline_sharded: dict[str, tuple[str, str]] = {}
+    #: MindIE service config: the model section under `models` that sets its expert-parallel level (None: none)
+    mindie_ep_section: str | None = None
+    #: std of the seeded tiny model's router weights (dsconv.tiny): wide enough that routing varies by input
+    tiny_router_std: float = 0.5
 
     def engine_config(self, config: dict[str, Any]) -> dict[str, Any]:
         """config.json as the engines read it: the keys transformers 5 renamed written back under the names MindIE

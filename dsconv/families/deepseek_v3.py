@@ -42,6 +42,22 @@ class DeepseekV3(Family):
     engine_config_defaults = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
     # MindIE-LLM atb_llm/utils/layers/attention/process_mla_linear.py::preprocess_linear_for_rope
     rope_permuted_slots = ("q_b", "q", "kv_a")
+    # Ascend's own recipe for both engines: MLA static W8A8, dense MLP / shared / routed experts W8A8_DYNAMIC
+    # (MindIE-LLM examples/atb_models/examples/models/deepseek-v3/README.md "W8A8 mixed"; msModelSlim's DeepSeek
+    # W8A8 script)
+    bits8_recipe = {"attention": "W8A8", "dense_mlp": "W8A8_DYNAMIC", "shared_experts": "W8A8_DYNAMIC",
+                    "routed_experts": "W8A8_DYNAMIC"}
+    # MindIE: mla_quantize (attention, default = quantize), moe_quantize (routed experts, default = quantize);
+    # dense MLP and shared experts read quantize
+    engine_regions = {"mindie": {"mla_quantize": ("attention", "kv_b"), "quantize": ("dense_mlp", "shared_experts"),
+                                 "moe_quantize": ("routed_experts",)}}
+    offline_sharded = {"mindie": (
+        "MindIE loads DeepSeek-V3/R1 from per-rank folders when model_sharded_metadata.json exists",
+        "MindIE-LLM atb/utils/weights.py::Weights.__init__; atb/models/base/model_utils.py::BaseModel.save_sharded")}
+    # ep_level 1 (AllGather EP) runs on any interconnect; 2 (AllToAll) needs a switch between servers
+    mindie_ep_section = "deepseekv2"
+    # small enough that the sigmoid scores do not saturate at 1.0, where fp16 cannot tell experts apart
+    tiny_router_std = 0.15
     table = (
         *linear("embed", "model.embed_tokens", Role.EMBED, Category.EMBEDDING, "vocab_size", "hidden_size"),
         *MTP_IN, *norm("norm.input", L + "input_layernorm"), *norm("norm.post", L + "post_attention_layernorm"),

@@ -66,7 +66,7 @@ def run(req: QuantRequest) -> QuantResult:
     engines.check_layout(prof, opts.layout)
     if opts.moe_scheme is not None and opts.moe_scheme not in SCHEMES:
         raise UserError(f"unknown --moe-scheme {opts.moe_scheme}", hint=f"choose one of {', '.join(SCHEMES)}")
-    family = ck.family.name
+    family = ck.family
     ktypes = engines.kind_types(prof, family, SCHEMES[opts.scheme], opts.bits_default,
                                 SCHEMES[opts.moe_scheme] if opts.moe_scheme else None)
     engines.check_plan(prof, family, engines.preview(ck, ktypes, SCHEMES[opts.scheme]))  # before any work

@@ -10,25 +10,28 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dsconv.engines.profiles import OFFLINE_SHARDED
+from dsconv.engines.profiles import ENGINES, offline_sharded
 from dsconv.errors import UserError
 
 FORMATS = ("mindie", "ranks", "plan")
 
 
-def resolve_format(engine: str, fmt: str | None, model_type: str) -> tuple[str, str | None]:
+def resolve_format(engine: str, fmt: str | None, family: Any) -> tuple[str, str | None]:
     """(format, note for the user). Default: the engine's offline-sharded layout when it has one for the family,
     else plan only."""
-    layouts = OFFLINE_SHARDED.get(engine, {})
-    if fmt == "mindie" and (engine != "mindie" or model_type not in layouts):
-        raise UserError(f"--format mindie: MindIE's offline-sharded layout exists for "
-                        f"{', '.join(OFFLINE_SHARDED['mindie'])} with --engine mindie, not {model_type} for {engine}",
+    layout = offline_sharded(engine, family)
+    if fmt == "mindie" and (engine != "mindie" or layout is None):
+        from dsconv.families import families
+
+        have = [f.name for f in families() if offline_sharded("mindie", f) is not None]
+        raise UserError(f"--format mindie: MindIE's offline-sharded layout exists for {', '.join(have)} with "
+                        f"--engine mindie, not {family.name} for {engine}",
                         hint="use --format plan (the engine shards at load time) or --format ranks")
     if fmt is not None:
         return fmt, None
-    if model_type in layouts:
+    if layout is not None and engine in ENGINES:
         return engine, None
-    return "plan", (f"{engine} shards {model_type} at load time: writing plan.json and the cluster files, no weight "
+    return "plan", (f"{engine} shards {family.name} at load time: writing plan.json and the cluster files, no weight "
                     "copies (--format ranks writes per-rank copies for inspection)")
 
 

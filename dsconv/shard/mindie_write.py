@@ -34,7 +34,7 @@ def build_plan(src: Any, layout: Any) -> MindiePlan:
     (hard-coded for first_k_dense_replace = 3). dsconv routes by the model's own dense/MoE layers, which is the
     same for V3/R1; for smaller models the hard-coded rule would make ranks of different EP ranks write different
     experts into one dense folder. The loader reads the union of a rank's five folders, so it loads either way."""
-    if src.facts.model_type != "deepseek_v3":
+    if "mindie" not in src.family.offline_sharded:
         raise UserError(f"MindIE's offline-sharded layout exists for DeepSeek-V3/R1 only, not {src.facts.model_type}",
                         hint="MindIE shards this family at load time: drop --format mindie (plan and cluster files "
                              "only), or --format ranks for per-rank copies")

@@ -118,12 +118,12 @@ def validate_rank_table(table: dict[str, Any]) -> None:
             expect += 1
 
 
-def mindie_parallel(layout: Any, is_moe: bool, family: str) -> dict[str, Any]:
-    """The ModelConfig keys MindIE reads for parallelism (config.json of mindie-service)."""
+def mindie_parallel(layout: Any, is_moe: bool, family: Any) -> dict[str, Any]:
+    """The ModelConfig keys MindIE reads for parallelism (config.json of mindie-service); the family's model section
+    sets ep_level 1 (AllGather EP: runs on any interconnect; 2, AllToAll, needs a switch between servers)."""
     cfg: dict[str, Any] = {"worldSize": layout.world, "tp": layout.tp, "dp": layout.dp}
     if is_moe:
         cfg.update(moe_tp=layout.moe_tp, moe_ep=layout.ep)
-        if family == "deepseek_v3" and layout.ep > 1:
-            # ep_level 1 (AllGather EP) runs on any interconnect; 2 (AllToAll) needs a switch between servers
-            cfg["models"] = {"deepseekv2": {"ep_level": 1}}
+        if family.mindie_ep_section and layout.ep > 1:
+            cfg["models"] = {family.mindie_ep_section: {"ep_level": 1}}
     return cfg

@@ -162,7 +162,7 @@ def run(req: ShardRequest) -> ShardResult:
     from dsconv.shard.engine_formats import resolve_format
 
     engine = engines.get(req.engine).name
-    fmt, note = resolve_format(engine, req.format, facts.model_type)
+    fmt, note = resolve_format(engine, req.format, src.family)
     if note and not dry_run:
         warnings.append(note)
     mplan = None
@@ -174,7 +174,7 @@ def run(req: ShardRequest) -> ShardResult:
     plan = make_plan(table, layout, opts)
     if not plan.ok:
         plan.alternatives = find_alternatives(table, layout, opts)
-    mindie = ranktable.mindie_parallel(layout, is_moe, facts.model_type)
+    mindie = ranktable.mindie_parallel(layout, is_moe, src.family)
     obj = plan_json(plan, _source_info(src, from_config), mindie)
     obj.update(engine=engine, format=fmt)
     text = chart.render_summary(obj)
