@@ -315,6 +315,32 @@ def test_verify_accepts_the_untouched_shard(a_shard, run_cli):
     assert run_cli(["verify", a_shard]).code == 0
 
 
+# ----------------------------------------------------------------------------------------------- --max-shard-size
+def _tensors(d: Path) -> dict[str, bytes]:
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(d.rglob("*.safetensors")):
+        with safe_open(f, "np") as s:
+            out.update({k: s.get_tensor(k).tobytes() for k in s.keys()})
+    return out
+
+
+@pytest.mark.parametrize("size", ["1B", "100KB"])
+def test_max_shard_size_below_a_linear_cuts_between_its_components(size, tiny_model, tmp_path, run_cli):
+    """A part boundary between a linear's weight and its scales (any size can cut there; 1B cuts everywhere) was a
+    ValueError traceback from the weight-only writer. HF's convention: a tensor larger than the cap is a part of its
+    own. The output is the same tensors, bytes included, as with the default cap."""
+    args = ["quantize", "--model", tiny_model(LLAMA), "--bits", "8", "--scheme", "w8a16", "--method", "rtn"]
+    small = run_cli([*args, "--max-shard-size", size, "--output", tmp_path / "small", "--workers", "1"])
+    assert small.code == 0 and "Traceback" not in small.err, small.err[-2000:]
+    assert run_cli([*args, "--output", tmp_path / "default", "--workers", "1"]).code == 0
+    assert run_cli(["verify", tmp_path / "small"]).code == 0
+    parts = list((tmp_path / "small").glob("quant_model_weights-*.safetensors"))
+    assert len(parts) > 1
+    assert _tensors(tmp_path / "small") == _tensors(tmp_path / "default")
+
+
 # ----------------------------------------------------------------------------------------------- transactions
 def _export(run_cli, model: Path, out: Path, *extra):
     return run_cli(["export", "--format", "safetensors", "--model", model, "--output", out, *extra])
