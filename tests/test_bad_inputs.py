@@ -115,6 +115,24 @@ def _export_st(d, out):
     return ["export", "--format", "safetensors", "--model", d, "--output", out], None
 
 
+def _quant_dry(tm, *opts):
+    return ["quantize", "--model", tm(LLAMA), "--dry-run", *opts], None
+
+
+def _shard_config(tm, *opts):
+    return ["shard", "--config", tm("deepseek_v3") / "config.json", *opts], None
+
+
+def _expert_load(tp: Path) -> Path:
+    """Tokens per expert of the tiny DeepSeek-V3's MoE layers (1 and 2, 16 experts)."""
+    p = tp / "expert_load.json"
+    p.write_text(json.dumps({"layers": {"1": list(range(16)), "2": [1] * 16}}))
+    return p
+
+
+BIG = "99999999999999999999999"
+
+
 CASES: list[Case] = [
     # -- parse errors other than JSONDecodeError ------------------------------------------------------------------
     Case("header-deep-nesting", "parse", lambda tm, tp, fs: _inspect(raw_header(
@@ -162,6 +180,24 @@ CASES: list[Case] = [
         model_copy(tm, tp), num_hidden_layers=1099511627776)), 2, ('"num_hidden_layers"', "1..1024")),
     Case("max-shard-size-inf", "size", lambda tm, tp, fs: (["quantize", "--model", tm(LLAMA), "--dry-run",
                                                             "--bits", "8", "--max-shard-size", "inf"], None), 2, ("inf",)),
+    # an option naming its problem up front (a bare "size '0' must be positive" named no option)
+    Case("max-shard-size-zero", "size", lambda tm, tp, fs: _quant_dry(tm, "--bits", "8", "--max-shard-size", "0"), 2,
+         ("--max-shard-size", "'0'")),
+    Case("external-data-threshold-zero", "size", lambda tm, tp, fs: (
+        ["export", "--model", tm(LLAMA), "--output", tp / "o", "--external-data-threshold", "0"], None), 2,
+        ("--external-data-threshold", "'0'")),
+    Case("group-size-negative", "size", lambda tm, tp, fs: _quant_dry(tm, "--scheme", "w4a16", "--group-size", "-1"),
+         2, ("--group-size", "-1")),
+    # huge counts: a MemoryError building 10^23 per-rank records or chart cells, a pool semaphore's OverflowError
+    Case("nodes-huge", "size", lambda tm, tp, fs: _shard_config(tm, "--nodes", BIG), 2, ("--nodes", BIG)),
+    Case("world-from-nodes-huge", "size", lambda tm, tp, fs: _shard_config(tm, "--nodes", "10000"), 2,
+         ("world size 80000", "65536")),
+    Case("max-context-huge", "size", lambda tm, tp, fs: _shard_config(tm, "--max-context", BIG), 3,
+         ("rejected", "needs")),
+    Case("workspace-gb-huge", "size", lambda tm, tp, fs: _shard_config(tm, "--workspace-gb", "1e300"), 2,
+         ("--workspace-gb",)),
+    Case("workers-huge", "size", lambda tm, tp, fs: (_quant_weight_only(tm(LLAMA), tp)[0] + ["--workers", BIG], None),
+         2, ("--workers", BIG)),
     # -- OS errors at the boundary ----------------------------------------------------------------------------------
     Case("output-parent-is-file", "os", lambda tm, tp, fs: _export_st(tm(LLAMA), _with_file(
         tp, "afile", b"x") / "afile" / "out"), 2, ("afile", "not a directory")),
@@ -210,6 +246,20 @@ CASES: list[Case] = [
          ("--seq-len", "-5")),
     Case("inspect-config-negative-layers", "accepted", lambda tm, tp, fs: _inspect_config(edit_config(
         model_copy(tm, tp), num_hidden_layers=-3)), 2, ('"num_hidden_layers"', "got -3")),
+    Case("fallback-negative", "accepted", lambda tm, tp, fs: _quant_dry(tm, "--bits", "8", "--fallback", "-1"), 2,
+         ("--fallback", "-1")),
+    Case("smooth-quant-alpha-above-1", "accepted", lambda tm, tp, fs: _quant_dry(tm, "--bits", "8", "--smooth-quant",
+                                                                                 "1.5"), 2, ("--smooth-quant", "1.5")),
+    Case("smooth-quant-alpha-nan", "accepted", lambda tm, tp, fs: _quant_dry(tm, "--bits", "8", "--smooth-quant",
+                                                                             "nan"), 2, ("--smooth-quant", "nan")),
+    Case("workspace-gb-negative", "accepted", lambda tm, tp, fs: _shard_config(tm, "--workspace-gb", "-1"), 2,
+         ("--workspace-gb", "-1")),
+    Case("max-ppl-increase-negative", "accepted", lambda tm, tp, fs: (
+        ["eval", "--model", tm(LLAMA), "--quantized", tp / "q", "--max-ppl-increase", "-1"], None), 2,
+        ("--max-ppl-increase", "-1")),
+    Case("redundant-experts-more-than-every-rank", "accepted", lambda tm, tp, fs: _shard_config(
+        tm, "--ep", "4", "--placement", "eplb", "--expert-load", _expert_load(tp), "--redundant-experts", "1000"), 2,
+        ("--redundant-experts 1000", "at most 48")),
     Case("export-nan-weights", "accepted", lambda tm, tp, fs: _export_st(edit_weights(
         model_copy(tm, tp), lambda t: t["model.norm.weight"].__setitem__(3, float("nan"))), tp / "o"), 2,
         ("model.norm.weight", "nan")),
