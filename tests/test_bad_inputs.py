@@ -365,6 +365,43 @@ def test_verify_accepts_the_untouched_shard(a_shard, run_cli):
     assert run_cli(["verify", a_shard]).code == 0
 
 
+# ----------------------------------------------------------------------------------------------- config.json keys
+def _family_keys() -> list[tuple[str, str, str]]:
+    """(family, key, mutation) for every key every family reads: taken from the declarations (Family.config_keys),
+    so a key a family starts reading is covered here without editing this list."""
+    from dsconv.families import families
+
+    return [(f.name, key, m) for f in families() for key in f.config_keys for m in ("null", "string", "missing")]
+
+
+@pytest.mark.parametrize("family,key,mutation", _family_keys(), ids=["-".join(k) for k in _family_keys()])
+def test_config_key_null_wrong_type_or_missing(family, key, mutation, tiny_model, tmp_path, run_cli):
+    """A null (`"intermediate_size": null` for DeepSeek, `"num_experts_per_tok": null` for the Qwen MoEs), a string
+    or a missing key of those a family reads: before, TypeErrors in a shape formula (families/base.py T.dims) or the
+    workspace estimate (shard/memory.py). Now the key's default where the family has one (null counts as absent, as
+    HF writes it), else exit 2 with one line naming config.json and the key. shard --config reads every fact, the
+    synthesized tensor list and the memory estimate."""
+    from dsconv.families import families
+    from dsconv.schemas.model import REQUIRED, _STRS
+
+    required = next(f for f in families() if f.name == family).config_keys[key] is REQUIRED
+    cfg = json.loads((tiny_model(family) / "config.json").read_text())
+    if mutation == "missing":
+        cfg.pop(key, None)
+    else:
+        cfg[key] = None if mutation == "null" else "x"
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    r = run_cli(["shard", "--config", path, "--json"])
+    lines = [ln for ln in r.err.splitlines() if ln.strip() and not ln.startswith("warning:")]
+    assert "Traceback" not in r.err, r.err[-2000:]
+    if (mutation == "string" and key not in _STRS) or (mutation != "string" and required):
+        assert r.code == 2 and len(lines) == 1, (r.code, r.err[-2000:])
+        assert str(path) in lines[0] and f'"{key}"' in lines[0], lines[0]
+    else:  # a default, or a string where a string belongs (an unknown model_type or dtype has its own message)
+        assert r.code in (0, 2, 3), (r.code, r.err[-2000:])
+
+
 # ----------------------------------------------------------------------------------------------- --max-shard-size
 def _tensors(d: Path) -> dict[str, bytes]:
     from safetensors import safe_open
