@@ -133,6 +133,12 @@ def _expert_load(tp: Path) -> Path:
 BIG = "99999999999999999999999"
 
 
+def _tiny_onnx(tp: Path) -> Path:
+    from dsconv.atc.samples import tiny_lm
+
+    return tiny_lm(tp / "m.onnx")
+
+
 CASES: list[Case] = [
     # -- parse errors other than JSONDecodeError ------------------------------------------------------------------
     Case("header-deep-nesting", "parse", lambda tm, tp, fs: _inspect(raw_header(
@@ -196,6 +202,9 @@ CASES: list[Case] = [
          ("rejected", "needs")),
     Case("workspace-gb-huge", "size", lambda tm, tp, fs: _shard_config(tm, "--workspace-gb", "1e300"), 2,
          ("--workspace-gb",)),
+    Case("atc-gear-huge", "size", lambda tm, tp, fs: (["atc", "--onnx", _tiny_onnx(tp), "--soc", "Ascend910B",
+                                                        "--seq", BIG, "--output", tp / "atc"], None), 2,
+         ("--seq", "up to 2147483647")),
     Case("workers-huge", "size", lambda tm, tp, fs: (_quant_weight_only(tm(LLAMA), tp)[0] + ["--workers", BIG], None),
          2, ("--workers", BIG)),
     # -- OS errors at the boundary ----------------------------------------------------------------------------------
