@@ -2,10 +2,15 @@
 
 Each target starts from a valid seed file (a real tiny DeepSeek-V3 checkpoint's config.json, safetensors header and
 index, a real output manifest and quant description, dsconv.toml, a calibration set, expert load, hosts files, an ATC
-profile), mutates it (bytes and JSON structure, with the values hostile users reach for: deep nesting, 5000-digit
-integers, NaN, lone surrogates, wrong types, negatives, huge sizes) and runs the same code a command runs on it.
-UserError/CheckFailed is the correct outcome for bad input; anything else is a failure, grouped by signature
-(target, exception type, innermost dsconv frame). Prints cases run and distinct failures; exit 1 if any.
+profile, and the config.json of every family's tiny model), mutates it (bytes and JSON structure, with the values
+hostile users reach for: deep nesting, 5000-digit integers, NaN, lone surrogates, wrong types, negatives, huge sizes)
+and runs the same code a command runs on it. UserError/CheckFailed is the correct outcome for bad input; anything else
+is a failure, grouped by signature (target, exception type, innermost dsconv frame). Prints cases run and distinct
+failures; exit 1 if any.
+
+Config targets: before the random cases, a sweep sets every key every family reads (its `Family.config_keys`, so a
+key a family starts reading is covered without editing this file) to null, to a value of the wrong type and removes
+it; the random cases then aim half their mutations at those keys.
 
     python -m benchmarks.fuzz [--cases 12000] [--seed 0] [--out bench-results/fuzz]
 """
@@ -23,7 +28,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 HOSTILE: list[Any] = [None, True, False, 0, -1, -3, 1, 2, 2.5, 1e308, -1e308, 2**63, 2**64 + 1, 1099511627776,
                       "", "2", "x", "\ud800", "\udfff", [], {}, [[]], [1, 2], {"a": 1}, "../../etc/passwd",
@@ -104,6 +109,33 @@ def mutate_bytes(rng: random.Random, data: bytes) -> bytes:
     return bytes(b)
 
 
+def config_mutants(doc: dict[str, Any], keys: Iterable[str]) -> Iterator[tuple[str, bytes]]:
+    """(label, config bytes): each key set to null, to a value of another JSON type, and removed."""
+    for key in keys:
+        wrong = 7 if isinstance(doc.get(key), str) else "x"
+        for label, value in (("null", None), ("wrong type", wrong), ("missing", KeyError)):
+            d = dict(doc)
+            if value is KeyError:
+                d.pop(key, None)
+            else:
+                d[key] = value
+            yield f"{key} {label}", json.dumps(d).encode()
+
+
+def mutate_config(rng: random.Random, seed: bytes, keys: list[str]) -> bytes:
+    """Half the time 1-3 of the keys a family reads get null, a hostile value or removed; else `mutate`."""
+    if rng.random() < 0.5:
+        return mutate(rng, seed)
+    doc = json.loads(seed)
+    for _ in range(rng.randint(1, 3)):
+        key, r = rng.choice(keys), rng.random()
+        if r < 0.3:
+            doc.pop(key, None)
+        else:
+            doc[key] = None if r < 0.6 else hostile(rng)
+    return json.dumps(doc, allow_nan=True).encode("utf-8", "surrogatepass")
+
+
 def mutate(rng: random.Random, seed: bytes) -> bytes:
     try:
         doc = json.loads(seed)
@@ -154,9 +186,17 @@ class Targets:
         self.work = root / "work"
         self.work.mkdir()
         self.config = (self.model / "config.json").read_bytes()
+        from dsconv.families import families
+        from dsconv.tiny import tiny_config
+
+        #: family -> (its tiny model's full config.json, the keys it reads): the config-only targets
+        self.family_configs = {f.name: (json.dumps(tiny_config(f.name).to_dict()).encode(), sorted(f.config_keys))
+                               for f in families()}
 
     def table(self) -> dict[str, tuple[bytes, Callable[[bytes], Any]]]:
         return {
+            **{f"config.json ({name})": (seed, self.plan_from_config)
+               for name, (seed, _) in self.family_configs.items()},
             "config.json": (self.config, self.open_with_config),
             "safetensors header": (self.header, self.open_with_header),
             "index.json": (self.index, self.open_with_index),
@@ -198,6 +238,24 @@ class Targets:
         from dsconv.inspect import inspect_model
 
         inspect_model(ConfigOnly.open(self.work / "m" / "config.json"))
+
+    def plan_from_config(self, b: bytes) -> None:
+        """What `dsconv inspect --config` and `dsconv shard --config` run: facts, the synthesized tensors, the plan
+        and each card's memory estimate."""
+        from dsconv.checkpoint import ConfigOnly
+        from dsconv.inspect import inspect_model
+        from dsconv.shard.stage import ShardRequest, run
+
+        p = self._file("config.json", b)
+        inspect_model(ConfigOnly.open(p))
+        run(ShardRequest(config=p, dry_run=True, progress=False))
+
+    def config_keys(self, target: str) -> list[str] | None:
+        """The keys the family of a config target reads (None for the other targets)."""
+        if target == "config.json":
+            return self.family_configs["deepseek_v3"][1]
+        name = target[len("config.json ("):-1] if target.startswith("config.json (") else None
+        return self.family_configs[name][1] if name in self.family_configs else None
 
     def open_with_header(self, b: bytes) -> None:
         n = len(b) if random.random() < 0.9 else random.choice([0, 7, len(b) + 1, 2**63, 2**40])
@@ -271,39 +329,52 @@ def run(cases: int, seed: int, out: Path, budget_s: float) -> dict[str, Any]:
     random.seed(seed)
     scratch = Path(tempfile.mkdtemp(prefix="dsconv-fuzz-"))
     try:
-        table = Targets(scratch).table()
+        targets = Targets(scratch)
+        table = targets.table()
         names = sorted(table)
         counts = dict.fromkeys(names, 0)
         rejected = dict.fromkeys(names, 0)
         failures: dict[str, dict[str, Any]] = {}
-        t0 = time.perf_counter()
-        for i in range(cases):
-            name = names[i % len(names)]
-            seed_bytes, fn = table[name]
-            data = mutate(rng, seed_bytes)
+
+        def one(name: str, data: bytes, what: str | None = None) -> None:
             counts[name] += 1
             try:
-                fn(data)
+                table[name][1](data)
             except DsconvError:
                 rejected[name] += 1
             except BaseException as e:  # noqa: BLE001 - that is what a fuzzer looks for
                 if isinstance(e, KeyboardInterrupt):
                     raise
                 sig = signature(name, e)
-                f = failures.setdefault(sig, {"count": 0, "example": None, "message": str(e)[:300]})
+                f = failures.setdefault(sig, {"count": 0, "example": None, "message": str(e)[:300], "case": what})
                 f["count"] += 1
                 if f["example"] is None:
                     out.mkdir(parents=True, exist_ok=True)
                     ex = out / f"failure-{len(failures):03d}.bin"
                     ex.write_bytes(data)
                     f["example"] = str(ex)
+
+        t0 = time.perf_counter()
+        swept = 0
+        for name in names:  # every key every family reads: null, wrong type, missing
+            keys = targets.config_keys(name)
+            if keys is not None:
+                for what, data in config_mutants(json.loads(table[name][0]), keys):
+                    one(name, data, what)
+                    swept += 1
+        for i in range(cases):
+            name = names[i % len(names)]
+            keys = targets.config_keys(name)
+            seed_bytes = table[name][0]
+            one(name, mutate_config(rng, seed_bytes, keys) if keys else mutate(rng, seed_bytes))
             if time.perf_counter() - t0 > budget_s:
                 break
         elapsed = time.perf_counter() - t0
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return {"cases": sum(counts.values()), "seconds": round(elapsed, 1), "per_target": counts,
-            "rejected_per_target": rejected, "distinct_failures": len(failures), "failures": failures}
+    return {"cases": sum(counts.values()), "config_key_sweep": swept, "seconds": round(elapsed, 1),
+            "per_target": counts, "rejected_per_target": rejected, "distinct_failures": len(failures),
+            "failures": failures}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,11 +387,13 @@ def main(argv: list[str] | None = None) -> int:
     result = run(a.cases, a.seed, a.out, a.budget)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"fuzz: {result['cases']} cases in {result['seconds']}s over {len(result['per_target'])} parsers; "
+    print(f"fuzz: {result['cases']} cases ({result['config_key_sweep']} of them the config key sweep) in "
+          f"{result['seconds']}s over {len(result['per_target'])} targets; "
           f"{sum(result['rejected_per_target'].values())} rejected with a one-line error; "
           f"{result['distinct_failures']} distinct failures")
     for sig, f in sorted(result["failures"].items(), key=lambda kv: -kv[1]["count"]):
-        print(f"  {f['count']:5d}  {sig}: {f['message']}  (example: {f['example']})")
+        case = f" [{f['case']}]" if f.get("case") else ""
+        print(f"  {f['count']:5d}  {sig}{case}: {f['message']}  (example: {f['example']})")
     return 1 if result["distinct_failures"] else 0
 
 

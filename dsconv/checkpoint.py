@@ -411,5 +411,5 @@ class ConfigOnly:
 def _read_json(path: Path, hint: str = "pass a HF config.json") -> dict[str, Any]:
     """config.json (or a config given by --config): bounded parse, then every field a family reads checked."""
     data = schemas.config(schemas.read_json(path, "config", hint), str(path), supported_model_types())
-    schemas.model.config_requires(data, str(path), family_for(data, where=str(path)).required_config)
+    schemas.model.config_fields(data, str(path), family_for(data, where=str(path)).config_keys)
     return data

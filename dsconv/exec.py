@@ -28,6 +28,9 @@ from dsconv.errors import UserError
 EXECUTORS = ("local", "ray")
 # Below this much work (bytes a stage's jobs touch) processes cost more to start than they save: run inline.
 INLINE_BELOW = 64 * 2**20
+# Parallel jobs at most: beyond any host or Ray cluster dsconv runs on; past 2**31 the process pool's queue semaphore
+# overflows (an OverflowError, not a message)
+MAX_WORKERS = 4096
 # Modules the forkserver imports once, so each worker forks ready to run (torch's import is ~1 s).
 PRELOAD = ("numpy", "torch", "dsconv.exec")
 
@@ -47,8 +50,8 @@ class ExecOptions:
 def check_options(opts: ExecOptions) -> None:
     if opts.executor not in EXECUTORS:
         raise UserError(f"--executor {opts.executor} is not one of {', '.join(EXECUTORS)}")
-    if opts.workers is not None and opts.workers < 1:
-        raise UserError(f"--workers {opts.workers} must be at least 1")
+    if opts.workers is not None and not 1 <= opts.workers <= MAX_WORKERS:
+        raise UserError(f"--workers {opts.workers} is not in 1..{MAX_WORKERS}")
     if opts.ray_address and opts.executor != "ray":
         raise UserError("--ray-address applies to --executor ray", hint="add --executor ray or drop --ray-address")
 

@@ -115,6 +115,30 @@ def _export_st(d, out):
     return ["export", "--format", "safetensors", "--model", d, "--output", out], None
 
 
+def _quant_dry(tm, *opts):
+    return ["quantize", "--model", tm(LLAMA), "--dry-run", *opts], None
+
+
+def _shard_config(tm, *opts):
+    return ["shard", "--config", tm("deepseek_v3") / "config.json", *opts], None
+
+
+def _expert_load(tp: Path) -> Path:
+    """Tokens per expert of the tiny DeepSeek-V3's MoE layers (1 and 2, 16 experts)."""
+    p = tp / "expert_load.json"
+    p.write_text(json.dumps({"layers": {"1": list(range(16)), "2": [1] * 16}}))
+    return p
+
+
+BIG = "99999999999999999999999"
+
+
+def _tiny_onnx(tp: Path) -> Path:
+    from dsconv.atc.samples import tiny_lm
+
+    return tiny_lm(tp / "m.onnx")
+
+
 CASES: list[Case] = [
     # -- parse errors other than JSONDecodeError ------------------------------------------------------------------
     Case("header-deep-nesting", "parse", lambda tm, tp, fs: _inspect(raw_header(
@@ -162,6 +186,27 @@ CASES: list[Case] = [
         model_copy(tm, tp), num_hidden_layers=1099511627776)), 2, ('"num_hidden_layers"', "1..1024")),
     Case("max-shard-size-inf", "size", lambda tm, tp, fs: (["quantize", "--model", tm(LLAMA), "--dry-run",
                                                             "--bits", "8", "--max-shard-size", "inf"], None), 2, ("inf",)),
+    # an option naming its problem up front (a bare "size '0' must be positive" named no option)
+    Case("max-shard-size-zero", "size", lambda tm, tp, fs: _quant_dry(tm, "--bits", "8", "--max-shard-size", "0"), 2,
+         ("--max-shard-size", "'0'")),
+    Case("external-data-threshold-zero", "size", lambda tm, tp, fs: (
+        ["export", "--model", tm(LLAMA), "--output", tp / "o", "--external-data-threshold", "0"], None), 2,
+        ("--external-data-threshold", "'0'")),
+    Case("group-size-negative", "size", lambda tm, tp, fs: _quant_dry(tm, "--scheme", "w4a16", "--group-size", "-1"),
+         2, ("--group-size", "-1")),
+    # huge counts: a MemoryError building 10^23 per-rank records or chart cells, a pool semaphore's OverflowError
+    Case("nodes-huge", "size", lambda tm, tp, fs: _shard_config(tm, "--nodes", BIG), 2, ("--nodes", BIG)),
+    Case("world-from-nodes-huge", "size", lambda tm, tp, fs: _shard_config(tm, "--nodes", "10000"), 2,
+         ("world size 80000", "65536")),
+    Case("max-context-huge", "size", lambda tm, tp, fs: _shard_config(tm, "--max-context", BIG), 3,
+         ("rejected", "needs")),
+    Case("workspace-gb-huge", "size", lambda tm, tp, fs: _shard_config(tm, "--workspace-gb", "1e300"), 2,
+         ("--workspace-gb",)),
+    Case("atc-gear-huge", "size", lambda tm, tp, fs: (["atc", "--onnx", _tiny_onnx(tp), "--soc", "Ascend910B",
+                                                        "--seq", BIG, "--output", tp / "atc"], None), 2,
+         ("--seq", "up to 2147483647")),
+    Case("workers-huge", "size", lambda tm, tp, fs: (_quant_weight_only(tm(LLAMA), tp)[0] + ["--workers", BIG], None),
+         2, ("--workers", BIG)),
     # -- OS errors at the boundary ----------------------------------------------------------------------------------
     Case("output-parent-is-file", "os", lambda tm, tp, fs: _export_st(tm(LLAMA), _with_file(
         tp, "afile", b"x") / "afile" / "out"), 2, ("afile", "not a directory")),
@@ -210,6 +255,20 @@ CASES: list[Case] = [
          ("--seq-len", "-5")),
     Case("inspect-config-negative-layers", "accepted", lambda tm, tp, fs: _inspect_config(edit_config(
         model_copy(tm, tp), num_hidden_layers=-3)), 2, ('"num_hidden_layers"', "got -3")),
+    Case("fallback-negative", "accepted", lambda tm, tp, fs: _quant_dry(tm, "--bits", "8", "--fallback", "-1"), 2,
+         ("--fallback", "-1")),
+    Case("smooth-quant-alpha-above-1", "accepted", lambda tm, tp, fs: _quant_dry(tm, "--bits", "8", "--smooth-quant",
+                                                                                 "1.5"), 2, ("--smooth-quant", "1.5")),
+    Case("smooth-quant-alpha-nan", "accepted", lambda tm, tp, fs: _quant_dry(tm, "--bits", "8", "--smooth-quant",
+                                                                             "nan"), 2, ("--smooth-quant", "nan")),
+    Case("workspace-gb-negative", "accepted", lambda tm, tp, fs: _shard_config(tm, "--workspace-gb", "-1"), 2,
+         ("--workspace-gb", "-1")),
+    Case("max-ppl-increase-negative", "accepted", lambda tm, tp, fs: (
+        ["eval", "--model", tm(LLAMA), "--quantized", tp / "q", "--max-ppl-increase", "-1"], None), 2,
+        ("--max-ppl-increase", "-1")),
+    Case("redundant-experts-more-than-every-rank", "accepted", lambda tm, tp, fs: _shard_config(
+        tm, "--ep", "4", "--placement", "eplb", "--expert-load", _expert_load(tp), "--redundant-experts", "1000"), 2,
+        ("--redundant-experts 1000", "at most 48")),
     Case("export-nan-weights", "accepted", lambda tm, tp, fs: _export_st(edit_weights(
         model_copy(tm, tp), lambda t: t["model.norm.weight"].__setitem__(3, float("nan"))), tp / "o"), 2,
         ("model.norm.weight", "nan")),
@@ -313,6 +372,69 @@ def test_verify_rejects_a_malformed_plan_json(edit, needles, a_shard, tmp_path, 
 
 def test_verify_accepts_the_untouched_shard(a_shard, run_cli):
     assert run_cli(["verify", a_shard]).code == 0
+
+
+# ----------------------------------------------------------------------------------------------- config.json keys
+def _family_keys() -> list[tuple[str, str, str]]:
+    """(family, key, mutation) for every key every family reads: taken from the declarations (Family.config_keys),
+    so a key a family starts reading is covered here without editing this list."""
+    from dsconv.families import families
+
+    return [(f.name, key, m) for f in families() for key in f.config_keys for m in ("null", "string", "missing")]
+
+
+@pytest.mark.parametrize("family,key,mutation", _family_keys(), ids=["-".join(k) for k in _family_keys()])
+def test_config_key_null_wrong_type_or_missing(family, key, mutation, tiny_model, tmp_path, run_cli):
+    """A null (`"intermediate_size": null` for DeepSeek, `"num_experts_per_tok": null` for the Qwen MoEs), a string
+    or a missing key of those a family reads: before, TypeErrors in a shape formula (families/base.py T.dims) or the
+    workspace estimate (shard/memory.py). Now the key's default where the family has one (null counts as absent, as
+    HF writes it), else exit 2 with one line naming config.json and the key. shard --config reads every fact, the
+    synthesized tensor list and the memory estimate."""
+    from dsconv.families import families
+    from dsconv.schemas.model import REQUIRED, _STRS
+
+    required = next(f for f in families() if f.name == family).config_keys[key] is REQUIRED
+    cfg = json.loads((tiny_model(family) / "config.json").read_text())
+    if mutation == "missing":
+        cfg.pop(key, None)
+    else:
+        cfg[key] = None if mutation == "null" else "x"
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    r = run_cli(["shard", "--config", path, "--json"])
+    lines = [ln for ln in r.err.splitlines() if ln.strip() and not ln.startswith("warning:")]
+    assert "Traceback" not in r.err, r.err[-2000:]
+    if (mutation == "string" and key not in _STRS) or (mutation != "string" and required):
+        assert r.code == 2 and len(lines) == 1, (r.code, r.err[-2000:])
+        assert str(path) in lines[0] and f'"{key}"' in lines[0], lines[0]
+    else:  # a default, or a string where a string belongs (an unknown model_type or dtype has its own message)
+        assert r.code in (0, 2, 3), (r.code, r.err[-2000:])
+
+
+# ----------------------------------------------------------------------------------------------- --max-shard-size
+def _tensors(d: Path) -> dict[str, bytes]:
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(d.rglob("*.safetensors")):
+        with safe_open(f, "np") as s:
+            out.update({k: s.get_tensor(k).tobytes() for k in s.keys()})
+    return out
+
+
+@pytest.mark.parametrize("size", ["1B", "100KB"])
+def test_max_shard_size_below_a_linear_cuts_between_its_components(size, tiny_model, tmp_path, run_cli):
+    """A part boundary between a linear's weight and its scales (any size can cut there; 1B cuts everywhere) was a
+    ValueError traceback from the weight-only writer. HF's convention: a tensor larger than the cap is a part of its
+    own. The output is the same tensors, bytes included, as with the default cap."""
+    args = ["quantize", "--model", tiny_model(LLAMA), "--bits", "8", "--scheme", "w8a16", "--method", "rtn"]
+    small = run_cli([*args, "--max-shard-size", size, "--output", tmp_path / "small", "--workers", "1"])
+    assert small.code == 0 and "Traceback" not in small.err, small.err[-2000:]
+    assert run_cli([*args, "--output", tmp_path / "default", "--workers", "1"]).code == 0
+    assert run_cli(["verify", tmp_path / "small"]).code == 0
+    parts = list((tmp_path / "small").glob("quant_model_weights-*.safetensors"))
+    assert len(parts) > 1
+    assert _tensors(tmp_path / "small") == _tensors(tmp_path / "default")
 
 
 # ----------------------------------------------------------------------------------------------- transactions

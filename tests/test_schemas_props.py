@@ -88,8 +88,17 @@ def test_safetensors_header_accepts_valid_and_rejects_mutants(entries, data):
 
 BASE_CONFIG = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "vocab_size": 320,
                "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
+
+
+def _family_config_keys() -> set[str]:
+    """Every key a family reads (Family.config_keys): a key a family starts reading is fuzzed here too."""
+    from dsconv.families import families
+
+    return set().union(*(f.config_keys for f in families()))
+
+
 CONFIG_KEYS = sorted(set(schemas.model._INTS) | set(schemas.model._NUMBERS) | set(schemas.model._BOOLS)
-                     | {"model_type", "torch_dtype", "mlp_only_layers", "quantization_config"})
+                     | _family_config_keys())
 
 
 @SETTINGS
@@ -106,7 +115,7 @@ def test_config_accepted_means_every_family_can_use_it(model_type, changes):
     cfg.update(changes)
     def validate(c):  # what Checkpoint.open and ConfigOnly.open run
         schemas.config(c, "config.json", supported_model_types())
-        schemas.model.config_requires(c, "config.json", family_for(c).required_config)
+        schemas.model.config_fields(c, "config.json", family_for(c).config_keys)
         return c
 
     ok = only_user_errors(validate, cfg)
@@ -150,6 +159,31 @@ def test_file_readers_accept_their_valid_forms(tmp_path):
     p = tmp_path / "dsconv.toml"
     p.write_text('[workspace]\nmodel = "m"\n')
     assert schemas.workspace_toml(p)["workspace"]["model"] == "m"
+
+
+def test_every_key_a_family_reads_has_a_kind():
+    """config_fields checks a declared key by its kind; a key with none would be a KeyError when a config is read."""
+    assert all(schemas.model.config_key_known(k) for k in _family_config_keys())
+
+
+@pytest.mark.parametrize("value", [None, "x", [1], {"a": 1}, -1, 2.5, True, 2**40])
+def test_config_fields_either_types_or_user_error(value):
+    """Each key each family reads, set to a hostile value: the family's facts are computed or a UserError names
+    config.json and the key - never a TypeError in a shape (families/base.py) or the memory estimate."""
+    from dsconv.families import families
+    from dsconv.tiny import tiny_config
+
+    for fam in families():
+        base = tiny_config(fam.name).to_dict()
+        for key in fam.config_keys:
+            cfg = dict(base, **{key: value})
+            try:
+                facts = fam.facts(cfg)
+            except UserError as e:
+                assert f'"{key}"' in e.one_line() and "config.json" in e.one_line(), (fam.name, key, e.one_line())
+                continue
+            assert sum(1 for _ in fam.iter_shapes(facts)) > 0
+            assert isinstance(facts.experts_per_tok, int) and isinstance(facts.intermediate_size, int)
 
 
 def test_config_rejects_issue_examples():

@@ -10,6 +10,9 @@ from dsconv.commands.options import PATH, emit_json, force_option, json_option, 
 from dsconv.errors import UserError
 
 
+MAX_GEAR = 2**31 - 1  # a shape dimension ATC stores as int32; a gear beyond it is a typo that atc.sh would carry
+
+
 def _ints(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
     if value is None:
         return None
@@ -17,8 +20,8 @@ def _ints(ctx: click.Context, param: click.Parameter, value: str | None) -> tupl
         vals = tuple(int(v) for v in value.split(",") if v.strip())
     except ValueError:
         raise UserError(f"--{param.name} {value}: expected comma-separated integers like 1,4") from None
-    if not vals or any(v <= 0 for v in vals):
-        raise UserError(f"--{param.name} {value}: values must be positive integers")
+    if not vals or any(not 1 <= v <= MAX_GEAR for v in vals):
+        raise UserError(f"--{param.name} {value}: values must be positive integers up to {MAX_GEAR}")
     return vals
 
 

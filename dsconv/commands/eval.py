@@ -19,7 +19,7 @@ from dsconv.errors import UserError
                    "of the bundled calibration set.")
 @click.option("--seq-len", type=click.IntRange(min=2), default=512, show_default=True, help="Tokens per evaluated chunk.")
 @click.option("--samples", type=click.IntRange(min=1), default=None, help="Evaluate the first N chunks only.")
-@click.option("--max-ppl-increase", type=float, default=None, metavar="PCT",
+@click.option("--max-ppl-increase", type=click.FloatRange(min=0), default=None, metavar="PCT",
               help="Fail (exit 3) when perplexity rises by more than PCT percent.")
 @click.option("--output", "-o", type=PATH, default=None,
               help="Write eval_report.json into this directory (default in a workspace: <root>/eval).")

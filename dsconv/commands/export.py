@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 
 from dsconv import workspace
-from dsconv.commands.options import (PATH, emit_json, exec_options, json_option, model_option, output_option,
+from dsconv.commands.options import (PATH, SIZE, emit_json, exec_options, json_option, model_option, output_option,
                                      resolve_exec)
 from dsconv.convert.stage import FORMATS, QUANT_STAGE, STAGE_OF_FORMAT, ExportRequest, render, run
 
@@ -34,7 +34,7 @@ from dsconv.convert.stage import FORMATS, QUANT_STAGE, STAGE_OF_FORMAT, ExportRe
 @click.option("--atol", type=float, default=None,
               help="Largest allowed |exported - PyTorch| on logits (default 1e-4 fp32, 5e-2 fp16, 1e-3 bf16, "
                    "which is checked in fp32 on the bf16 weights).")
-@click.option("--external-data-threshold", default="2GB", show_default=True,
+@click.option("--external-data-threshold", type=SIZE, default="2GB", show_default=True,
               help="ONNX weights at or above this size go to model.onnx_data beside model.onnx.")
 @click.option("--allow-pickle", is_flag=True, help="Read .bin/.pt weights (weights-only unpickler).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (memory estimate, parts, dtypes) and write nothing.")
@@ -44,7 +44,7 @@ from dsconv.convert.stage import FORMATS, QUANT_STAGE, STAGE_OF_FORMAT, ExportRe
 @exec_options
 @json_option
 def export(model: Path | None, output: Path | None, fmt: str, quantized: Path | None, dtype: str | None,
-           opset: int | None, with_past: bool, position_ids: bool, atol: float | None, external_data_threshold: str,
+           opset: int | None, with_past: bool, position_ids: bool, atol: float | None, external_data_threshold: int,
            allow_pickle: bool, dry_run: bool, force: bool, workers: int | None, executor: str | None,
            ray_address: str | None, as_json: bool) -> None:
     """Export the model: ONNX proven equal to PyTorch in onnxruntime, a safetensors dtype rewrite (FP8 weights

@@ -16,6 +16,25 @@ from dsconv.errors import warn  # noqa: F401  (re-exported: the commands' warnin
 PATH = click.Path(path_type=Path)
 
 
+class Size(click.ParamType):
+    """A byte size ('4GB', '500MB', '2GiB', '1000') read when the options are parsed, so a bad one is refused up front
+    naming its option (dsconv.tensors.parse_size says what it accepts)."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        from dsconv.errors import UserError
+        from dsconv.tensors import parse_size
+
+        try:
+            return parse_size(value)
+        except UserError as e:
+            self.fail(f"{e.message}; write a positive size like 4GB, 500MB or 2GiB", param, ctx)
+
+
+SIZE = Size()
+
+
 def emit_json(obj: Any) -> None:
     """Print a --json summary: stdout alone, one object."""
     click.echo(json.dumps(obj, indent=2, ensure_ascii=False, default=str))
@@ -47,7 +66,9 @@ def exec_options(f):
     f = click.option("--executor", type=click.Choice(["local", "ray"]), default=None,
                      help="local: processes on this host (default); ray: tasks on a Ray cluster "
                           "(pip install 'dsconv[ray]'). Outputs are byte-identical either way.")(f)
-    f = click.option("--workers", type=click.IntRange(min=1), default=None, metavar="N",
+    from dsconv.exec import MAX_WORKERS
+
+    f = click.option("--workers", type=click.IntRange(1, MAX_WORKERS), default=None, metavar="N",
                      help="Parallel jobs (output parts, ranks): 1 runs inline; default: the CPU count "
                           "(`workers` under [defaults] in dsconv.toml).")(f)
     return f
@@ -58,14 +79,15 @@ def resolve_exec(workers: int | None, executor: str | None, ray_address: str | N
     dsconv.toml, else local processes on every CPU."""
     from dsconv import workspace
     from dsconv.errors import UserError
-    from dsconv.exec import EXECUTORS, ExecOptions
+    from dsconv.exec import EXECUTORS, MAX_WORKERS, ExecOptions
 
     ws = workspace.find()
     d = (ws.defaults or {}) if ws is not None else {}
     if workers is None and "workers" in d:
         workers = d["workers"]
-        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-            raise UserError(f"{ws.path}: workers = {workers!r} is not a positive integer", hint="e.g. workers = 8")
+        if not isinstance(workers, int) or isinstance(workers, bool) or not 1 <= workers <= MAX_WORKERS:
+            raise UserError(f"{ws.path}: workers = {workers!r} is not an integer in 1..{MAX_WORKERS}",
+                            hint="e.g. workers = 8")
     if executor is None and "executor" in d:
         executor = d["executor"]
         if executor not in EXECUTORS:

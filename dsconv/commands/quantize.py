@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 
 from dsconv import workspace
-from dsconv.commands.options import (PATH, emit_json, exec_options, force_option, json_option, model_option,
+from dsconv.commands.options import (PATH, SIZE, emit_json, exec_options, force_option, json_option, model_option,
                                      output_option, resolve_exec, warn)
 from dsconv.errors import UserError
 from dsconv.quant.methods import DEFAULT_METHOD, METHODS
@@ -27,7 +27,7 @@ from dsconv.quant.methods import DEFAULT_METHOD, METHODS
               help="Serving engine the output must load in (default: `engine` in dsconv.toml, else mindie). "
                    "--bits 8 takes its recipe (DeepSeek: attention static W8A8, MLP and experts W8A8_DYNAMIC, "
                    "kv_b_proj float); a scheme it cannot load is refused before any work.")
-@click.option("--group-size", type=int, default=None,
+@click.option("--group-size", type=click.IntRange(min=0), default=None,
               help="INT4 group length along the input dimension (default 128; 0 = per output channel).")
 @click.option("--method", type=click.Choice(list(METHODS)), default=None,
               help="Weight rounding: rtn, round-to-nearest with max|w| scales; mse, each group's scale searched for "
@@ -45,10 +45,10 @@ from dsconv.quant.methods import DEFAULT_METHOD, METHODS
               help="SmoothQuant for W8A8/W8A8_DYNAMIC: move activation outliers into the weights (s = act^ALPHA / "
                    "w^(1-ALPHA)), folded into the preceding RMSNorm (and up_proj -> down_proj) so the graph is "
                    "unchanged. auto: each site gets the ALPHA (or none) with the smallest measured output error.")
-@click.option("--fallback", type=int, default=None, metavar="N",
+@click.option("--fallback", type=click.IntRange(min=0), default=None, metavar="N",
               help="Static W8A8: fall back the N most sensitive units (q/k/v, gate/up, experts of a layer...) to "
                    "--fallback-to. 0 disables fallback. Default: the threshold below.")
-@click.option("--fallback-threshold", type=float, default=None, metavar="X",
+@click.option("--fallback-threshold", type=click.FloatRange(min=0), default=None, metavar="X",
               help="Static W8A8: fall back units whose measured relative output error exceeds X "
                    "(default 0.10).")
 @click.option("--fallback-to", type=click.Choice(["w8a8_dynamic", "w8a16"]), default="w8a8_dynamic",
@@ -74,7 +74,8 @@ from dsconv.quant.methods import DEFAULT_METHOD, METHODS
 @click.option("--layout", type=click.Choice(["msmodelslim", "mindie"]), default="msmodelslim", show_default=True,
               help="File names: quant_model_weights*.safetensors + quant_model_description.json, or MindIE's older "
                    "quant_model_weight_<type>.safetensors + quant_model_description_<type>.json.")
-@click.option("--max-shard-size", default="4GB", show_default=True, help="Size cap of each weights part.")
+@click.option("--max-shard-size", type=SIZE, default="4GB", show_default=True,
+              help="Size cap of each weights part (a tensor larger than it is a part of its own, as HF writes).")
 @click.option("--dry-run", is_flag=True, help="Print the plan from headers (types, sizes) and write nothing.")
 @exec_options
 @force_option
@@ -85,7 +86,7 @@ def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: 
              fallback_threshold: float | None, fallback_to: str, recipe: str, ignore: tuple[str, ...],
              calib: Path | None,
              calib_samples: int | None, seq_len: int, min_expert_tokens: int, all_experts: bool, layout: str,
-             max_shard_size: str, dry_run: bool, workers: int | None, executor: str | None, ray_address: str | None,
+             max_shard_size: int, dry_run: bool, workers: int | None, executor: str | None, ray_address: str | None,
              force: bool, as_json: bool) -> None:
     """Quantize a model to INT8/INT4 in the layout Ascend serving engines load, layer by layer."""
     from dsconv.quant.options import QuantOptions
@@ -93,7 +94,6 @@ def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: 
     from dsconv.quant.smoothing import parse_smooth
     from dsconv.quant.stage import QuantRequest, run
     from dsconv import engines
-    from dsconv.tensors import parse_size
 
     bits_default = scheme is None
     engine = engines.get(engine).name
@@ -114,7 +114,7 @@ def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: 
                         fallback_to=fallback_to, ignore=tuple(ignore), calib=calib, calib_samples=calib_samples,
                         seq_len=seq_len, min_expert_tokens=min_expert_tokens, all_experts=all_experts, layout=layout,
                         engine=engine, bits_default=bits_default, moe_scheme=moe_scheme,
-                        max_shard_size=parse_size(max_shard_size))
+                        max_shard_size=max_shard_size)
     result = run(QuantRequest(model, output, opts, force=force, progress=not as_json, dry_run=dry_run, warn=warn,
                               execution=resolve_exec(workers, executor, ray_address)))
     if as_json:

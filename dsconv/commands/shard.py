@@ -6,14 +6,13 @@ from pathlib import Path
 import click
 
 from dsconv import workspace
-from dsconv.commands.options import (PATH, emit_json, exec_options, force_option, json_option, output_option,
+from dsconv.shard.layout import MAX_WORLD
+from dsconv.commands.options import (PATH, SIZE, emit_json, exec_options, force_option, json_option, output_option,
                                      resolve_exec, warn)
 
 
-def _pos_int(ctx, param, value):
-    if value is not None and value < 1:
-        raise click.BadParameter("must be a positive integer")
-    return value
+#: a rank count: positive, and bounded so a typo cannot ask for a per-rank plan of 10^23 cards
+RANKS = click.IntRange(1, MAX_WORLD)
 
 
 @click.command()
@@ -22,15 +21,15 @@ def _pos_int(ctx, param, value):
                    "output if there is one, else its model).")
 @click.option("--config", "config", type=PATH, default=None,
               help="Plan from a config.json alone (the family's synthesised tensor list); implies --dry-run.")
-@click.option("--ep", type=int, default=None, callback=_pos_int,
+@click.option("--ep", type=RANKS, default=None,
               help="Expert-parallel degree (MindIE moe_ep; default: world / tp for MoE models, 1 otherwise).")
-@click.option("--tp", type=int, default=None, callback=_pos_int,
+@click.option("--tp", type=RANKS, default=None,
               help="Tensor-parallel degree of attention (and, without --dp-attention, of embeddings, head and "
                    "dense MLPs); replicated over dp = world / tp.")
-@click.option("--world", type=int, default=None, callback=_pos_int, help="World size (default: ep x tp).")
-@click.option("--nodes", type=int, default=None, callback=_pos_int, help="Servers in the cluster.")
-@click.option("--cards-per-node", type=int, default=None, callback=_pos_int, help="NPUs per server (default 8).")
-@click.option("--expert-tp", type=int, default=None, callback=_pos_int,
+@click.option("--world", type=RANKS, default=None, help="World size (default: ep x tp).")
+@click.option("--nodes", type=RANKS, default=None, help="Servers in the cluster.")
+@click.option("--cards-per-node", type=RANKS, default=None, help="NPUs per server (default 8).")
+@click.option("--expert-tp", type=RANKS, default=None,
               help="Expert-TP (MindIE moe_tp); derived as world / ep, give it only to assert it.")
 @click.option("--dp-attention", is_flag=True,
               help="Attention alone is data-parallel: embeddings, head, dense MLPs and shared experts are split "
@@ -50,12 +49,13 @@ def _pos_int(ctx, param, value):
 @click.option("--kv-bits", type=click.Choice(["16", "8"]), default="16", show_default=True, help="KV cache precision.")
 @click.option("--memory-fraction", type=float, default=0.8, show_default=True,
               help="Share of card memory the engine may use (MindIE NPU_MEMORY_FRACTION).")
-@click.option("--workspace-gb", type=float, default=None,
+@click.option("--workspace-gb", type=click.FloatRange(0, 2**20), default=None,
               help="Workspace per card instead of dsconv's estimate (HCCL buffers still added).")
 @click.option("--hosts", type=PATH, default=None,
               help="Server and NPU addresses for ranktable.json: JSON {\"servers\": [{\"server_ip\", \"device_ips\"}]} "
                    "or lines 'SERVER_IP DEVICE_IP ...'.")
-@click.option("--max-shard-size", default="4GB", show_default=True, help="Size cap of each rank's safetensors parts.")
+@click.option("--max-shard-size", type=SIZE, default="4GB", show_default=True,
+              help="Size cap of each rank's safetensors parts (a tensor larger than it is a part of its own).")
 @click.option("--engine", type=click.Choice(["mindie", "vllm-ascend"]), default=None,
               help="Serving engine (default: `engine` in dsconv.toml, else mindie).")
 @click.option("--format", "fmt", type=click.Choice(["mindie", "ranks", "plan"]), default=None,

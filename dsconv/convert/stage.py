@@ -37,7 +37,7 @@ class ExportRequest:
     with_past: bool = False
     position_ids: bool = False
     atol: float | None = None
-    external_data_threshold: str = "2GB"  # a size (parsed for onnx only)
+    external_data_threshold: str | int = "2GB"  # a size: bytes, or text parse_size reads (onnx only)
     allow_pickle: bool = False
     dry_run: bool = False
     force: bool = False

@@ -1,15 +1,16 @@
 """The registry of model families: `model_type` -> Family. The only place that knows tensor names.
 
-A family is one file: a `Family` subclass with its table (base.T rows), its config keys (`_facts`) and its tiny
-config, registered in the list at the bottom of this module. `family_for(config)` looks it up and
+A family is one file: a `Family` subclass with its table (base.T rows), its config keys (`config_keys`, `_facts`) and
+its tiny config, registered in the list at the bottom of this module. `family_for(config)` looks it up and
 lists the supported types when a model_type is unknown.
 
 Adding a family (everything else - classification, synthesis, inspect, quantize, shard, the torch builder, the
 MindSpore network's weight lookup, the tiny test model - follows from these):
   1. `families/<name>.py`: `model_types`; `table` from the row builders in base.py (`decoder`, `gqa_attention`,
      `qk_norm`, `dense_mlp`, `experts`, `router`, `swiglu`, `linear`, `norm`) plus rows of its own; `tiny` config
-     keys; `_facts` for config keys the base does not read (MoE counts, `router`, `sliding`, ...); optionally
-     `export_atol`, `fused_renames`;
+     keys; `config_keys` (every config.json key `_facts` reads, with its default or REQUIRED: checked when the
+     config is read, fuzzed by benchmarks/fuzz.py) and `_facts` for those the base does not read (MoE counts,
+     `router`, `sliding`, ...); optionally `export_atol`, `fused_renames`;
   2. import and register it at the bottom of this module;
   3. only for an op no family had: a MindSpore block in model/ms/ (as mla.py), chosen in model/ms/build.py.
 """

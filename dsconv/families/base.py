@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from dsconv.errors import UserError
-from dsconv.families.facts import ModelFacts, cfg_get, config_dtype
+from dsconv.families.facts import ConfigValues, ModelFacts, cfg_get, config_dtype
+from dsconv.schemas.model import REQUIRED, config_fields
 from dsconv.families.roles import ALL_PARAMS, Category, Role, TensorRole
 from dsconv.tensors import TensorSpec
 
@@ -117,8 +118,16 @@ class Family:
     #: where transformers' fused 3-D experts live (relative to the layer) and renames of their siblings
     fused_experts: str = "mlp.experts"
     fused_renames: dict[str, str] = {}
-    #: config.json keys this family cannot do without beyond the common ones (checked by dsconv.schemas.config)
-    required_config: tuple[str, ...] = ()
+    #: every config.json key `_facts` reads -> its value when absent or null (REQUIRED: the family cannot do without
+    #: it). Checked by kind and bounds when the config is read (dsconv.schemas.model.config_fields); `_facts` sees
+    #: these keys alone (ConfigValues), and benchmarks/fuzz.py mutates each of them.
+    config_keys: dict[str, Any] = {
+        "model_type": REQUIRED, "num_hidden_layers": REQUIRED, "hidden_size": REQUIRED, "vocab_size": REQUIRED,
+        "num_attention_heads": REQUIRED, "intermediate_size": REQUIRED,
+        "head_dim": None, "num_key_value_heads": None,  # None: hidden_size / heads, and as many as the heads
+        "dtype": None, "torch_dtype": None, "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+        "attention_bias": False,
+    }
     #: transformers' fused 3-D expert parameters -> the per-expert slots each holds, stacked along dim 1
     fused_params: dict[str, tuple[str, ...]] = {"gate_up_proj": ("gate", "up"), "down_proj": ("down",)}
     #: config.json keys the engines read with a default that is wrong for this family, and the value this family's
@@ -194,14 +203,12 @@ class Family:
         return TensorRole(concrete, param, rule.role, category, layer, expert, rule.slot)
 
     # ---- facts ----------------------------------------------------------------------------------------------
-    def facts(self, config: dict[str, Any]) -> ModelFacts:
-        try:
-            return self._facts(config)
-        except (KeyError, TypeError, ZeroDivisionError) as e:
-            raise UserError(f"config.json lacks or mis-states {e} for {self.name}",
-                            hint="compare it with the model's published config.json") from None
+    def facts(self, config: Mapping[str, Any], where: str = "config.json") -> ModelFacts:
+        """The facts of a config; the keys the family reads are checked first (UserError naming `where` and the
+        key), so `_facts` computes with values of the declared kinds."""
+        return self._facts(ConfigValues(config_fields(config, where, self.config_keys), config))
 
-    def _facts(self, c: dict[str, Any]) -> ModelFacts:
+    def _facts(self, c: ConfigValues) -> ModelFacts:
         heads = c["num_attention_heads"]
         hidden = c["hidden_size"]
         head_dim = cfg_get(c, "head_dim", default=hidden // heads)
@@ -209,9 +216,9 @@ class Family:
             model_type=c["model_type"], num_layers=c["num_hidden_layers"], hidden_size=hidden,
             vocab_size=c["vocab_size"], num_heads=heads, num_kv_heads=cfg_get(c, "num_key_value_heads", default=heads),
             head_dim=head_dim, v_head_dim=head_dim, intermediate_size=c["intermediate_size"],
-            dtype=config_dtype(c), tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            config=c, rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), hidden_act=c.get("hidden_act", "silu"),
-            qkv_bias=bool(c.get("attention_bias", False)),
+            dtype=config_dtype(c), tie_word_embeddings=c["tie_word_embeddings"],
+            config=c.raw, rms_norm_eps=float(c["rms_norm_eps"]), hidden_act=c["hidden_act"],
+            qkv_bias=c["attention_bias"],
         )
 
     # ---- synthesis from config alone ------------------------------------------------------------------------

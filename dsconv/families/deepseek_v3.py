@@ -1,6 +1,6 @@
 """DeepSeek-V3 / R1: MLA attention, sigmoid noaux_tc routing over 256 experts + 1 shared, MTP stored as layer 61,
 FP8 block-scaled weights (see reference/deepseek_v3.md)."""
-from dsconv.families.base import (L, T, Family, dense_mlp, experts, linear, norm, router, swiglu)
+from dsconv.families.base import (REQUIRED, L, T, Family, dense_mlp, experts, linear, norm, router, swiglu)
 from dsconv.families.roles import Category, Role
 
 A, ATT, LAT = L + "self_attn.", Category.ATTENTION, Role.ATTN_LATENT
@@ -33,7 +33,11 @@ MTP_OUT = (*norm("mtp.norm", L + "shared_head.norm", category=M, when="mtp"),
 
 class DeepseekV3(Family):
     name = "deepseek_v3"
-    required_config = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+    config_keys = {**Family.config_keys, "kv_lora_rank": REQUIRED, "qk_rope_head_dim": REQUIRED,
+                   "qk_nope_head_dim": REQUIRED, "v_head_dim": REQUIRED, "q_lora_rank": None, "n_routed_experts": 0,
+                   "num_experts_per_tok": 0, "moe_intermediate_size": 0, "n_shared_experts": 0,
+                   "first_k_dense_replace": 0, "moe_layer_freq": 1, "num_nextn_predict_layers": 0,
+                   "topk_method": "noaux_tc", "quantization_config": None}
     model_types = ("deepseek_v3",)
     # transformers' DeepseekV3 always routes with sigmoid scores and the correction bias (noaux_tc); its saved
     # config omits both keys, and vLLM then builds softmax routing without the bias parameter
@@ -72,24 +76,24 @@ class DeepseekV3(Family):
 
     def _facts(self, c):
         f = super()._facts(c)
-        f.q_lora_rank = c.get("q_lora_rank")
+        f.q_lora_rank = c["q_lora_rank"]
         f.kv_lora_rank = c["kv_lora_rank"]
         f.qk_rope_head_dim = c["qk_rope_head_dim"]
         f.qk_nope_head_dim = c["qk_nope_head_dim"]
         f.head_dim = f.qk_nope_head_dim + f.qk_rope_head_dim
         f.v_head_dim = c["v_head_dim"]
         f.num_kv_heads = f.num_heads  # MLA decompresses to one K/V per head; the cache holds the latent
-        f.num_experts = c.get("n_routed_experts") or 0
-        f.experts_per_tok = c.get("num_experts_per_tok") or 0
-        f.moe_intermediate_size = c.get("moe_intermediate_size") or 0
-        f.shared_intermediate_size = f.moe_intermediate_size * (c.get("n_shared_experts") or 0)
-        first_dense, freq = c.get("first_k_dense_replace", 0), c.get("moe_layer_freq", 1) or 1
-        total = f.num_layers + (c.get("num_nextn_predict_layers") or 0)
+        f.num_experts = c["n_routed_experts"]
+        f.experts_per_tok = c["num_experts_per_tok"]
+        f.moe_intermediate_size = c["moe_intermediate_size"]
+        f.shared_intermediate_size = f.moe_intermediate_size * c["n_shared_experts"]
+        first_dense, freq = c["first_k_dense_replace"], c["moe_layer_freq"]
+        total = f.num_layers + c["num_nextn_predict_layers"]
         f.moe_layers = tuple(i for i in range(total) if f.num_experts and i >= first_dense and i % freq == 0)
-        f.num_mtp_layers = c.get("num_nextn_predict_layers") or 0
-        f.router = "sigmoid_group" if c.get("topk_method", "noaux_tc") == "noaux_tc" else "softmax"
+        f.num_mtp_layers = c["num_nextn_predict_layers"]
+        f.router = "sigmoid_group" if c["topk_method"] == "noaux_tc" else "softmax"
         f.extra["noaux_tc"] = f.router == "sigmoid_group"
-        q = c.get("quantization_config") or {}
+        q = c["quantization_config"] or {}
         if q.get("quant_method") == "fp8":
             f.fp8_block = tuple(q.get("weight_block_size") or (128, 128))
         return f

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator, Mapping
 
 from dsconv.errors import UserError
 from dsconv.tensors import DTYPE_FROM_CONFIG
@@ -177,7 +177,34 @@ NOT_REPORTED = ("extra", "config", "rms_norm_eps", "hidden_act", "qkv_bias", "ro
 STATIC_ROPE = ("default", "linear", "llama3", "yarn", "proportional")
 
 
-def cfg_get(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
+class ConfigValues(Mapping[str, Any]):
+    """What a family's `_facts` reads: the keys it declares (`Family.config_keys`), checked and defaulted by
+    dsconv.schemas.model.config_fields, and `raw`, the whole config.json (transformers' config is built from it).
+
+    Why reading an undeclared key is an error (a KeyError, a bug): every key `_facts` reads is then declared, so it
+    is validated when the config is read and fuzzed (benchmarks/fuzz.py takes its keys from the declarations)."""
+
+    def __init__(self, values: dict[str, Any], raw: Mapping[str, Any]) -> None:
+        self._values = values
+        self.raw = raw
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._values:
+            raise KeyError(f"config key {key!r} is read but not in the family's config_keys")
+        return self._values[key]
+
+    def get(self, key: str, default: Any = None) -> Any:  # no silent default for an undeclared key
+        value = self[key]
+        return default if value is None else value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
+def cfg_get(config: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
     """First present key (HF renamed several across versions, e.g. torch_dtype -> dtype)."""
     for k in keys:
         if config.get(k) is not None:
@@ -185,7 +212,7 @@ def cfg_get(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
     return default
 
 
-def config_dtype(c: dict[str, Any]) -> str:
+def config_dtype(c: Mapping[str, Any]) -> str:
     raw = str(cfg_get(c, "dtype", "torch_dtype", default="bfloat16")).replace("torch.", "")
     return DTYPE_FROM_CONFIG.get(raw, "BF16")
 

@@ -21,8 +21,10 @@ class Gemma3(Family):
     # fp32 ONNX: onnxruntime vs PyTorch differ by 4.2e-4 on gemma-3-270m, whose logits reach 180 (2e-6 relative)
     export_atol = {("onnx", "fp32"): 2e-3}
     norm_offset = 1.0
+    config_keys = {**Family.config_keys, "head_dim": 256, "tie_word_embeddings": True,  # Gemma3TextConfig's defaults
+                   "hidden_activation": "gelu_pytorch_tanh"}
 
     def _facts(self, c):
-        f = super()._facts({"head_dim": 256, "tie_word_embeddings": True, **c})  # Gemma3TextConfig's defaults
-        f.hidden_act = c.get("hidden_activation", "gelu_pytorch_tanh")
+        f = super()._facts(c)
+        f.hidden_act = c["hidden_activation"]
         return f

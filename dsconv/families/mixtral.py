@@ -11,11 +11,12 @@ class Mixtral(Family):
                                       _experts[0], _experts[2], _experts[1]))  # on disk: w1, w2, w3
     tiny = {"num_local_experts": 8, "num_experts_per_tok": 2}
     fused_renames = {"mlp.gate": "block_sparse_moe.gate"}
+    config_keys = {**Family.config_keys, "num_local_experts": 8, "num_experts_per_tok": 2}  # MixtralConfig's
 
     def _facts(self, c):
         f = super()._facts(c)
-        f.num_experts = c.get("num_local_experts", 8)
-        f.experts_per_tok = c.get("num_experts_per_tok", 2)
+        f.num_experts = c["num_local_experts"]
+        f.experts_per_tok = c["num_experts_per_tok"]
         f.moe_intermediate_size = f.intermediate_size
         f.moe_layers = tuple(range(f.num_layers))
         f.norm_topk_prob = True

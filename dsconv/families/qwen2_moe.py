@@ -4,12 +4,15 @@ from dsconv.families.base import (L, Family, cfg_get, decoder, dense_mlp, expert
 from dsconv.families.roles import Category
 
 MOE_TINY = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+#: the config keys of Qwen's MoE layers (see Family.config_keys); num_experts None: num_local_experts, else none
+MOE_KEYS = {"num_experts": None, "num_local_experts": None, "num_experts_per_tok": 0, "moe_intermediate_size": 0,
+            "decoder_sparse_step": 1, "mlp_only_layers": ()}
 
 
 def sparse_layers(c, n_layers):
     """Qwen-MoE's rule: MoE where (layer+1) % decoder_sparse_step == 0 and the layer is not in mlp_only_layers."""
-    step = c.get("decoder_sparse_step", 1) or 1
-    dense = set(c.get("mlp_only_layers") or [])
+    step = c["decoder_sparse_step"]
+    dense = set(c["mlp_only_layers"])
     if not num_experts(c):
         return ()
     return tuple(i for i in range(n_layers) if i not in dense and (i + 1) % step == 0)
@@ -22,8 +25,8 @@ def num_experts(c) -> int:
 
 def moe_facts(f, c):
     f.num_experts = num_experts(c)
-    f.experts_per_tok = c.get("num_experts_per_tok", 0)
-    f.moe_intermediate_size = c.get("moe_intermediate_size", 0)
+    f.experts_per_tok = c["num_experts_per_tok"]
+    f.moe_intermediate_size = c["moe_intermediate_size"]
     f.moe_layers = sparse_layers(c, f.num_layers)
     return f
 
@@ -36,9 +39,10 @@ class Qwen2Moe(Family):
                                               "shared_intermediate_size", "shared", "moe"),
                                       *router(L + "mlp.shared_expert_gate", "shared_gate", 1, "moe")))
     tiny = {**MOE_TINY, "shared_expert_intermediate_size": 48}
+    config_keys = {**Family.config_keys, **MOE_KEYS, "shared_expert_intermediate_size": 0}
 
     def _facts(self, c):
         f = moe_facts(super()._facts(c), c)
-        f.shared_intermediate_size = c.get("shared_expert_intermediate_size", 0)
+        f.shared_intermediate_size = c["shared_expert_intermediate_size"]
         f.qkv_bias = True
         return f

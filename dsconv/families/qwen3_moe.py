@@ -1,6 +1,6 @@
 """Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B): Qwen3 attention, softmax top-k experts, no shared expert."""
 from dsconv.families.base import Family, decoder, dense_mlp, experts, gqa_attention, qk_norm, router
-from dsconv.families.qwen2_moe import MOE_TINY, moe_facts
+from dsconv.families.qwen2_moe import MOE_KEYS, MOE_TINY, moe_facts
 
 
 class Qwen3Moe(Family):
@@ -8,6 +8,7 @@ class Qwen3Moe(Family):
     model_types = ("qwen3_moe",)
     table = decoder((*gqa_attention(), *qk_norm()), (*dense_mlp("dense"), *router(), *experts()))
     tiny = {**MOE_TINY, "head_dim": 16}
+    config_keys = {**Family.config_keys, **MOE_KEYS}
 
     def _facts(self, c):
         f = moe_facts(super()._facts(c), c)

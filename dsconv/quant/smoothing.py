@@ -226,7 +226,11 @@ def parse_smooth(value: str | None) -> float | str | None:
     if value == "off":
         return None
     try:
-        return float(value)
+        alpha = float(value)
     except ValueError:
         raise UserError(f"--smooth-quant {value!r} is not auto, off or a number",
                         hint="e.g. --smooth-quant auto (default), --smooth-quant 0.5") from None
+    if not 0.0 <= alpha <= 1.0:  # nan fails this too; s = act^ALPHA / w^(1-ALPHA) migrates a share, 0..1
+        raise UserError(f"--smooth-quant {value!r} is not an ALPHA in 0..1",
+                        hint="e.g. --smooth-quant 0.5, or auto to search it per site")
+    return alpha

@@ -156,7 +156,7 @@ def run_part(job: PartJob) -> PartResult:
                     if pending is not None:
                         pending.result()  # output in order
                         pending = None
-                    records.append(_rtn_rows(reader, src, job.params, out))
+                    records.append(_rtn_rows(reader, src, job.params, out, wanted))
                     continue
                 items = _produce(reader, src, job.params, records)
                 if pending is not None:
@@ -180,16 +180,20 @@ def _by_rows(src: Source, wanted: set[str], method: str) -> bool:
             and f"{src.lp.module}.weight" in wanted)
 
 
-def _rtn_rows(reader: TensorReader, src: Source, params: Params, out: PartWriter) -> tuple[str, str, float]:
+def _rtn_rows(reader: TensorReader, src: Source, params: Params, out: PartWriter,
+              wanted: set[str]) -> tuple[str, str, float]:
     """Round-to-nearest of one linear in row blocks straight into the part (memory: a few blocks, not the weight's
-    int8 copy); each block's input pages dropped once written. The same bytes and error figure as `_produce`."""
+    int8 copy); each block's input pages dropped once written. The same bytes and error figure as `_produce`.
+
+    Only the `wanted` components are written: a part boundary may fall between a linear's weight and its scales
+    (any --max-shard-size can cut there), and the next part's job writes the rest through `_produce`."""
     info, lp = src.weight, src.lp
     row = info.nbytes // max(1, info.shape[0])
     w = reader.view(info)
     bias = reader.read(src.bias) if src.bias is not None else None
     try:
         err = rtn_linear_into(w, lp, lp.qtype, params.group_size, params.deq_dtype, bias, out.write_chunks,
-                              out.write, release=lambda a, b: reader.release_range(info, a * row, b * row))
+                              lambda name, arr: out.write(name, arr) if name in wanted else None, release=lambda a, b: reader.release_range(info, a * row, b * row))
     finally:
         del w
         reader.advise(info, getattr(mmap, "MADV_DONTNEED", 4))

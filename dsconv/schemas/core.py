@@ -190,7 +190,8 @@ class Fields:
         v = self.data.get(key)
         if v is None:
             if default is MISSING:
-                raise UserError(f"{self.where}: \"{key}\" is missing (it must be {must})", hint=self.hint)
+                what = "null" if key in self.data else "missing"
+                raise UserError(f"{self.where}: \"{key}\" is {what} (it must be {must})", hint=self.hint)
             return default
         return v
 

@@ -7,10 +7,10 @@ layers, 256 experts, 129,280 vocab) and narrow enough that a typo cannot ask for
 from __future__ import annotations
 
 import math
-from typing import Any, Collection, Iterable
+from typing import Any, Callable, Collection, Iterable, Mapping
 
 from dsconv.errors import UserError
-from dsconv.schemas.core import Fields, is_int, parse_json, show, type_name
+from dsconv.schemas.core import MISSING, Fields, is_int, parse_json, show, type_name
 from dsconv.tensors import DTYPE_SIZES
 
 MAX_RANK = 8
@@ -95,6 +95,7 @@ def safetensors_index(data: Any, where: str) -> dict[str, str]:
 
 # ------------------------------------------------------------------------------------------- config.json
 CONFIG_HINT = "compare it with the model's published config.json"
+REQUIRED: Any = MISSING  # a config key's "default" when a family cannot do without it
 DIM = 2**20
 _INTS = {  # key -> (lo, hi): every integer a family reads, with bounds no published model comes near
     "num_hidden_layers": (1, 1024), "hidden_size": (1, DIM), "vocab_size": (1, 2**24),
@@ -111,14 +112,46 @@ _INTS = {  # key -> (lo, hi): every integer a family reads, with bounds no publi
 _NUMBERS = {"rms_norm_eps": (0.0, 1.0), "rope_theta": (0.0, 1e12), "routed_scaling_factor": (0.0, 1e6),
             "initializer_range": (0.0, 1e3)}
 _BOOLS = ("tie_word_embeddings", "attention_bias", "norm_topk_prob")
+_STRS = {"model_type": 100, "torch_dtype": 64, "dtype": 64, "hidden_act": 64, "hidden_activation": 64,
+         "topk_method": 64}  # key -> longest accepted
 MAX_TENSORS = 4_000_000  # layers x experts x 3 beyond this is a typo, not a model (DeepSeek-V3: 91,991 tensors)
 
 
-def config_requires(data: dict[str, Any], where: str, keys: Iterable[str]) -> None:
-    """The keys a config's family cannot do without (DeepSeek's MLA ranks): present, not null, in bounds."""
-    f = Fields(data, where, CONFIG_HINT)
-    for key in keys:
-        f.int(key, *_INTS[key])
+def config_fields(data: Any, where: str, keys: Mapping[str, Any]) -> dict[str, Any]:
+    """{key: value} of the config keys a family reads (`Family.config_keys`: key -> its default, `REQUIRED` for
+    none), each checked by its kind and bounds; null counts as absent (HF writes `"head_dim": null`), so an absent or
+    null key is its default, or the one-line error `"key" is null` (or missing) when the family cannot do without it.
+
+    Why here and not at each use: the families then compute with values of the promised types, so a null or a
+    string in config.json is a UserError naming the key when the config is read, never a TypeError in a shape."""
+    f = Fields(data, where, CONFIG_HINT, what="a JSON object (a HF config.json)")
+    return {key: _field(f, key, default) for key, default in keys.items()}
+
+
+def config_key_known(key: str) -> bool:
+    """Whether `config_fields` can check `key` (a family declaring a key with no kind here is a bug)."""
+    return key in _INTS or key in _NUMBERS or key in _BOOLS or key in _STRS or key in _OTHER
+
+
+def _field(f: Fields, key: str, default: Any) -> Any:
+    if key in _INTS:
+        return f.int(key, *_INTS[key], default=default)
+    if key in _NUMBERS:
+        return f.number(key, *_NUMBERS[key], default=default)
+    if key in _BOOLS:
+        return f.bool(key, default=default)
+    if key in _STRS:
+        return f.str(key, default=default, max_len=_STRS[key])
+    if key in _OTHER:
+        return _OTHER[key](f, default)
+    raise KeyError(f"config key {key!r} has no kind in dsconv.schemas.model: add it to _INTS, _NUMBERS, ...")
+
+
+_OTHER: dict[str, Callable[[Fields, Any], Any]] = {
+    "mlp_only_layers": lambda f, d: f.list("mlp_only_layers", is_int(0, _INTS["num_hidden_layers"][1]),
+                                           "a list of layer numbers", default=d),
+    "quantization_config": lambda f, d: f.obj("quantization_config", default=d),
+}
 
 
 def config(data: Any, where: str = "config.json", supported: Collection[str] | None = None) -> dict[str, Any]:
@@ -137,8 +170,8 @@ def config(data: Any, where: str = "config.json", supported: Collection[str] | N
         f.number(key, lo, hi, default=None)
     for key in _BOOLS:
         f.bool(key, default=None)
-    for key in ("torch_dtype", "dtype"):
-        f.str(key, default=None, max_len=64)
+    for key, longest in _STRS.items():
+        f.str(key, default=None, max_len=longest)
     c = data
     heads, hidden, layers = c["num_attention_heads"], c["hidden_size"], c["num_hidden_layers"]
     mla = c.get("kv_lora_rank") is not None

@@ -209,6 +209,10 @@ def place_experts(strategy: str, num_experts: int, ep: int, expert_bytes: np.nda
             slots.append(layer)
         hier = False
     else:
+        most = num_experts * max(ep - 1, 0)  # a copy of every expert on every other EP rank
+        if redundant > most:  # a typo, and EPLB's packing would run for hours
+            raise UserError(f"--redundant-experts {redundant} is more copies than {num_experts} experts on each of "
+                            f"the other {ep - 1} EP ranks", hint=f"use at most {most} (DeepSeek: 32 for 256 experts)")
         physical = num_experts + redundant
         if physical % ep:
             raise UserError(f"--redundant-experts {redundant}: {num_experts} experts + {redundant} copies = {physical} "

@@ -19,7 +19,7 @@ def _bar(parts: list[tuple[str, int]], total: int, budget: int, width: int = WID
     for key, value in parts:
         acc += max(value, 0)
         n = round(acc / total * width) - len(cells) if total else 0
-        cells += [GLYPHS[key]] * max(n, 0)
+        cells += [GLYPHS[key]] * min(max(n, 0), width - len(cells))  # a card far over its memory: a full bar
     cells = cells[:width] + [" "] * (width - len(cells))
     mark = min(width - 1, round(budget / total * width)) if total else 0
     cells.insert(mark, "|")

@@ -18,6 +18,7 @@ from typing import Any
 from dsconv.errors import UserError
 
 DEFAULT_CARDS_PER_NODE = 8  # Atlas 800 A2 / 800I A2: 8 NPUs per server
+MAX_WORLD = 65536  # ranks: far beyond any deployment of one model; a plan holds per-rank records for each
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,9 @@ def make_layout(ep: int | None, tp: int | None, world: int | None = None, nodes:
         nodes = world // cards_per_node
     if nodes * cards_per_node != world:
         raise UserError(f"--nodes {nodes} x --cards-per-node {cards_per_node} != world size {world}")
+    if world > MAX_WORLD:
+        raise UserError(f"world size {world} is more than {MAX_WORLD} cards",
+                        hint="check --world, --nodes, --cards-per-node, --ep and --tp")
     return Layout(world=world, tp=tp, ep=ep, nodes=nodes, cards_per_node=cards_per_node, dp_attention=dp_attention)
 
 

@@ -38,7 +38,7 @@ class ShardRequest:
     hosts: Path | None = None
     output: Path | None = None
     force: bool = False
-    max_shard_size: str = "4GB"
+    max_shard_size: str | int = "4GB"  # bytes, or text parse_size reads
     dry_run: bool = False
     plot: Path | None = None
     progress: bool | None = None
@@ -97,6 +97,8 @@ def run(req: ShardRequest) -> ShardResult:
     _check_range("--max-context", req.max_context, 1)
     _check_range("--batch", req.batch, 1)
     _check_range("--redundant-experts", req.redundant, 0)
+    if req.workspace_gb is not None:
+        _check_range("--workspace-gb", req.workspace_gb, 0.0, 2.0**20)
     if req.kv_bits not in (8, 16):
         raise UserError(f"--kv-bits {req.kv_bits} is not supported", hint="use 16 (BF16/FP16 cache) or 8 (int8 C8)")
     max_shard = parse_size(req.max_shard_size)
