@@ -12,7 +12,10 @@ function's docstring names the MindIE code it mirrors.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import chain
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -80,12 +83,56 @@ def assign_experts(n: int, ep: int) -> list[range]:
 
 
 # ------------------------------------------------------------------------------------------------ items
-@dataclass
+@dataclass(slots=True)
 class Part:
     src: str
     shape: tuple[int, ...]                # shape of the selection
-    rows: np.ndarray | None = None        # dim-0 index into the source (None: all)
+    # dim-0 index into the source (None: all). A range for a contiguous slice, as most are (TP cuts of 2,048 rows
+    # per expert): a plan of the full DeepSeek-V3 has 189k parts, and an index array each was 0.7 GB and 1.5 s
+    rows: np.ndarray | range | None = None
     cols: tuple[int, int] | None = None   # dim-1 range (None: all)
+
+
+def row_index(rows: np.ndarray | range) -> np.ndarray | slice:
+    """A part's rows as a numpy index: a slice for a range (no index array), else the array itself."""
+    if isinstance(rows, range):
+        return slice(rows.start, rows.stop, rows.step)
+    return np.asarray(rows)
+
+
+class LazyGroups(Sequence):
+    """An Item's groups, built on first use by `build()`; its length is known before. A dry run never builds them
+    (the plan is made for its checks), a write builds each folder's when it plans the folder's parts. Pickles and
+    compares as the list it stands for."""
+
+    __slots__ = ("_build", "_n", "_groups")
+
+    def __init__(self, build: Callable[[], list[list[Part]]], n: int) -> None:
+        self._build, self._n, self._groups = build, n, None
+
+    def _get(self) -> list[list[Part]]:
+        if self._groups is None:
+            self._groups = self._build()
+            self._build = None
+        return self._groups
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        return self._get()[i]
+
+    def __iter__(self):
+        return iter(self._get())
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == (list(other) if isinstance(other, (list, LazyGroups)) else other)
+
+    def __reduce__(self):
+        return list, (self._get(),)
+
+    def __repr__(self) -> str:
+        return repr(self._get())
 
 
 @dataclass
@@ -95,7 +142,7 @@ class Item:
 
     name: str
     dtype: str
-    groups: list[list[Part]]
+    groups: list[list[Part]] | LazyGroups
     src_dtype: str
     stacked: bool = False
     pad_row: bool = False
@@ -130,8 +177,10 @@ def select(t, p: Part):
     """A part's rows and columns of its source tensor."""
     import torch
 
-    if p.rows is not None:
-        t = t.index_select(0, torch.as_tensor(p.rows, dtype=torch.long))
+    if isinstance(p.rows, range) and p.rows.step == 1:
+        t = t.narrow(0, p.rows.start, len(p.rows))
+    elif p.rows is not None:
+        t = t.index_select(0, torch.as_tensor(np.asarray(p.rows), dtype=torch.long))
     if p.cols is not None:
         t = t.narrow(1, p.cols[0], p.cols[1] - p.cols[0])
     return t
@@ -202,13 +251,15 @@ def regions(item: Item, infos: dict[str, Any]) -> list[Region] | None:
             inner = row // max(1, info.shape[1]) if len(info.shape) > 1 else row
             c0, c1 = p.cols or (0, info.shape[1] if len(info.shape) > 1 else 1)
             width = (c1 - c0) * inner
-            rows = np.arange(info.shape[0]) if p.rows is None else np.asarray(p.rows)
-            # runs of consecutive source rows: one region each
-            cuts = np.flatnonzero(np.diff(rows) != 1) + 1
-            for run in np.split(rows, cuts):
-                if len(run):
-                    out.append(Region(str(info.file), info.start + int(run[0]) * row + c0 * inner, width,
-                                      len(run), row))
+            rows = range(info.shape[0]) if p.rows is None else p.rows
+            if isinstance(rows, range) and rows.step == 1:
+                runs = [(rows.start, len(rows))] if len(rows) else []
+            else:  # runs of consecutive source rows: one region each
+                rows = np.asarray(rows)
+                cuts = np.flatnonzero(np.diff(rows) != 1) + 1
+                runs = [(int(run[0]), len(run)) for run in np.split(rows, cuts) if len(run)]
+            for first, n in runs:
+                out.append(Region(str(info.file), info.start + first * row + c0 * inner, width, n, row))
         if item.pad_row:
             out.append(Region(None, 0, math.prod(g[0].shape[1:]) * DTYPE_SIZES[item.dtype]))
     # permuted rows (the rope rows) come in runs of a row or two: one gather in memory beats a syscall per run
@@ -271,8 +322,15 @@ class Planner:
         self.dtypes = {n: i.dtype for n, i in src.tensors.items()}
         self.desc = src.quant_description or {}
         self.model_dtype = self.f.dtype if self.f.dtype in ("BF16", "F16") else "BF16"
+        self._qtypes: dict[str, str] = {}
 
     def qtype(self, module: str) -> str:
+        t = self._qtypes.get(module)
+        if t is None:
+            t = self._qtypes[module] = self._qtype(module)
+        return t
+
+    def _qtype(self, module: str) -> str:
         w = module + ".weight"
         if self.dtypes.get(w, "BF16") in ("BF16", "F16", "F32", "F8_E4M3"):
             return "FLOAT"
@@ -286,16 +344,71 @@ class Planner:
         dt = self.dtypes[name]
         return self.model_dtype if dt.startswith("F8_") else dt  # FP8 weights are dequantized on load
 
-    def _part(self, name: str, rows: np.ndarray | None = None, cols: tuple[int, int] | None = None) -> Part:
-        shape = list(self.shapes[name])
+    def _part(self, name: str, rows: np.ndarray | range | None = None, cols: tuple[int, int] | None = None) -> Part:
+        shape = self.shapes[name]
         if rows is not None:
-            shape[0] = len(rows)
+            shape = (len(rows),) + shape[1:]
         if cols is not None:
-            shape[1] = cols[1] - cols[0]
-        return Part(name, tuple(shape), rows, cols)
+            shape = shape[:1] + (cols[1] - cols[0],) + shape[2:]
+        return Part(name, shape, rows, cols)
+
+    def _check_cut(self, groups: list[list[str]], param: str, cut: str, size: int) -> None:
+        """The errors `_parts` would meet (a cut that does not divide, a missing tensor), in the order it meets them:
+        checked when the plan is made, though stacked experts' parts are built only when used."""
+        per_tensor, shapes = param in PER_TENSOR, self.shapes
+        names = [m + "." + param for g in groups for m in (g[:1] if per_tensor else g)]
+        try:  # the shapes are few (one per stacked linear): check each once; the loop below names the culprit
+            whole = per_tensor or cut == "rep"
+            if all(len(sh) > 0 and (whole or (sh[0] % size == 0 if cut == "col" else
+                                              param != "weight" or sh[1] % size == 0))
+                   for sh in set(map(shapes.__getitem__, names))):
+                return
+        except (KeyError, IndexError):
+            pass
+        for g in groups:
+            for m in (g[:1] if per_tensor else g):
+                name = m + "." + param
+                shape = shapes[name]
+                n = shape[0]
+                if per_tensor or cut == "rep":
+                    continue
+                if cut == "col":
+                    if n % size:
+                        raise UserError(f"{name}: {n} rows do not split over {size} ranks",
+                                        hint="choose a --tp / --ep that divides the heads and widths")
+                elif param == "weight" and shape[1] % size:
+                    raise UserError(f"{name}: {shape[1]} columns do not split over {size} ranks",
+                                    hint="choose a --tp / --ep that divides the widths")
+
+    def _parts(self, groups: list[list[str]], param: str, cut: str, rank: int, size: int,
+               perm: Callable[[str, range], np.ndarray] | None) -> list[list[Part]]:
+        """The parts of one param of a linear (see `linear`), per group; `_check_cut` has passed."""
+        per_tensor, shapes = param in PER_TENSOR, self.shapes
+        out = []
+        for g in groups:
+            parts = []
+            for m in (g[:1] if per_tensor else g):
+                name = m + "." + param
+                shape = shapes[name]
+                n = shape[0]
+                if per_tensor or cut == "rep" and perm is None:
+                    parts.append(Part(name, shape))
+                elif cut == "rep":
+                    parts.append(self._part(name, perm(name, range(n))))
+                elif cut == "col":
+                    rows = range(rank * n // size, (rank + 1) * n // size)
+                    parts.append(self._part(name, perm(name, rows)) if perm else
+                                 Part(name, (len(rows),) + shape[1:], rows))
+                elif param == "weight":
+                    cols = (rank * shape[1] // size, (rank + 1) * shape[1] // size)
+                    parts.append(Part(name, (n, cols[1] - cols[0]) + shape[2:], None, cols))
+                else:
+                    parts.append(Part(name, shape))
+            out.append(parts)
+        return out
 
     def linear(self, out: str, groups: list[list[str]], cut: str, rank: int, size: int, *,
-               perm: Callable[[str, np.ndarray], np.ndarray] | None = None, dense_module: bool = True) -> list[Item]:
+               perm: Callable[[str, range], np.ndarray] | None = None, dense_module: bool = True) -> list[Item]:
         """One MindIE linear (`out`), from source modules fused along dim 0 per group (stacked when several groups).
 
         cut "col": TensorParallelColumnLinear (weights.py::get_multi_weights_col): dim-0 params cut, per-tensor
@@ -304,7 +417,9 @@ class Planner:
         and zeros elsewhere; "rep": TensorReplicatedLinear (get_replicated_weights): whole. `dense_module`: the
         W8A8_DYNAMIC module flattens weight_scale/weight_offset and negates the offset; W8A16 negates it
         (w8a8_dynamic.py::W8A8LinearDynamic, w8a16.py) - not applied to stacked experts (not pinned for MoE)."""
-        qtypes = {self.qtype(m) for g in groups for m in g}
+        qtypes = set(map(self._qtypes.get, chain.from_iterable(groups)))  # known modules: one C-level pass
+        if None in qtypes:
+            qtypes = {self.qtype(m) for g in groups for m in g}
         if len(qtypes) > 1:
             raise UserError(f"{out}: its parts are {sorted(qtypes)}: MindIE fuses/stacks them into one module",
                             hint="quantize them alike")
@@ -312,33 +427,14 @@ class Planner:
         stacked = len(groups) > 1 or not dense_module
         items = []
         for param in PARAMS[qtype] + (("bias",) if f"{groups[0][0]}.bias" in self.shapes else ()):
-            parts_g, zeros = [], False
-            for g in groups:
-                parts = []
-                for m in (g[:1] if param in PER_TENSOR else g):
-                    name = f"{m}.{param}"
-                    n = self.shapes[name][0]
-                    if param in PER_TENSOR or cut == "rep" and perm is None:
-                        parts.append(self._part(name))
-                    elif cut == "rep":
-                        parts.append(self._part(name, perm(name, np.arange(n))))
-                    elif cut == "col":
-                        if n % size:
-                            raise UserError(f"{name}: {n} rows do not split over {size} ranks",
-                                            hint="choose a --tp / --ep that divides the heads and widths")
-                        rows = np.arange(rank * n // size, (rank + 1) * n // size)
-                        parts.append(self._part(name, perm(name, rows) if perm else rows))
-                    elif param == "weight":
-                        k = self.shapes[name][1]
-                        if k % size:
-                            raise UserError(f"{name}: {k} columns do not split over {size} ranks",
-                                            hint="choose a --tp / --ep that divides the widths")
-                        parts.append(self._part(name, cols=(rank * k // size, (rank + 1) * k // size)))
-                    else:
-                        parts.append(self._part(name))
-                        zeros = param in ("quant_bias", "bias") and rank != 0
-                parts_g.append(parts)
-            src_dtype = self._src_dtype(parts_g[0][0].src)
+            self._check_cut(groups, param, cut, size)
+            parts_g: list[list[Part]] | LazyGroups
+            if len(groups) > 1:  # stacked experts: 189k parts for DeepSeek-V3 at --ep 8 --tp 4, built when used
+                parts_g = LazyGroups(partial(self._parts, groups, param, cut, rank, size, perm), len(groups))
+            else:
+                parts_g = self._parts(groups, param, cut, rank, size, perm)
+            zeros = cut == "row" and param in ("quant_bias", "bias") and rank != 0  # whole on rank 0, else zero
+            src_dtype = self._src_dtype(f"{groups[0][0]}.{param}")
             it = Item(f"{out}.{param}", target_dtype(param, src_dtype, qtype, self.model_dtype), parts_g, src_dtype,
                       stacked=stacked, zeros=zeros, qtype=qtype)
             if dense_module and param in ("weight_scale", "weight_offset") and qtype == "W8A8_DYNAMIC":
@@ -361,10 +457,10 @@ class Planner:
         for L in self.layers():
             p = f"model.layers.{L}.self_attn."
 
-            def q_perm(name: str, rows: np.ndarray) -> np.ndarray:
+            def q_perm(name: str, rows: range) -> np.ndarray:
                 return rope_rows(int(rows[0]), hl, nope, rope)
 
-            def kv_a_perm(name: str, rows: np.ndarray) -> np.ndarray:
+            def kv_a_perm(name: str, rows: range) -> np.ndarray:
                 return np.concatenate([np.arange(lora), lora + np.arange(0, rope, 2), lora + np.arange(1, rope, 2)])
 
             if p + "q_a_proj.weight" in self.shapes:
@@ -457,9 +553,10 @@ class Planner:
         dtype. (The zero `.bias` MindIE adds to W8A8 layer norms is optional on load and not written.)"""
         out = []
         for n in self.src.names():
-            r = self.src.role(n)
-            if "norm" in n and r.layer is not None and r.layer >= self.f.num_layers:
+            if "norm" not in n:
                 continue
-            if "norm" in n:
-                out.append(Item(n, self.model_dtype, [[self._part(n)]], self._src_dtype(n)))
+            r = self.src.role(n)
+            if r.layer is not None and r.layer >= self.f.num_layers:
+                continue
+            out.append(Item(n, self.model_dtype, [[self._part(n)]], self._src_dtype(n)))
         return out

@@ -53,8 +53,8 @@ def build_plan(src: Any, layout: Any) -> MindiePlan:
                 if not folders[fo[kind]]:
                     raise UserError(f"{fo[kind]} would be empty: MindIE's loader needs every rank folder to hold "
                                     "a safetensors file (weights.py::Weights.__init__)")
-    dropped = {n: "MTP layer (MindIE shards it only with DEEPSEEK_MTP=1)" for n in src.names()
-               if (src.role(n).layer or 0) >= src.facts.num_layers}
+    dropped = {n: "MTP layer (MindIE shards it only with DEEPSEEK_MTP=1)" for n, r in src.roles.items()
+               if (r.layer or 0) >= src.facts.num_layers}
     dropped.update({n: "FP8 scale (weights are dequantized)" for n in src.fp8_scales.values()})
     plan = MindiePlan(rk, folders, rank_folders, None, dropped)
     plan.description = description(src, plan) if src.quant_description else None
