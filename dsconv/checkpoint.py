@@ -16,6 +16,7 @@ import math
 import mmap
 import os
 from dataclasses import replace
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -234,7 +235,9 @@ class Checkpoint:
             if scale is None or scale not in self.tensors:
                 raise UserError(f"FP8 weight {name} ({info.file.name}) has no {name}_scale_inv in {self.root}",
                                 hint="the checkpoint is incomplete; copy every part listed in the index")
-            want = tuple(math.ceil(d / b) for d, b in zip(info.shape, block))
+            shape = info.shape
+            want = ((math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1])) if len(shape) == 2 else
+                    tuple(math.ceil(d / b) for d, b in zip(shape, block)))
             if self.tensors[scale].shape != want:
                 raise UserError(f"{scale} has shape {list(self.tensors[scale].shape)}, expected {list(want)} for "
                                 f"{list(info.shape)} in {block[0]}x{block[1]} blocks",
@@ -311,7 +314,7 @@ def _normalise_fused(entries: dict[str, TensorInfo], family: Family, config: dic
     per-expert tensors of the original layout; each is a contiguous byte range of the fused tensor, so no copy."""
     fused = "." + family.fused_experts + "."
     params = family.fused_params  # {"gate_up_proj": ("gate", "up"), "down_proj": ("down",)}
-    if not any(n.endswith(fused + p) for n in entries for p in params):
+    if not any(map(str.endswith, entries, repeat(tuple(fused + p for p in params)))):
         return entries
     out: dict[str, TensorInfo] = {}
     for name, info in entries.items():

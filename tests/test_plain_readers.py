@@ -1,8 +1,9 @@
-"""The fast safetensors header check (schemas.model._plain_header) against the strict reader it short-cuts.
+"""The plain (fast) readers - safetensors headers (schemas.model._plain_header) and JSON documents
+(schemas.core._plain_json) - against the strict reader they short-cut.
 
-The property: whatever the bytes, the plain pass either declines (None) or returns exactly what the strict reader
-returns; so every header the strict reader rejects (duplicate keys, offsets out of range or overlapping, deep nesting,
-lone surrogates, oversized integers, NaN) is still rejected with the strict reader's message.
+The property: whatever the bytes, a plain reader either declines or returns exactly what the strict reader returns;
+so every input the strict reader rejects (duplicate keys, offsets out of range or overlapping, deep nesting, lone
+surrogates, oversized integers, NaN) is still rejected with the strict reader's message.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from dsconv import schemas
 from dsconv.errors import UserError
+from dsconv.schemas.core import _DECLINED, _plain_json
 from dsconv.schemas.model import DTYPE_SIZES, _plain_header, _strict_header
 
 SETTINGS = settings(max_examples=300, derandomize=True, deadline=None,
@@ -110,3 +112,46 @@ def test_plain_header_agrees_with_the_strict_reader(case):
         assert plain is None
         return
     assert plain is None or plain == strict
+
+
+hostile_json = st.one_of(
+    values.map(lambda v: json.dumps(v, allow_nan=True).encode("utf-8", "surrogatepass")),
+    st.builds(lambda d, s: d * b"[" + s + d * b"]", st.integers(0, 40), st.sampled_from([b"", b"1", b'"a"', b"{}"])),
+    st.builds(lambda n: b'{"a": [' + b"7" * n + b"]}", st.integers(1, 30)),
+    st.binary(max_size=60),
+)
+
+
+@SETTINGS
+@given(hostile_json, st.data())
+def test_plain_json_agrees_with_the_strict_reader(raw, data):
+    if raw and data.draw(st.booleans()):
+        i = data.draw(st.integers(0, len(raw) - 1))
+        raw = raw[:i] + data.draw(st.binary(min_size=1, max_size=2)) + raw[i + 1:]
+    plain = _plain_json(raw, schemas.core.MAX_DEPTH)
+    try:
+        strict = schemas.parse_json(bytearray(raw), "f.json", "fix it")  # bytearray: the strict path only
+    except UserError:
+        assert plain is _DECLINED
+        return
+    assert plain is _DECLINED or plain == strict
+
+
+@pytest.mark.parametrize("raw,words", [
+    (b'{"a": 1, "a": 2}', "twice"), (b'{"a": [' + b"1" * 21 + b"]}", "21 digits"), (b'{"a": NaN}', "NaN"),
+    (b'{"a": "\\udc00"}', "surrogate"), (b"[" * 33 + b"]" * 33, "nested deeper"), (b'{"a": 1e999}', "infinity"),
+    (b'{"a": 0.' + b"1" * 400 + b"}", "400 characters"),
+])
+def test_plain_json_declines_what_the_strict_reader_rejects(raw, words):
+    assert _plain_json(raw, schemas.core.MAX_DEPTH) is _DECLINED
+    with pytest.raises(UserError, match=words):
+        schemas.parse_json(raw, "f.json", "fix it")
+
+
+def test_plain_json_takes_an_index():
+    doc = {"metadata": {"total_size": 2**60, "note": None}, "weight_map": {f"t{i}": "a.safetensors" for i in range(9)}}
+    raw = json.dumps(doc).encode()
+    assert _plain_json(raw, schemas.core.MAX_DEPTH) == doc == schemas.parse_json(raw, "f.json", "fix it")
+    deep = b"[" * 32 + b"]" * 32  # 32 levels pass, 33 do not, on both paths
+    assert _plain_json(deep, 32) == json.loads(deep) == schemas.parse_json(bytearray(deep), "f", "h", max_depth=32)
+    assert _plain_json(b"[" + deep + b"]", 32) is _DECLINED
