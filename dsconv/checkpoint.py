@@ -25,6 +25,7 @@ from dsconv.errors import UserError
 from dsconv.families import Family, family_for, supported_model_types
 from dsconv.families.base import ModelFacts
 from dsconv.families.roles import TensorRole
+from dsconv.process import gc_paused
 from dsconv.tensorfile import TensorInfo, TensorReader, dequant_fp8_block, read_header
 from dsconv.tensors import DTYPE_SIZES, FP8_DTYPES, is_within, safetensors_dtype
 
@@ -80,7 +81,11 @@ class Checkpoint:
     # ---- opening ----------------------------------------------------------------------------------------------
     @classmethod
     def open(cls, root: Path | str, allow_pickle: bool = False) -> "Checkpoint":
-        root = Path(root)
+        with gc_paused():  # the listing is ~0.3 M small acyclic objects for DeepSeek-V3: no collection walks them
+            return cls._open(Path(root), allow_pickle)
+
+    @classmethod
+    def _open(cls, root: Path, allow_pickle: bool) -> "Checkpoint":
         if not root.is_dir():
             raise UserError(f"{root} is not a directory", hint="pass the HF model directory with --model")
         config = read_config(root)
@@ -390,7 +395,8 @@ class ConfigOnly:
         if not path.is_file():
             raise UserError(f"{path} does not exist", hint="pass the model's config.json with --config")
         config = read_config(path.parent) if path.name == "config.json" else _read_json(path)
-        return cls(path, config, family_for(config, where=str(path)))
+        with gc_paused():
+            return cls(path, config, family_for(config, where=str(path)))
 
     def names(self) -> list[str]:
         return list(self.tensors)

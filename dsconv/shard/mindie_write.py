@@ -1,4 +1,4 @@
-"""Write MindIE's offline-sharded DeepSeek layout (the items come from mindie_sharded.Planner; `dsconv verify` of it
+"""Write MindIE's offline-sharded DeepSeek layout (the items come from mindie_planner.Planner; `dsconv verify` of it
 is mindie_verify.py).
 
 Writing streams one dumped tensor at a time: tensors MindIE leaves unchanged are copied as byte regions of the source,
@@ -17,8 +17,9 @@ from dsconv.exec import Executor
 from dsconv.parts import PartLayout, PartWriter
 
 from dsconv.errors import UserError
+from dsconv.shard.mindie_planner import Planner
 from dsconv.shard.mindie_sharded import (COPY_MARKS, DESCRIPTION, FOLDER_KINDS, MAX_SHARD, METADATA, Item,
-                                         MindiePlan, Planner, Ranks, check_ranks, make, regions)
+                                         MindiePlan, Ranks, check_ranks, make, regions)
 
 TORCH_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 # safetensors' Dtype enum order: its serializer sorts tensors by dtype (descending), then name
