@@ -207,6 +207,13 @@ class Checkpoint:
             row = info.nbytes // max(1, info.shape[0]) if info.shape else info.nbytes
             self._reader.release_range(info, lo * row, hi * row)
 
+    def map_rows(self, name: str, lo: int, hi: int) -> None:
+        """Map the pages of rows [lo, hi) of a viewed tensor in one call, before a row-block consumer reads them."""
+        if self._pickled is None:
+            info = self.info(name)
+            row = info.nbytes // max(1, info.shape[0]) if info.shape else info.nbytes
+            self._reader.populate_range(info, lo * row, hi * row)
+
     def prefetch(self, name: str) -> None:
         """Ask the kernel to read a tensor ahead (the next one in a stream)."""
         if self._pickled is None:

@@ -28,6 +28,7 @@ PAGE = mmap.PAGESIZE
 READ_CHUNK = 32 * 2**20
 #: bytes per step when a tensor streams through unchanged or cast (pass-through, FP8 export); bounds resident memory
 COPY_CHUNK = 64 * 2**20
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Python < 3.12 lacks the constant
 
 
 @dataclass(frozen=True, init=False)
@@ -156,6 +157,14 @@ class TensorReader:
             mm.madvise(advice, a, start + length - a)
         except (AttributeError, OSError, ValueError):
             pass
+
+    def populate_range(self, info: TensorInfo, lo: int, hi: int) -> None:
+        """Map the pages of bytes [lo, hi) of a tensor into this process in one call (MADV_POPULATE_READ, Linux
+        5.14+; a no-op elsewhere) before a row-block consumer of `view()` reads them: a page fault per 4 KiB cost
+        more than the FP8 dequantization of the page."""
+        mm = self._map(info.file)
+        if mm is not None and hi > lo:
+            self._madvise(mm, info.start + lo, hi - lo, MADV_POPULATE_READ)
 
     def release_range(self, info: TensorInfo, lo: int, hi: int) -> None:
         """Drop the pages of bytes [lo, hi) of a tensor (relative to its start) from this process: a row-block
