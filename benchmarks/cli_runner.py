@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 RUNNER = """
-import hashlib, json, os, shutil, sys, threading, time
+import hashlib, json, os, shutil, subprocess, sys, threading, time
 from pathlib import Path
 t = time.perf_counter()
 from dsconv.cli import main
@@ -32,14 +32,18 @@ if mode == "ray":
     ray.init(num_cpus=int(workers), include_dashboard=False, log_to_driver=False, configure_logging=False)
     out["ray_start_s"] = time.perf_counter() - t
 extra = ["--workers", workers] + (["--executor", "ray"] if mode == "ray" else [])
-COPIES = ("copy", "bcopy", "hcopy", "kcopy")
+COPIES = ("copy", "bcopy", "hcopy", "kcopy", "cp")
 
 
 def copy(kind, src, dst):
     # the anchors. copy: user-space read + write in 16 MiB blocks, a new block per read (round 1's anchor);
     # bcopy: the same through one reused buffer; hcopy: bcopy hashing each file's sha256 beside the writes, as
     # dsconv's writer does for its manifest; kcopy: os.copy_file_range, the call dsconv's writer uses (on ext4 a
-    # copy in the kernel; file systems that clone extents would make it no copy at all: see "filesystem")
+    # copy in the kernel; file systems that clone extents would make it no copy at all: see "filesystem");
+    # cp: coreutils `cp -r` of the directory (every file, which is copy_file_range too for coreutils >= 9)
+    if kind == "cp":
+        subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
+        return
     dst.mkdir()
     buf = memoryview(bytearray(16 * 2**20))
     for f in sorted(src.glob("*.safetensors")):
@@ -110,8 +114,8 @@ def filesystem(path: Path) -> str:
 
 
 def run_cli_jobs(mode: str, workers: int, jobs: list) -> dict[str, float]:
-    """Run `jobs` ([label, argv] pairs; labels starting with "copy" / "bcopy" / "hcopy" / "kcopy" are copy anchors
-    [src_dir, dst_dir]) in one child with
+    """Run `jobs` ([label, argv] pairs; labels starting with "copy" / "bcopy" / "hcopy" / "kcopy" / "cp" are copy
+    anchors [src_dir, dst_dir]) in one child with
     `--workers workers` (and `--executor ray` for mode "ray"); each label's seconds."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     p = subprocess.run([sys.executable, "-c", RUNNER, mode, str(workers), json.dumps(jobs)], capture_output=True,

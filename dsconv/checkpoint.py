@@ -16,6 +16,7 @@ import math
 import mmap
 import os
 from dataclasses import replace
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from dsconv.errors import UserError
 from dsconv.families import Family, family_for, supported_model_types
 from dsconv.families.base import ModelFacts
 from dsconv.families.roles import TensorRole
+from dsconv.process import gc_paused
 from dsconv.tensorfile import TensorInfo, TensorReader, dequant_fp8_block, read_header
 from dsconv.tensors import DTYPE_SIZES, FP8_DTYPES, is_within, safetensors_dtype
 
@@ -79,7 +81,11 @@ class Checkpoint:
     # ---- opening ----------------------------------------------------------------------------------------------
     @classmethod
     def open(cls, root: Path | str, allow_pickle: bool = False) -> "Checkpoint":
-        root = Path(root)
+        with gc_paused():  # the listing is ~0.3 M small acyclic objects for DeepSeek-V3: no collection walks them
+            return cls._open(Path(root), allow_pickle)
+
+    @classmethod
+    def _open(cls, root: Path, allow_pickle: bool) -> "Checkpoint":
         if not root.is_dir():
             raise UserError(f"{root} is not a directory", hint="pass the HF model directory with --model")
         config = read_config(root)
@@ -201,6 +207,13 @@ class Checkpoint:
             row = info.nbytes // max(1, info.shape[0]) if info.shape else info.nbytes
             self._reader.release_range(info, lo * row, hi * row)
 
+    def map_rows(self, name: str, lo: int, hi: int) -> None:
+        """Map the pages of rows [lo, hi) of a viewed tensor in one call, before a row-block consumer reads them."""
+        if self._pickled is None:
+            info = self.info(name)
+            row = info.nbytes // max(1, info.shape[0]) if info.shape else info.nbytes
+            self._reader.populate_range(info, lo * row, hi * row)
+
     def prefetch(self, name: str) -> None:
         """Ask the kernel to read a tensor ahead (the next one in a stream)."""
         if self._pickled is None:
@@ -234,7 +247,9 @@ class Checkpoint:
             if scale is None or scale not in self.tensors:
                 raise UserError(f"FP8 weight {name} ({info.file.name}) has no {name}_scale_inv in {self.root}",
                                 hint="the checkpoint is incomplete; copy every part listed in the index")
-            want = tuple(math.ceil(d / b) for d, b in zip(info.shape, block))
+            shape = info.shape
+            want = ((math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1])) if len(shape) == 2 else
+                    tuple(math.ceil(d / b) for d, b in zip(shape, block)))
             if self.tensors[scale].shape != want:
                 raise UserError(f"{scale} has shape {list(self.tensors[scale].shape)}, expected {list(want)} for "
                                 f"{list(info.shape)} in {block[0]}x{block[1]} blocks",
@@ -311,7 +326,7 @@ def _normalise_fused(entries: dict[str, TensorInfo], family: Family, config: dic
     per-expert tensors of the original layout; each is a contiguous byte range of the fused tensor, so no copy."""
     fused = "." + family.fused_experts + "."
     params = family.fused_params  # {"gate_up_proj": ("gate", "up"), "down_proj": ("down",)}
-    if not any(n.endswith(fused + p) for n in entries for p in params):
+    if not any(map(str.endswith, entries, repeat(tuple(fused + p for p in params)))):
         return entries
     out: dict[str, TensorInfo] = {}
     for name, info in entries.items():
@@ -387,7 +402,8 @@ class ConfigOnly:
         if not path.is_file():
             raise UserError(f"{path} does not exist", hint="pass the model's config.json with --config")
         config = read_config(path.parent) if path.name == "config.json" else _read_json(path)
-        return cls(path, config, family_for(config, where=str(path)))
+        with gc_paused():
+            return cls(path, config, family_for(config, where=str(path)))
 
     def names(self) -> list[str]:
         return list(self.tensors)

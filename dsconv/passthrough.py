@@ -37,9 +37,12 @@ def first_nonfinite(data: Any, st_dtype: str) -> int | None:
     bits = np.frombuffer(data, dtype=utype) if not isinstance(data, np.ndarray) else data.reshape(-1).view(utype)
     if bits.size == 0:
         return None
-    m = np.bitwise_and(bits, utype(mask))
-    if m.max() < inf:
+    # NaN/Inf: the magnitude bits >= inf's. Positive ones are the largest signed values, negative ones the largest
+    # unsigned: two reductions, no temporary (a 64 MiB AND result per chunk cost more in page faults than the check)
+    signed = bits.view(np.dtype(utype).str.replace("u", "i"))
+    if signed.max() < inf and bits.max() < utype(mask + 1 + inf):
         return None
+    m = np.bitwise_and(bits, utype(mask))
     return int(np.argmax(m >= inf))
 
 

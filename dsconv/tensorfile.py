@@ -28,9 +28,10 @@ PAGE = mmap.PAGESIZE
 READ_CHUNK = 32 * 2**20
 #: bytes per step when a tensor streams through unchanged or cast (pass-through, FP8 export); bounds resident memory
 COPY_CHUNK = 64 * 2**20
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Python < 3.12 lacks the constant
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class TensorInfo:
     """Where one (logical) tensor's bytes are: file and absolute byte range. No data."""
 
@@ -41,6 +42,14 @@ class TensorInfo:
     start: int
     end: int
     source: str  # the tensor name on disk (differs for experts cut out of a fused tensor)
+
+    def __init__(self, name: str, dtype: str, shape: tuple[int, ...], file: Path, start: int, end: int,
+                 source: str) -> None:
+        # stores into the instance dict, not seven frozen-dataclass setattrs (2.7x faster; an open of DeepSeek-V3
+        # makes 91,991 of these); in field order, so the dict keeps sharing its keys with the class's
+        d = self.__dict__
+        d["name"], d["dtype"], d["shape"], d["file"], d["start"], d["end"], d["source"] = \
+            name, dtype, shape, file, start, end, source
 
     @property
     def nbytes(self) -> int:
@@ -148,6 +157,14 @@ class TensorReader:
             mm.madvise(advice, a, start + length - a)
         except (AttributeError, OSError, ValueError):
             pass
+
+    def populate_range(self, info: TensorInfo, lo: int, hi: int) -> None:
+        """Map the pages of bytes [lo, hi) of a tensor into this process in one call (MADV_POPULATE_READ, Linux
+        5.14+; a no-op elsewhere) before a row-block consumer of `view()` reads them: a page fault per 4 KiB cost
+        more than the FP8 dequantization of the page."""
+        mm = self._map(info.file)
+        if mm is not None and hi > lo:
+            self._madvise(mm, info.start + lo, hi - lo, MADV_POPULATE_READ)
 
     def release_range(self, info: TensorInfo, lo: int, hi: int) -> None:
         """Drop the pages of bytes [lo, hi) of a tensor (relative to its start) from this process: a row-block

@@ -67,17 +67,25 @@ class _ByPath:
         row = info.nbytes // max(1, info.shape[0]) if info.shape else info.nbytes
         self.reader.release_range(info, lo * row, hi * row)
 
+    def map_rows(self, name: str, lo: int, hi: int) -> None:
+        info = self.infos[name]
+        row = info.nbytes // max(1, info.shape[0]) if info.shape else info.nbytes
+        self.reader.populate_range(info, lo * row, hi * row)
+
     def release(self, name: str) -> None:
         self.reader.advise(self.infos[name], getattr(mmap, "MADV_DONTNEED", 4))
 
 
 def cast_part(job: CastJob) -> str | None:
     """Convert and write one job's tensors, streamed; the part's sha256 when the job wrote all of it."""
+    from dsconv.process import gc_paused
+
     src = _ByPath(job.infos, job.block, Path(job.root))
     out = PartWriter(job.part)
     try:
-        for t in job.tensors:
-            job.write(out.write_chunks, src, t, job.threads)
+        with gc_paused():  # a few objects per stripe: no collection walks the worker's (torch's) objects
+            for t in job.tensors:
+                job.write(out.write_chunks, src, t, job.threads)
         return out.close()
     except BaseException:
         out.abort()

@@ -247,9 +247,11 @@ class Family:
                 run.append(rows[i + len(run)])
             i += len(run)
             live = [r for r in run if r.when is None or PRESENT[r.when](f, layer)]
+            # a row's shape and its layer's name are the same for every expert (256 x 3 per DeepSeek-V3 layer)
+            named = [(r, r.name.replace("{L}", str(layer)), r.dims(f)) for r in live]
             for e in (range(f.num_experts) if run[0].per_expert else (None,)) if live else ():
-                for r in live:
-                    yield r, self.tensor(r.key, layer, e), r.dims(f)
+                for r, name, shape in named:
+                    yield r, name.replace("{E}", str(e)), shape
 
     def synthesize(self, config: dict[str, Any]) -> list[TensorSpec]:
         """The full tensor list (names, shapes, dtypes) a checkpoint of this config has, with no weights. FP8

@@ -64,7 +64,7 @@ OTHER_PARAMS = ("e_score_correction_bias",)
 ALL_PARAMS = WEIGHT_PARAMS + AUX_PARAMS + OTHER_PARAMS
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class TensorRole:
     """What a family says of one tensor name."""
 
@@ -75,6 +75,14 @@ class TensorRole:
     layer: int | None = None
     expert: int | None = None
     slot: str | None = None  # gate / up / down for MLPs and experts
+
+    def __init__(self, module: str, param: str, role: Role, category: Category, layer: int | None = None,
+                 expert: int | None = None, slot: str | None = None) -> None:
+        # stores into the instance dict, not seven frozen-dataclass setattrs (2.7x faster; an open of DeepSeek-V3
+        # classifies 91,991 names); in field order, so the dict keeps sharing its keys with the class's
+        d = self.__dict__
+        d["module"], d["param"], d["role"], d["category"], d["layer"], d["expert"], d["slot"] = \
+            module, param, role, category, layer, expert, slot
 
     @property
     def is_aux(self) -> bool:

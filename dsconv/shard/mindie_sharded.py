@@ -6,12 +6,13 @@ stacked, rope rows permuted, dynamic-quant offsets negated, an embedding pad row
 re-applies those transforms offline. Each output tensor is an `Item`: which source rows/columns it takes and which
 transforms follow, so the writer streams one output tensor at a time and `verify` can invert every exact transform
 to reassemble the source tensors bit for bit (the lossy ones - casts to a narrower float, the min-shifted
-correction bias - are checked by recomputing them). Rules and sources: /work/notes/engine_rules.md A.1-A.5; each
-function's docstring names the MindIE code it mirrors.
+correction bias - are checked by recomputing them). Which items each rank folder holds is mindie_planner.py. Rules
+and sources: /work/notes/engine_rules.md A.1-A.5; each function's docstring names the MindIE code it mirrors.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -80,12 +81,56 @@ def assign_experts(n: int, ep: int) -> list[range]:
 
 
 # ------------------------------------------------------------------------------------------------ items
-@dataclass
+@dataclass(slots=True)
 class Part:
     src: str
     shape: tuple[int, ...]                # shape of the selection
-    rows: np.ndarray | None = None        # dim-0 index into the source (None: all)
+    # dim-0 index into the source (None: all). A range for a contiguous slice, as most are (TP cuts of 2,048 rows
+    # per expert): a plan of the full DeepSeek-V3 has 189k parts, and an index array each was 0.7 GB and 1.5 s
+    rows: np.ndarray | range | None = None
     cols: tuple[int, int] | None = None   # dim-1 range (None: all)
+
+
+def row_index(rows: np.ndarray | range) -> np.ndarray | slice:
+    """A part's rows as a numpy index: a slice for a range (no index array), else the array itself."""
+    if isinstance(rows, range):
+        return slice(rows.start, rows.stop, rows.step)
+    return np.asarray(rows)
+
+
+class LazyGroups(Sequence):
+    """An Item's groups, built on first use by `build()`; its length is known before. A dry run never builds them
+    (the plan is made for its checks), a write builds each folder's when it plans the folder's parts. Pickles and
+    compares as the list it stands for."""
+
+    __slots__ = ("_build", "_n", "_groups")
+
+    def __init__(self, build: Callable[[], list[list[Part]]], n: int) -> None:
+        self._build, self._n, self._groups = build, n, None
+
+    def _get(self) -> list[list[Part]]:
+        if self._groups is None:
+            self._groups = self._build()
+            self._build = None
+        return self._groups
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        return self._get()[i]
+
+    def __iter__(self):
+        return iter(self._get())
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == (list(other) if isinstance(other, (list, LazyGroups)) else other)
+
+    def __reduce__(self):
+        return list, (self._get(),)
+
+    def __repr__(self) -> str:
+        return repr(self._get())
 
 
 @dataclass
@@ -95,7 +140,7 @@ class Item:
 
     name: str
     dtype: str
-    groups: list[list[Part]]
+    groups: list[list[Part]] | LazyGroups
     src_dtype: str
     stacked: bool = False
     pad_row: bool = False
@@ -130,8 +175,10 @@ def select(t, p: Part):
     """A part's rows and columns of its source tensor."""
     import torch
 
-    if p.rows is not None:
-        t = t.index_select(0, torch.as_tensor(p.rows, dtype=torch.long))
+    if isinstance(p.rows, range) and p.rows.step == 1:
+        t = t.narrow(0, p.rows.start, len(p.rows))
+    elif p.rows is not None:
+        t = t.index_select(0, torch.as_tensor(np.asarray(p.rows), dtype=torch.long))
     if p.cols is not None:
         t = t.narrow(1, p.cols[0], p.cols[1] - p.cols[0])
     return t
@@ -202,13 +249,15 @@ def regions(item: Item, infos: dict[str, Any]) -> list[Region] | None:
             inner = row // max(1, info.shape[1]) if len(info.shape) > 1 else row
             c0, c1 = p.cols or (0, info.shape[1] if len(info.shape) > 1 else 1)
             width = (c1 - c0) * inner
-            rows = np.arange(info.shape[0]) if p.rows is None else np.asarray(p.rows)
-            # runs of consecutive source rows: one region each
-            cuts = np.flatnonzero(np.diff(rows) != 1) + 1
-            for run in np.split(rows, cuts):
-                if len(run):
-                    out.append(Region(str(info.file), info.start + int(run[0]) * row + c0 * inner, width,
-                                      len(run), row))
+            rows = range(info.shape[0]) if p.rows is None else p.rows
+            if isinstance(rows, range) and rows.step == 1:
+                runs = [(rows.start, len(rows))] if len(rows) else []
+            else:  # runs of consecutive source rows: one region each
+                rows = np.asarray(rows)
+                cuts = np.flatnonzero(np.diff(rows) != 1) + 1
+                runs = [(int(run[0]), len(run)) for run in np.split(rows, cuts) if len(run)]
+            for first, n in runs:
+                out.append(Region(str(info.file), info.start + first * row + c0 * inner, width, n, row))
         if item.pad_row:
             out.append(Region(None, 0, math.prod(g[0].shape[1:]) * DTYPE_SIZES[item.dtype]))
     # permuted rows (the rope rows) come in runs of a row or two: one gather in memory beats a syscall per run
@@ -229,240 +278,12 @@ class MindiePlan:
         for f, items in self.folders.items():
             for it in items:
                 yield f, it
-# ------------------------------------------------------------------------------------------------ dtypes
-def target_dtype(param: str, src_dtype: str, qtype: str, model_dtype: str) -> str:
-    """weights.py::Weights.correct_tensor_dtype + the quant modules: floats to the model dtype, except deq_scale
-    (kept float32 for bf16 models) and, for fp16 models, W8A8_DYNAMIC weight_scale (float32); input_offset int8
-    (w8a8.py::W8A8LinearStatic); integers kept."""
-    if param == "input_offset":
-        return "I8"
-    if src_dtype not in ("F32", "BF16", "F16"):
-        return src_dtype
-    if param == "deq_scale":
-        return src_dtype if model_dtype == "BF16" else "I64"
-    if param == "weight_scale" and qtype == "W8A8_DYNAMIC" and model_dtype != "BF16":
-        return "F32"
-    return model_dtype
 
 
-PARAMS = {"FLOAT": ("weight",), "W8A8": ("weight", "input_scale", "input_offset", "deq_scale", "quant_bias"),
-          "W8A8_DYNAMIC": ("weight", "weight_scale", "weight_offset"),
-          "W8A16": ("weight", "weight_scale", "weight_offset")}
-PER_TENSOR = ("input_scale", "input_offset")
-
-
+# ------------------------------------------------------------------------------------------------ rope rows
 def rope_rows(first: int, heads: int, nope: int, rope: int) -> np.ndarray:
     """process_mla_linear.py::trans_rope_weight: in each head's last `rope` rows, even rows first, then odd."""
     d = nope + rope
-    idx = []
-    for h in range(heads):
-        b = first + h * d
-        idx += list(range(b, b + nope)) + list(range(b + nope, b + d, 2)) + list(range(b + nope + 1, b + d, 2))
-    return np.asarray(idx, np.int64)
-
-
-class Planner:
-    """The items of one folder kind for one sub-rank (headers only)."""
-
-    def __init__(self, src: Any, rk: Ranks) -> None:
-        self.src, self.rk = src, rk
-        self.f = src.facts
-        self.shapes = {n: tuple(i.shape) for n, i in src.tensors.items()}
-        self.dtypes = {n: i.dtype for n, i in src.tensors.items()}
-        self.desc = src.quant_description or {}
-        self.model_dtype = self.f.dtype if self.f.dtype in ("BF16", "F16") else "BF16"
-
-    def qtype(self, module: str) -> str:
-        w = module + ".weight"
-        if self.dtypes.get(w, "BF16") in ("BF16", "F16", "F32", "F8_E4M3"):
-            return "FLOAT"
-        t = self.desc.get(w, "FLOAT")
-        if t not in SUPPORTED:
-            raise UserError(f"{module} is {t}: MindIE's sharded layout is written for {', '.join(SUPPORTED)} only",
-                            hint="quantize with --bits 8 (or w8a8_dynamic / w8a16), or shard with --format ranks")
-        return t
-
-    def _src_dtype(self, name: str) -> str:
-        dt = self.dtypes[name]
-        return self.model_dtype if dt.startswith("F8_") else dt  # FP8 weights are dequantized on load
-
-    def _part(self, name: str, rows: np.ndarray | None = None, cols: tuple[int, int] | None = None) -> Part:
-        shape = list(self.shapes[name])
-        if rows is not None:
-            shape[0] = len(rows)
-        if cols is not None:
-            shape[1] = cols[1] - cols[0]
-        return Part(name, tuple(shape), rows, cols)
-
-    def linear(self, out: str, groups: list[list[str]], cut: str, rank: int, size: int, *,
-               perm: Callable[[str, np.ndarray], np.ndarray] | None = None, dense_module: bool = True) -> list[Item]:
-        """One MindIE linear (`out`), from source modules fused along dim 0 per group (stacked when several groups).
-
-        cut "col": TensorParallelColumnLinear (weights.py::get_multi_weights_col): dim-0 params cut, per-tensor
-        params whole (fused parts share them: the first part's); "row": TensorParallelRowLinear
-        (get_multi_weights_row): weight dim 1, per-channel scales whole, W8A8 deq_scale whole, quant_bias on rank 0
-        and zeros elsewhere; "rep": TensorReplicatedLinear (get_replicated_weights): whole. `dense_module`: the
-        W8A8_DYNAMIC module flattens weight_scale/weight_offset and negates the offset; W8A16 negates it
-        (w8a8_dynamic.py::W8A8LinearDynamic, w8a16.py) - not applied to stacked experts (not pinned for MoE)."""
-        qtypes = {self.qtype(m) for g in groups for m in g}
-        if len(qtypes) > 1:
-            raise UserError(f"{out}: its parts are {sorted(qtypes)}: MindIE fuses/stacks them into one module",
-                            hint="quantize them alike")
-        qtype = qtypes.pop()
-        stacked = len(groups) > 1 or not dense_module
-        items = []
-        for param in PARAMS[qtype] + (("bias",) if f"{groups[0][0]}.bias" in self.shapes else ()):
-            parts_g, zeros = [], False
-            for g in groups:
-                parts = []
-                for m in (g[:1] if param in PER_TENSOR else g):
-                    name = f"{m}.{param}"
-                    n = self.shapes[name][0]
-                    if param in PER_TENSOR or cut == "rep" and perm is None:
-                        parts.append(self._part(name))
-                    elif cut == "rep":
-                        parts.append(self._part(name, perm(name, np.arange(n))))
-                    elif cut == "col":
-                        if n % size:
-                            raise UserError(f"{name}: {n} rows do not split over {size} ranks",
-                                            hint="choose a --tp / --ep that divides the heads and widths")
-                        rows = np.arange(rank * n // size, (rank + 1) * n // size)
-                        parts.append(self._part(name, perm(name, rows) if perm else rows))
-                    elif param == "weight":
-                        k = self.shapes[name][1]
-                        if k % size:
-                            raise UserError(f"{name}: {k} columns do not split over {size} ranks",
-                                            hint="choose a --tp / --ep that divides the widths")
-                        parts.append(self._part(name, cols=(rank * k // size, (rank + 1) * k // size)))
-                    else:
-                        parts.append(self._part(name))
-                        zeros = param in ("quant_bias", "bias") and rank != 0
-                parts_g.append(parts)
-            src_dtype = self._src_dtype(parts_g[0][0].src)
-            it = Item(f"{out}.{param}", target_dtype(param, src_dtype, qtype, self.model_dtype), parts_g, src_dtype,
-                      stacked=stacked, zeros=zeros, qtype=qtype)
-            if dense_module and param in ("weight_scale", "weight_offset") and qtype == "W8A8_DYNAMIC":
-                it.reshape = (it.shape[0],)
-            if dense_module and param == "weight_offset" and qtype in ("W8A8_DYNAMIC", "W8A16"):
-                it.negate = True
-            items.append(it)
-        return items
-
-    # ---- folders ---------------------------------------------------------------------------------------------
-    def attn(self, a: int) -> list[Item]:
-        """modeling_deepseekv2.py::FlashDeepseekV2Attention.__init__ (L146-200): q_a / kv_a replicated (kv_a rope rows
-        permuted), q_b (or q_proj) column-parallel in heads with rope rows permuted, kv_b split into k_b / v_b, o_proj
-        row-parallel, all over the attention TP group."""
-        f, tp = self.f, self.rk.tp
-        if f.num_heads % tp:
-            raise UserError(f"{f.num_heads} attention heads do not split over tp {tp}", hint="choose a --tp dividing them")
-        hl, nope, rope, v, lora = f.num_heads // tp, f.qk_nope_head_dim, f.qk_rope_head_dim, f.v_head_dim, f.kv_lora_rank
-        items: list[Item] = []
-        for L in self.layers():
-            p = f"model.layers.{L}.self_attn."
-
-            def q_perm(name: str, rows: np.ndarray) -> np.ndarray:
-                return rope_rows(int(rows[0]), hl, nope, rope)
-
-            def kv_a_perm(name: str, rows: np.ndarray) -> np.ndarray:
-                return np.concatenate([np.arange(lora), lora + np.arange(0, rope, 2), lora + np.arange(1, rope, 2)])
-
-            if p + "q_a_proj.weight" in self.shapes:
-                items += self.linear(p + "q_a_proj", [[p + "q_a_proj"]], "rep", 0, 1)
-                items += self.linear(p + "q_b_proj", [[p + "q_b_proj"]], "col", a, tp, perm=q_perm)
-            else:
-                items += self.linear(p + "q_proj", [[p + "q_proj"]], "col", a, tp, perm=q_perm)
-            items += self.linear(p + "kv_a_proj_with_mqa", [[p + "kv_a_proj_with_mqa"]], "rep", 0, 1, perm=kv_a_perm)
-            kv = p + "kv_b_proj"
-            if self.qtype(kv) != "FLOAT":
-                raise UserError(f"{kv} is quantized: MindIE reshapes only its weight into k_b/v_b "
-                                "(process_mla_linear.py::preprocess_kv_weights)", hint="re-quantize: dsconv keeps it float")
-            d = nope + v
-            base = [a * hl * d + h * d for h in range(hl)]
-            k_rows = np.concatenate([np.arange(b, b + nope) for b in base])
-            v_rows = np.concatenate([np.arange(b + nope, b + d) for b in base])
-            src_dt = self._src_dtype(kv + ".weight")
-            items.append(Item(p + "k_b_proj.weight", self.model_dtype, [[self._part(kv + ".weight", k_rows)]], src_dt,
-                              reshape=(hl, nope, lora), qtype="FLOAT"))
-            items.append(Item(p + "v_b_proj.weight", self.model_dtype, [[self._part(kv + ".weight", v_rows)]], src_dt,
-                              reshape=(hl, v, lora), transpose12=True, qtype="FLOAT"))
-            items += self.linear(p + "o_proj", [[p + "o_proj"]], "row", a, tp)
-        return items
-
-    def layers(self) -> range:
-        return range(self.f.num_layers)  # MTP only with DEEPSEEK_MTP=1 (weight_sharder.py L36-37): left out
-
-    def dense(self, a: int) -> list[Item]:
-        """modeling_deepseek.py::DeepseekMLP.__init__: gate_up_proj = [gate_r; up_r] column-parallel, down_proj
-        row-parallel, over the attention TP group (dense_mlp_local_tp unset)."""
-        items: list[Item] = []
-        for L in self.layers():
-            if L in self.f.moe_layers:
-                continue
-            p = f"model.layers.{L}.mlp."
-            items += self.linear(p + "gate_up_proj", [[p + "gate_proj", p + "up_proj"]], "col", a, self.rk.tp)
-            items += self.linear(p + "down_proj", [[p + "down_proj"]], "row", a, self.rk.tp)
-        return items
-
-    def moe(self, t: int, e: int) -> list[Item]:
-        """modeling_deepseek.py::DeepseekMoE.__init__/init_experts: router (float32 weight; bias = correction bias
-        - min; rows in source order), shared experts over the MLP group (world; ep_level 1), routed experts of this
-        EP rank stacked ([E_local, 2I/moe_tp, H] gate_up, [E_local, H, I/moe_tp] down).
-
-        The router rows stay unrotated in every EP folder: DeepseekMoE.__init__ rotates gate.weight/gate.bias rows to
-        the rank's first expert at load time (ep_level 1) whether or not the weights were sharded offline
-        (nothing there checks weights.sharded; FastLinear.load reads the stored `gate.weight`), so rows stored
-        rotated, as MindIE's own weight_sharder dumps them, would be rotated twice on EP ranks >= 1."""
-        rk, items = self.rk, []
-        r = e * rk.moe_tp + t  # the one world rank of this folder
-        for L in self.layers():
-            if L not in self.f.moe_layers:
-                continue
-            p = f"model.layers.{L}.mlp."
-            E = self.f.num_experts
-            local = assign_experts(E, rk.moe_ep)[e]
-            rows = np.arange(E)
-            gw = p + "gate.weight"
-            items.append(Item(p + "gate.weight", "F32", [[self._part(gw, rows)]], self._src_dtype(gw), qtype="FLOAT"))
-            cb = p + "gate.e_score_correction_bias"
-            if cb in self.shapes:
-                items.append(Item(p + "gate.bias", self.model_dtype, [[self._part(cb, rows)]], self._src_dtype(cb),
-                                  shift_min=True, qtype="FLOAT"))
-            sh = p + "shared_experts."
-            if sh + "gate_proj.weight" in self.shapes:
-                items += self.linear(sh + "gate_up_proj", [[sh + "gate_proj", sh + "up_proj"]], "col", r, rk.world)
-                items += self.linear(sh + "down_proj", [[sh + "down_proj"]], "row", r, rk.world)
-            ex = [f"{p}experts.{i}." for i in local]
-            items += self.linear(p + "gate_up_proj", [[x + "gate_proj", x + "up_proj"] for x in ex], "col", t, rk.moe_tp,
-                                 dense_module=False)
-            items += self.linear(p + "down_proj", [[x + "down_proj"] for x in ex], "row", t, rk.moe_tp,
-                                 dense_module=False)
-        return items
-
-    def model(self, r: int) -> list[Item]:
-        """model-{rank}: embed_tokens cut on dim 1 over the attention TP group plus a zero row
-        (TensorParallelEmbedding; group UNCONFIRMED), lm_head vocab rows over the world (flash_causal_deepseekv2.py
-        L234-252, load_column_multi lm_head=True)."""
-        items = []
-        emb = "model.embed_tokens.weight"
-        tp, a = self.rk.tp, self.rk.attn_tp(r)
-        V, H = self.shapes[emb]
-        if H % tp:
-            raise UserError(f"{emb}: hidden {H} does not split over tp {tp}")
-        items.append(Item(emb, self.model_dtype, [[self._part(emb, cols=(a * H // tp, (a + 1) * H // tp))]],
-                          self._src_dtype(emb), pad_row=True))
-        if "lm_head.weight" in self.shapes:
-            items += self.linear("lm_head", [["lm_head"]], "col", r, self.rk.world)
-        return items
-
-    def norm(self) -> list[Item]:
-        """get_module_save_dir: every tensor whose name contains "norm" (incl. q_a/kv_a layernorms), cast to the model
-        dtype. (The zero `.bias` MindIE adds to W8A8 layer norms is optional on load and not written.)"""
-        out = []
-        for n in self.src.names():
-            r = self.src.role(n)
-            if "norm" in n and r.layer is not None and r.layer >= self.f.num_layers:
-                continue
-            if "norm" in n:
-                out.append(Item(n, self.model_dtype, [[self._part(n)]], self._src_dtype(n)))
-        return out
+    base = first + d * np.arange(heads, dtype=np.int64)[:, None]  # one row of indices per head
+    return np.concatenate([base + np.arange(nope), base + nope + np.arange(0, rope, 2),
+                           base + nope + np.arange(1, rope, 2)], axis=1).reshape(-1)

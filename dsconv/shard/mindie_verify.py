@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from dsconv.shard.mindie_sharded import FOLDER_KINDS, METADATA, Part, invert, make, select
+from dsconv.shard.mindie_sharded import FOLDER_KINDS, METADATA, Part, invert, make, row_index, select
 from dsconv.shard.mindie_write import CachedLoader, build_plan
 
 
@@ -57,7 +57,7 @@ def uncovered(shape: tuple[int, ...], parts: list[Part]) -> int:
     for p in parts:
         c0, c1 = p.cols or (0, width)
         cols = slice(cuts.index(c0), cuts.index(c1))
-        mask[slice(None) if p.rows is None else np.asarray(p.rows), cols] = True
+        mask[slice(None) if p.rows is None else row_index(p.rows), cols] = True
     return int((~mask * seg).sum())
 
 

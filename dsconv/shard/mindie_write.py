@@ -1,4 +1,4 @@
-"""Write MindIE's offline-sharded DeepSeek layout (the items come from mindie_sharded.Planner; `dsconv verify` of it
+"""Write MindIE's offline-sharded DeepSeek layout (the items come from mindie_planner.Planner; `dsconv verify` of it
 is mindie_verify.py).
 
 Writing streams one dumped tensor at a time: tensors MindIE leaves unchanged are copied as byte regions of the source,
@@ -17,8 +17,9 @@ from dsconv.exec import Executor
 from dsconv.parts import PartLayout, PartWriter
 
 from dsconv.errors import UserError
+from dsconv.shard.mindie_planner import Planner
 from dsconv.shard.mindie_sharded import (COPY_MARKS, DESCRIPTION, FOLDER_KINDS, MAX_SHARD, METADATA, Item,
-                                         MindiePlan, Planner, Ranks, check_ranks, make, regions)
+                                         MindiePlan, Ranks, check_ranks, make, regions)
 
 TORCH_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 # safetensors' Dtype enum order: its serializer sorts tensors by dtype (descending), then name
@@ -53,8 +54,8 @@ def build_plan(src: Any, layout: Any) -> MindiePlan:
                 if not folders[fo[kind]]:
                     raise UserError(f"{fo[kind]} would be empty: MindIE's loader needs every rank folder to hold "
                                     "a safetensors file (weights.py::Weights.__init__)")
-    dropped = {n: "MTP layer (MindIE shards it only with DEEPSEEK_MTP=1)" for n in src.names()
-               if (src.role(n).layer or 0) >= src.facts.num_layers}
+    dropped = {n: "MTP layer (MindIE shards it only with DEEPSEEK_MTP=1)" for n, r in src.roles.items()
+               if (r.layer or 0) >= src.facts.num_layers}
     dropped.update({n: "FP8 scale (weights are dequantized)" for n in src.fp8_scales.values()})
     plan = MindiePlan(rk, folders, rank_folders, None, dropped)
     plan.description = description(src, plan) if src.quant_description else None

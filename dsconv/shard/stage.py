@@ -88,6 +88,7 @@ def run(req: ShardRequest) -> ShardResult:
     from dsconv.shard.layout import make_layout
     from dsconv.shard.plan import ShardOptions, find_alternatives, make_plan, plan_json
     from dsconv.shard.table import build_table
+    from dsconv.process import gc_paused
     from dsconv.soc import soc_facts
     from dsconv.tensors import parse_size
 
@@ -101,112 +102,114 @@ def run(req: ShardRequest) -> ShardResult:
         _check_range("--workspace-gb", req.workspace_gb, 0.0, 2.0**20)
     if req.kv_bits not in (8, 16):
         raise UserError(f"--kv-bits {req.kv_bits} is not supported", hint="use 16 (BF16/FP16 cache) or 8 (int8 C8)")
-    max_shard = parse_size(req.max_shard_size)
-    src = open_input(req.model, config=req.config)
-    from_config = req.config is not None
-    dry_run = req.dry_run or from_config
-    if from_config and not req.dry_run:
-        warnings.append("--config has no weights: printing the plan only (as with --dry-run)")
-    output = None
-    if not dry_run:
-        from dsconv import workspace
-
-        output = workspace.resolve_output("shard", req.output)
-    facts = src.facts
-    is_moe = bool(facts.is_moe)
-
-    hosts = None
-    nodes, cards = req.nodes, req.cards_per_node
-    if req.hosts is not None:
-        hosts = ranktable.read_hosts(req.hosts)
-        hn, hc = len(hosts), len(hosts[0].device_ips)
-        if (nodes not in (None, hn)) or (cards not in (None, hc)):
-            raise UserError(f"{req.hosts} lists {hn} servers x {hc} devices, but the options say "
-                            f"{nodes or '?'} nodes x {cards or '?'} cards", hint="make --nodes/--cards-per-node agree "
-                            "with --hosts, or drop them")
-        nodes, cards = hn, hc
-    layout = make_layout(req.ep, req.tp, req.world, nodes, cards, req.dp_attention, is_moe, req.expert_tp)
-    if hosts is not None and layout.world != len(hosts) * len(hosts[0].device_ips):
-        raise UserError(f"world size {layout.world} but {req.hosts} lists {len(hosts) * len(hosts[0].device_ips)} "
-                        "devices", hint="one device per rank")
-
-    profile = soc_facts(req.soc)
-    if profile.assumed_from:
-        warnings.append(f"--soc {req.soc}: assuming {profile.soc_version} ({profile.usable_memory_mb // 1024} GiB); "
-                        f"pass the exact chip for another memory size")
-    fit = memory.FitSettings(soc=profile.soc_version, card_bytes=profile.usable_memory_mb * 2**20,
-                             fraction=req.memory_fraction, max_context=req.max_context, batch=req.batch,
-                             kv_bytes=req.kv_bits // 8,
-                             workspace_bytes=None if req.workspace_gb is None else int(req.workspace_gb * 2**30))
-    load = None
-    expert_load = req.expert_load
-    if is_moe and req.placement == "eplb" and expert_load is None and not from_config:
-        cand = Path(src.root) / "expert_load.json"
-        if cand.is_file():
-            expert_load = cand
-            warnings.append(f"--placement eplb: using {cand} (written by dsconv quantize)")
-    if expert_load is not None:
-        if not is_moe:
-            raise UserError("--expert-load given but the model has no routed experts")
-        load, missing = balance.read_expert_load(expert_load, facts.num_experts, facts.moe_layers)
-        if missing:
-            warnings.append(f"{expert_load}: no load for MoE layer(s) {', '.join(map(str, missing))}; "
-                            "they are balanced as if uniform")
-    if req.placement != "contiguous" and not is_moe:
-        raise UserError(f"--placement {req.placement}: the model has no routed experts")
-    try:
-        groups = int(src.config.get("n_group") or 1)
-    except (TypeError, ValueError):
-        groups = 1
-    opts = ShardOptions(placement=req.placement, redundant=req.redundant, tolerance=req.tolerance, fit=fit,
-                          load=load, num_groups=groups)
-    from dsconv import engines
-    from dsconv.shard.engine_formats import resolve_format
-
-    engine = engines.get(req.engine).name
-    fmt, note = resolve_format(engine, req.format, src.family)
-    if note and not dry_run:
-        warnings.append(note)
-    mplan = None
-    if fmt == "mindie":  # every layout error (splits, quant types) before any work
-        from dsconv.shard.mindie_write import build_plan
-
-        mplan = build_plan(src, layout)
-    table = build_table(src)
-    plan = make_plan(table, layout, opts)
-    if not plan.ok:
-        plan.alternatives = find_alternatives(table, layout, opts)
-    mindie = ranktable.mindie_parallel(layout, is_moe, src.family)
-    obj = plan_json(plan, _source_info(src, from_config), mindie)
-    obj.update(engine=engine, format=fmt)
-    text = chart.render_summary(obj)
-    result = ShardResult(obj, text, warnings=warnings)
-    if req.plot is not None and plan.rank_bytes is not None:
-        chart.save_png(obj, req.plot)
-        result.plot = req.plot
-    if not plan.ok:
-        reasons = plan.reasons()
-        alt = ", ".join(f"`{a['command']}`" for a in plan.alternatives[:3])
-        details = ["rejected because:"] + ["  " + r for r in reasons]
-        if plan.alternatives:
-            details.append(f"valid layouts for world {layout.world}, best first (KV tokens on the fullest card):")
-            details += [f"  {a['command']:<28} max {a['max_weight_bytes'] / 2**30:6.2f} GiB weights/card, "
-                        f"max/mean {a['max_over_mean']:.4f}, {a['min_kv_tokens']:,} KV tokens"
-                        for a in plan.alternatives]
-        else:
-            details.append(f"no (ep, tp) layout of world {layout.world} passes both checks")
-        result.failure = CheckFailed(
-            f"{src.root}: shard plan {layout.label()} rejected: {reasons[0].strip()}",
-            hint=f"try {alt}" if alt else "change the world size, precision or --max-context", details="\n".join(details))
-        return result
-    if hosts is None:
-        hosts = ranktable.placeholder_hosts(layout.nodes, layout.cards_per_node)
+    with gc_paused():  # ~0.5 M small acyclic objects (header listing, plans): no collection walks them
+        max_shard = parse_size(req.max_shard_size)
+        src = open_input(req.model, config=req.config)
+        from_config = req.config is not None
+        dry_run = req.dry_run or from_config
+        if from_config and not req.dry_run:
+            warnings.append("--config has no weights: printing the plan only (as with --dry-run)")
+        output = None
         if not dry_run:
-            warnings.append("ranktable.json has placeholder addresses (192.0.2.x servers, 198.51.100.x devices): "
-                            "pass --hosts FILE, or edit it before launching")
-    files: dict[str, Any] = {"ranktable.json": ranktable.build_rank_table(hosts), "mindie_parallel.json": mindie}
-    if plan.experts is not None and plan.experts.strategy != "contiguous":
-        files["expert_map.json"] = balance.expert_map(plan.experts)
+            from dsconv import workspace
+
+            output = workspace.resolve_output("shard", req.output)
+        facts = src.facts
+        is_moe = bool(facts.is_moe)
+
+        hosts = None
+        nodes, cards = req.nodes, req.cards_per_node
+        if req.hosts is not None:
+            hosts = ranktable.read_hosts(req.hosts)
+            hn, hc = len(hosts), len(hosts[0].device_ips)
+            if (nodes not in (None, hn)) or (cards not in (None, hc)):
+                raise UserError(f"{req.hosts} lists {hn} servers x {hc} devices, but the options say "
+                                f"{nodes or '?'} nodes x {cards or '?'} cards",
+                                hint="make --nodes/--cards-per-node agree with --hosts, or drop them")
+            nodes, cards = hn, hc
+        layout = make_layout(req.ep, req.tp, req.world, nodes, cards, req.dp_attention, is_moe, req.expert_tp)
+        if hosts is not None and layout.world != len(hosts) * len(hosts[0].device_ips):
+            raise UserError(f"world size {layout.world} but {req.hosts} lists {len(hosts) * len(hosts[0].device_ips)} "
+                            "devices", hint="one device per rank")
+
+        profile = soc_facts(req.soc)
+        if profile.assumed_from:
+            warnings.append(f"--soc {req.soc}: assuming {profile.soc_version} ({profile.usable_memory_mb // 1024} "
+                            "GiB); pass the exact chip for another memory size")
+        fit = memory.FitSettings(soc=profile.soc_version, card_bytes=profile.usable_memory_mb * 2**20,
+                                 fraction=req.memory_fraction, max_context=req.max_context, batch=req.batch,
+                                 kv_bytes=req.kv_bits // 8,
+                                 workspace_bytes=None if req.workspace_gb is None else int(req.workspace_gb * 2**30))
+        load = None
+        expert_load = req.expert_load
+        if is_moe and req.placement == "eplb" and expert_load is None and not from_config:
+            cand = Path(src.root) / "expert_load.json"
+            if cand.is_file():
+                expert_load = cand
+                warnings.append(f"--placement eplb: using {cand} (written by dsconv quantize)")
+        if expert_load is not None:
+            if not is_moe:
+                raise UserError("--expert-load given but the model has no routed experts")
+            load, missing = balance.read_expert_load(expert_load, facts.num_experts, facts.moe_layers)
+            if missing:
+                warnings.append(f"{expert_load}: no load for MoE layer(s) {', '.join(map(str, missing))}; "
+                                "they are balanced as if uniform")
+        if req.placement != "contiguous" and not is_moe:
+            raise UserError(f"--placement {req.placement}: the model has no routed experts")
+        try:
+            groups = int(src.config.get("n_group") or 1)
+        except (TypeError, ValueError):
+            groups = 1
+        opts = ShardOptions(placement=req.placement, redundant=req.redundant, tolerance=req.tolerance, fit=fit,
+                              load=load, num_groups=groups)
+        from dsconv import engines
+        from dsconv.shard.engine_formats import resolve_format
+
+        engine = engines.get(req.engine).name
+        fmt, note = resolve_format(engine, req.format, src.family)
+        if note and not dry_run:
+            warnings.append(note)
+        mplan = None
+        if fmt == "mindie":  # every layout error (splits, quant types) before any work
+            from dsconv.shard.mindie_write import build_plan
+
+            mplan = build_plan(src, layout)
+        table = build_table(src)
+        plan = make_plan(table, layout, opts)
+        if not plan.ok:
+            plan.alternatives = find_alternatives(table, layout, opts)
+        mindie = ranktable.mindie_parallel(layout, is_moe, src.family)
+        obj = plan_json(plan, _source_info(src, from_config), mindie)
+        obj.update(engine=engine, format=fmt)
+        text = chart.render_summary(obj)
+        result = ShardResult(obj, text, warnings=warnings)
+        if req.plot is not None and plan.rank_bytes is not None:
+            chart.save_png(obj, req.plot)
+            result.plot = req.plot
+        if not plan.ok:
+            reasons = plan.reasons()
+            alt = ", ".join(f"`{a['command']}`" for a in plan.alternatives[:3])
+            details = ["rejected because:"] + ["  " + r for r in reasons]
+            if plan.alternatives:
+                details.append(f"valid layouts for world {layout.world}, best first (KV tokens on the fullest card):")
+                details += [f"  {a['command']:<28} max {a['max_weight_bytes'] / 2**30:6.2f} GiB weights/card, "
+                            f"max/mean {a['max_over_mean']:.4f}, {a['min_kv_tokens']:,} KV tokens"
+                            for a in plan.alternatives]
+            else:
+                details.append(f"no (ep, tp) layout of world {layout.world} passes both checks")
+            result.failure = CheckFailed(
+                f"{src.root}: shard plan {layout.label()} rejected: {reasons[0].strip()}",
+                hint=f"try {alt}" if alt else "change the world size, precision or --max-context",
+                details="\n".join(details))
+            return result
+        if hosts is None:
+            hosts = ranktable.placeholder_hosts(layout.nodes, layout.cards_per_node)
+            if not dry_run:
+                warnings.append("ranktable.json has placeholder addresses (192.0.2.x servers, 198.51.100.x devices): "
+                                "pass --hosts FILE, or edit it before launching")
+        files: dict[str, Any] = {"ranktable.json": ranktable.build_rank_table(hosts), "mindie_parallel.json": mindie}
+        if plan.experts is not None and plan.experts.strategy != "contiguous":
+            files["expert_map.json"] = balance.expert_map(plan.experts)
     if dry_run:
         return result
     from dsconv.exec import make_executor
