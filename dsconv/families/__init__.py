@@ -9,7 +9,7 @@ MindSpore network's weight lookup, the tiny test model - follows from these):
   1. `families/<name>.py`: `model_types`; `table` from the row builders in base.py (`decoder`, `gqa_attention`,
      `qk_norm`, `dense_mlp`, `experts`, `router`, `swiglu`, `linear`, `norm`) plus rows of its own; `tiny` config
      keys; `_facts` for config keys the base does not read (MoE counts, `router`, `sliding`, ...); optionally
-     `export_atol`, `fused_renames`;
+     `fused_renames`;
   2. import and register it at the bottom of this module;
   3. only for an op no family had: a MindSpore block in model/ms/ (as mla.py), chosen in model/ms/build.py.
 """
