@@ -85,6 +85,29 @@ def make_tiny(family: str, out: Path, seed: int = 0, fused: bool = False, dtype:
     return save_model(build_model(family, seed=seed, **overrides), out, fused=fused, dtype=dtype, tokenizer=tokenizer)
 
 
+def make_deep(out: Path, layers: int = 30, seed: int = 0, vocab_size: int = 1024, embed_std: float = 1.0,
+              weight_std: float = 0.15) -> Path:
+    """A deep, narrow Llama saved as a bf16 checkpoint with tied embeddings - the shape of a real 135M model (30
+    layers, tied, bf16) at hidden size 64 - whose weights are scaled like a trained model's: the residual stream
+    grows through the layers and the logits reach ~35. Its float32 rounding noise on the logits is ~2e-4, so a
+    correct fp32 export differs from PyTorch by more than 1e-4: what a fixed absolute tolerance cannot take and
+    the noise-derived one (convert/tolerance.py) must."""
+    import torch
+
+    model = build_model("llama", seed=seed, num_hidden_layers=layers, vocab_size=vocab_size, tie_word_embeddings=True,
+                        intermediate_size=256)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name == "model.embed_tokens.weight":  # also the lm_head (tied)
+                p.copy_(torch.randn(p.shape, generator=g) * embed_std)
+            elif name == "model.norm.weight":
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * weight_std)
+    return save_model(model, out, dtype="bf16")
+
+
 def train_tokenizer(texts: list[str], vocab_size: int = 512):
     """A small byte-level BPE trained on `texts` (the bundled calibration set), as a HF fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

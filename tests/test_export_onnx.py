@@ -15,6 +15,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from dsconv.convert import tolerance
 from dsconv.convert.onnx import export_onnx
 from dsconv.errors import CheckFailed
 from dsconv.tiny import FAMILIES
@@ -70,6 +71,11 @@ def test_every_family_exports_and_matches_transformers(exported, family, fused):
     model_dir, out, summary = exported[(family, fused)]
     check = summary["check"]
     assert check["passed"] and check["worst"]["max_abs_err"] < 1e-4
+    # the default bound: from the reference's own float32 noise (against float64), passed with a margin
+    assert check["rule"] == "noise" and summary["atol"] is None and 0 < check["noise"]["logits"] < 1e-5
+    assert check["bound"]["logits"] == pytest.approx(tolerance.bound(check["noise"]["logits"],
+                                                                     check["max_abs_ref"]["logits"]))
+    assert check["max_abs_err"]["logits"] <= check["bound"]["logits"] and check["margin"] > 3
     assert len(check["cases"]) >= 3
     assert {c["tokens"] for c in check["cases"]} >= {1, 9, 33}
     assert any(c["batch"] > 1 for c in check["cases"])
@@ -126,8 +132,16 @@ def test_tied_embeddings_store_one_matrix(tiny_model, tmp_path):
                                               ("bf16", onnx.TensorProto.BFLOAT16, 16)])
 def test_half_precision(tiny_model, tmp_path, dtype, elem, opset):
     s = export_onnx(tiny_model("deepseek_v3"), tmp_path / dtype, dtype=dtype)
-    assert s["check"]["passed"] and s["opset"] == opset
-    assert s["check"]["worst"]["max_abs_err"] <= {"fp16": 5e-2, "bf16": 1e-3}[dtype]
+    check = s["check"]
+    assert check["passed"] and s["opset"] == opset
+    assert check["worst"]["max_abs_err"] <= {"fp16": 5e-2, "bf16": 1e-3}[dtype]
+    # fp16: PyTorch computes in fp16 too, so the noise is fp16's; bf16: the widened graph against float32, so
+    # float32's, plus what the graph's bf16-rounded constants move (DeepSeek's 24^-0.5 attention scale)
+    noise = check["noise"]["logits"]
+    assert 1e-4 < noise < 2e-2 if dtype == "fp16" else noise < 1e-5
+    if dtype == "bf16":
+        assert 0 < check["bf16_constants"]["logits"] < 1e-2
+        assert check["max_abs_err"]["logits"] > tolerance.NOISE_K * noise  # float32 noise alone would refuse it
     m = onnx.load(str(tmp_path / dtype / "model.onnx"))
     matrices = {t.name: t.data_type for t in m.graph.initializer if len(t.dims) == 2}
     assert {t for n, t in matrices.items() if ".mlp.gate." not in n} == {elem}
@@ -322,7 +336,7 @@ def test_workspace_defaults_json_dry_run_and_verify(tiny_model, tmp_path, run_cl
     r = run_cli(["export"], cwd=tmp_path)
     assert r.code == 2 and "--force" in r.err  # an existing output is not replaced silently
     r = run_cli(["export", "--force"], cwd=tmp_path)
-    assert r.code == 0 and "check passed" in r.out
+    assert r.code == 0 and "check passed" in r.out and "x noise" in r.out and "margin" in r.out
 
 
 def test_mindir_dispatch_without_the_module(tiny_model, tmp_path, run_cli, monkeypatch):

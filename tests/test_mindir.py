@@ -16,10 +16,12 @@ import pytest
 pytest.importorskip("mindspore")
 
 from dsconv.checkpoint import Checkpoint  # noqa: E402
-from dsconv.convert import mindir  # noqa: E402
+from dsconv.convert import mindir, tolerance  # noqa: E402
 from dsconv.convert.mindir import export_mindir  # noqa: E402
 from dsconv.errors import UserError  # noqa: E402
 from dsconv.tiny import FAMILIES, MOE_FAMILIES  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the PyTorch references are tiny (conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +139,13 @@ def test_every_family_matches_pytorch(export, family):
     assert names[:2] == ["batch 2, left-padded", "single token"] and len(names) == 3
     assert {tuple(c["shape"]) for c in check["shapes"]} == {(2, 12), (1, 1), (1, 64)}
     assert all(c["top1_agreement"] == 1.0 and c["finite"] for c in check["shapes"])
-    for c in check["shapes"]:  # default tolerance: relative to the size of the logits
-        assert c["tolerance"] == pytest.approx(mindir.DEFAULT_ATOL["fp32"] * max(1.0, c["ref_max_abs"]))
+    # default bound: from the reference's own float32 noise (against float64), the same for every shape
+    assert check["rule"] == "noise" and check["noise_dtype"] == "fp32" and 0 < check["noise"] < 1e-4
+    assert check["bound"] == pytest.approx(tolerance.bound(check["noise"], check["max_abs_ref"]))
+    assert check["margin"] == pytest.approx(check["bound"] / check["max_abs_err"]) and check["margin"] > 1
+    assert check["max_abs_ref"] == max(c["ref_max_abs"] for c in check["shapes"])
+    for c in check["shapes"]:
+        assert c["tolerance"] == check["bound"] and 0 < c["noise"] <= check["noise"]
     assert check["shapes"][0]["real_tokens"] == 12 + 7  # row 1 is left-padded by 5
     assert (out / "model.mindir").stat().st_size == s["files"]["model.mindir"] > s["parameter_bytes"] * 0.9
     assert oct((out / "model.mindir").stat().st_mode & 0o777) == "0o644"  # MindSpore writes 0400
@@ -192,6 +199,7 @@ def test_render_summary(export):
     _, out, s = export("deepseek_v3", "bf16")
     text = mindir.render(s)
     assert f"{out}/model.mindir" in text and "bf16 weights, fp32 compute" in text
+    assert "bound" in text and "noise" in text and "margin" in text
     assert "batch 2, left-padded" in text and "what bf16 costs" in text
 
 
@@ -226,6 +234,77 @@ def test_exported_graph_takes_new_shapes_and_ignores_left_padding(export, family
     assert run_graph(out / "model.mindir", long, np.ones_like(long), tmp_path).shape == (2, 37, 320)
 
 
+# ------------------------------------------------------------------------------------------------ the tolerance
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory, cwd_dir):
+    """(model dir, output dir, summary, the MindIR's logits per check case): the deep narrow bf16 Llama
+    (dsconv.tiny.make_deep: 30 layers, tied, logits ~35), exported to MindIR fp32 with the default check. The
+    logits MindSpore computed for the check are kept (compare_with_reference watched, not replaced), so a fault
+    test can compare them with another reference without running MindSpore again."""
+    from dsconv.tiny import make_deep
+
+    root = tmp_path_factory.mktemp("deep")
+    model = make_deep(root / "model")
+    seen: list = []
+    real = mindir.compare_with_reference
+
+    def watch(ck, scratch, outputs, dtype, atol):
+        seen.append([o.copy() for o in outputs])
+        return real(ck, scratch, outputs, dtype, atol)
+
+    old = Path.cwd()
+    os.chdir(cwd_dir)
+    mindir.compare_with_reference = watch
+    try:
+        return model, root / "mindir", export_mindir(model, root / "mindir"), seen[0]
+    finally:
+        mindir.compare_with_reference = real
+        os.chdir(old)
+
+
+def one_weight_off(name: str, factor: float):
+    """A reference_loader whose reference gets `name` scaled by `factor`: the MindIR and PyTorch then compute
+    different functions, as a mis-loaded weight would make them."""
+    real = mindir.reference_loader
+
+    def loader(ck):
+        load = real(ck)
+        return lambda n, dtype: load(n, dtype) * factor if n == name else load(n, dtype)
+
+    return loader
+
+
+def test_deep_model_passes_by_its_own_noise(deep):
+    _, out, s, _ = deep
+    check = s["check"]
+    assert check["passed"] and (out / "model.mindir").is_file()
+    assert check["rule"] == "noise" and check["atol"] is None and check["noise_dtype"] == "fp32"
+    assert check["bound"] == pytest.approx(tolerance.bound(check["noise"], check["max_abs_ref"]))
+    assert check["max_abs_err"] > 1e-4 and check["max_abs_ref"] > 20  # a fixed 1e-4 would refuse this correct export
+    assert check["margin"] > 3
+    assert "x the reference's fp32 noise" in mindir.render(s) and "margin" in mindir.render(s)
+
+
+def test_deep_model_fault_fails_far_past_the_bound(deep, tmp_path, monkeypatch):
+    """The MindIR's logits against the right reference (passes, as in the export) and against one whose mid-depth
+    MLP weight is 1% off (fails by far: the bound is no loophole for it)."""
+    model, out, s, outputs = deep
+    with Checkpoint.open(model) as ck:
+        good = mindir.compare_with_reference(ck, tmp_path, outputs, "fp32", None)
+        monkeypatch.setattr(mindir, "reference_loader", one_weight_off("model.layers.15.mlp.down_proj.weight", 1.01))
+        bad = mindir.compare_with_reference(ck, tmp_path, outputs, "fp32", None)
+    assert good["passed"] and good["max_abs_err"] == s["check"]["max_abs_err"]
+    assert not bad["passed"] and bad["max_abs_err"] > 10 * bad["bound"] and bad["margin"] < 0.1
+
+
+def test_fault_exits_3_and_writes_nothing(tiny_model, run_cli, tmp_path, monkeypatch):
+    monkeypatch.setattr(mindir, "reference_loader", one_weight_off("model.layers.1.mlp.down_proj.weight", 1.01))
+    r = run_cli(["export", "--format", "mindir", "--model", tiny_model("llama"), "--output", tmp_path / "o"],
+                cwd=tmp_path)
+    assert r.code == 3 and "nothing written" in r.err and "x the reference's fp32 noise" in r.err, r.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 # ------------------------------------------------------------------------------------------------ dtypes
 def test_bf16_stores_bf16_and_computes_fp32(export):
     _, _, fp32 = export("deepseek_v3")
@@ -246,7 +325,9 @@ def test_fp16_computes_in_fp16(export):
     check = s["check"]
     assert s["compute_dtype"] == "fp16" and check["passed"]
     assert 1e-5 < check["max_abs_err"] < 2e-2  # activations rounded to fp16: not the fp32 math
-    assert all(c["tolerance"] >= mindir.DEFAULT_ATOL["fp16"] for c in check["shapes"])
+    # the noise is fp16's (the reference computing in fp16 against float64), so the bound follows fp16's rounding
+    assert check["noise_dtype"] == "fp16" and 1e-4 < check["noise"] < 2e-2
+    assert check["bound"] == pytest.approx(tolerance.bound(check["noise"], check["max_abs_ref"]))
     assert s["parameter_bytes"] < fp32["parameter_bytes"] * 0.6
 
 
@@ -317,7 +398,7 @@ def test_cli_in_a_workspace_as_the_demo_runs_it(tiny_model, run_cli, tmp_path):
     ws.mkdir()
     assert run_cli(["init", "--model", tiny_model("llama", dtype="bf16")], cwd=ws).code == 0
     failed = run_cli(["export", "--format", "mindir", "--atol", "1e-12"], cwd=ws)
-    assert failed.code == 3 and "nothing written" in failed.err and "tolerance 1e-12" in failed.err
+    assert failed.code == 3 and "nothing written" in failed.err and "bound 1e-12 (--atol 1e-12)" in failed.err
     assert "left-padded" in failed.err and "Traceback" not in failed.err  # the per-shape figures come along
     assert not (ws / "dsconv-out" / "mindir").exists()
     assert sorted(p.name for p in ws.iterdir()) == ["dsconv-out", "dsconv.toml"]

@@ -9,6 +9,7 @@ from dsconv import workspace
 from dsconv.commands.options import (PATH, SIZE, emit_json, exec_options, json_option, model_option, output_option,
                                      resolve_exec)
 from dsconv.convert.stage import FORMATS, QUANT_STAGE, STAGE_OF_FORMAT, ExportRequest, render, run
+from dsconv.convert.tolerance import NOISE_FLOOR, NOISE_K
 
 
 @click.command()
@@ -32,8 +33,10 @@ from dsconv.convert.stage import FORMATS, QUANT_STAGE, STAGE_OF_FORMAT, ExportRe
 @click.option("--position-ids", is_flag=True,
               help="Add a position_ids input (default: derived from attention_mask inside the graph).")
 @click.option("--atol", type=float, default=None,
-              help="Largest allowed |exported - PyTorch| on logits (default 1e-4 fp32, 5e-2 fp16, 1e-3 bf16, "
-                   "which is checked in fp32 on the bf16 weights).")
+              help="Largest allowed |exported - PyTorch| on logits (and cache outputs), absolute. Default: "
+                   f"derived from the model's own float noise on the check inputs ({NOISE_K:g} x max |PyTorch - "
+                   f"PyTorch in float64| + {NOISE_FLOOR:g} x max |logit|; docs/export.md); for a quantize output "
+                   "2e-3.")
 @click.option("--external-data-threshold", type=SIZE, default="2GB", show_default=True,
               help="ONNX weights at or above this size go to model.onnx_data beside model.onnx.")
 @click.option("--allow-pickle", is_flag=True, help="Read .bin/.pt weights (weights-only unpickler).")

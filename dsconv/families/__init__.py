@@ -10,7 +10,7 @@ MindSpore network's weight lookup, the tiny test model - follows from these):
      `qk_norm`, `dense_mlp`, `experts`, `router`, `swiglu`, `linear`, `norm`) plus rows of its own; `tiny` config
      keys; `config_keys` (every config.json key `_facts` reads, with its default or REQUIRED: checked when the
      config is read, fuzzed by benchmarks/fuzz.py) and `_facts` for those the base does not read (MoE counts,
-     `router`, `sliding`, ...); optionally `export_atol`, `fused_renames`;
+     `router`, `sliding`, ...); optionally `fused_renames`;
   2. import and register it at the bottom of this module;
   3. only for an op no family had: a MindSpore block in model/ms/ (as mla.py), chosen in model/ms/build.py.
 """

@@ -9,7 +9,8 @@ derived from the table, never restated:
 * the full tensor list of a config with no weights (`synthesize`: inspect/shard from config alone, tests);
 * the MindSpore builder's weight lookup (`tensor(key, layer, expert)` and `shape(key, facts)`): builders ask by key
   ("attn.q", "mlp.down", "expert.gate", "router", ...), never by a name string;
-* the tiny-model config (`tiny`) and export tolerances (`export_atol`) sit next to the table.
+* the tiny-model config (`tiny`) sits next to the table (export tolerances need none: convert/tolerance.py derives
+  them from the model's own float noise).
 """
 from __future__ import annotations
 
@@ -109,9 +110,6 @@ class Family:
     table: tuple[T, ...] = ()
     #: config overrides of the seeded tiny model (dsconv.tiny) over its common small widths
     tiny: dict[str, Any] = {}
-    #: export tolerance defaults where a family needs its own: ("onnx", dtype) -> absolute atol,
-    #: ("mindir", dtype) -> atol relative to the largest reference logit (the formats' own defaults otherwise)
-    export_atol: dict[tuple[str, str], float] = {}
     # RMSNorm computes x * (norm_offset + weight): Gemma stores weights as offsets from 1. Folding a scale into a norm
     # (SmoothQuant) must scale the effective weight, not the stored one.
     norm_offset: float = 0.0
