@@ -1,4 +1,5 @@
-"""The import graph of dsconv/ is acyclic and follows the layers of DESIGN.md; no module is over 500 lines.
+"""The import graph of dsconv/ is acyclic and follows the layers of docs/architecture.md; no module is over 500
+lines.
 
 Every import counts, function-level ones included: a cycle hidden inside a function still means neither module can be
 read, tested or moved without the other. Run as a script for the figures:
@@ -16,10 +17,10 @@ ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "dsconv"
 MAX_LINES = 500
 
-# Layer of each module or package (longest dotted prefix wins): DESIGN.md's layers. A module imports only from layers
-# below its own, from its own unit (the same key here), or from another unit of its layer, except that layer-4 stages
-# never import another stage (the acyclicity check keeps same-layer imports one-way). A module matching no key fails
-# the test: say where a new module belongs.
+# Layer of each module or package (longest dotted prefix wins): docs/architecture.md's layers. A module imports only
+# from layers below its own, from its own unit (the same key here), or from another unit of its layer, except that
+# layer-4 stages never import another stage (the acyclicity check keeps same-layer imports one-way). A module matching
+# no key fails the test: say where a new module belongs.
 LAYERS: dict[str, int] = {
     # 0 vocabulary and data
     "dsconv": 0, "dsconv.errors": 0, "dsconv.tensors": 0, "dsconv.soc": 0, "dsconv.bundled": 0,
@@ -228,7 +229,7 @@ def report() -> str:
 def test_no_new_violations():
     found = problems()
     new = sorted(set(found) - KNOWN_EXCEPTIONS)
-    assert not new, ("architecture violations (see DESIGN.md layers):\n" + "\n".join(f"{k}: {found[(k, d)]}"
+    assert not new, ("architecture violations (see docs/architecture.md):\n" + "\n".join(f"{k}: {found[(k, d)]}"
                                                                                      for k, d in new)
                      + "\n\n" + report())
 

@@ -205,7 +205,7 @@ def test_latent_cache_is_71x_smaller_for_the_real_deepseek_v3():
     f = ck.facts
     spec = IOSpec(True, False, [CacheLayer(1, f.kv_lora_rank, 1, f.qk_rope_head_dim)] * f.num_layers)
     c = cache_summary(ck, spec, "bf16")
-    assert c["bytes_per_token"] == 70_272  # reference/deepseek_v3.md: 576 x 2 B x 61 layers
+    assert c["bytes_per_token"] == 70_272  # docs/formats.md: 576 x 2 B x 61 layers
     assert 70 < c["reduction"] < 72
 
 

@@ -1,8 +1,8 @@
 """MindIR export of quantized and FP8 inputs: int8/int4 weights stay int8 in the MindIR and are dequantized in the
 graph; the check compares with transformers on the dequantized weights.
 
-The quantized directories are written here in the msModelSlim reference layout (reference/msmodelslim_format.md)
-with dsconv's own quantization math, independent of `dsconv quantize` (which has its own test below when present).
+The quantized directories are written here in the msModelSlim layout (docs/formats.md) with dsconv's own
+quantization math, independent of `dsconv quantize` (whose output has its own test below).
 """
 from __future__ import annotations
 

@@ -428,8 +428,8 @@ def test_cli_quantized_input_refused_and_dry_run(models, run, run_cli, tmp_path)
     assert r.code == 0
     plan = json.loads(r.out)
     assert plan["dry_run"] and plan["linears"] == {"W4A16": 117} and plan["output_bytes"] < plan["input_bytes"]
-    # the 4-bit default is the method measured best end to end on the real fixtures (docs/accuracy.md): plain rounding, which
-    # needs no calibration; GPTQ stays available with --method gptq
+    # the 4-bit default is the method measured best end to end on the real fixtures (docs/accuracy.md): plain
+    # rounding, which needs no calibration; GPTQ stays available with --method gptq
     assert plan["method"] == "rtn" and plan["calibration"] is False
     r = run_cli(["quantize", "-m", models["qwen2"], "--scheme", "w8a16", "-o", tmp_path / "z", "--json"])
     assert r.code == 0 and json.loads(r.out)["linears"] == {"W8A16": 14}

@@ -1,5 +1,5 @@
 """MindIE's offline-sharded DeepSeek layout: one test per rule taken from MindIE-LLM (sources in each docstring;
-/work/notes/engine_rules.md A.1-A.5), each computed independently from the source checkpoint with torch."""
+docs/engine_rules.md A.1-A.5), each computed independently from the source checkpoint with torch."""
 from __future__ import annotations
 
 import json

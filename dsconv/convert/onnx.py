@@ -19,7 +19,7 @@ every phase - load, trace, write, PyTorch reference, onnxruntime check - now sit
 libraries (1.45x the weights); the write's transposed lm_head copy and the load's per-tensor bf16 + fp32 temporaries
 were what put it at 1.55x.
 
-Why opset 14 by default: it is inside the range every CANN release's ATC accepts (11-15, reference/atc_and_socs.md),
+Why opset 14 by default: it is inside the range every CANN release's ATC accepts (11-15, docs/commands/atc.md),
 it is what optimum uses for decoder LMs, the TorchScript exporter emits it directly for every family here (MoE
 included: the dense experts need no `repeat_interleave`, so even 11 is emitted directly), and it has bf16/fp16
 versions of the arithmetic ops. bf16 graphs need 16 (Where on bfloat16 appears at 16), so `--dtype bf16` defaults to

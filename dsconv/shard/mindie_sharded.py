@@ -6,7 +6,7 @@ stacked, rope rows permuted, dynamic-quant offsets negated, router rows rotated,
 re-applies those transforms offline. Each output tensor is an `Item`: which source rows/columns it takes and which
 transforms follow, so the writer streams one output tensor at a time and `verify` can invert every exact transform
 to reassemble the source tensors bit for bit (the lossy ones - casts to a narrower float, the min-shifted
-correction bias - are checked by recomputing them). Rules and sources: /work/notes/engine_rules.md A.1-A.5; each
+correction bias - are checked by recomputing them). Rules and sources: docs/engine_rules.md A.1-A.5; each
 function's docstring names the MindIE code it mirrors.
 """
 from __future__ import annotations
