@@ -1,4 +1,4 @@
-"""The accuracy mechanisms of `dsconv quantize` (issue 10), each pinned on synthetic data or a tiny model:
+"""The accuracy mechanisms of `dsconv quantize`, each pinned on synthetic data or a tiny model:
 smoothing-strength search, the exact up -> down fold, output-error clipping, the mixed static recipe, and the
 GPTQ-or-RTN choice on held-out prompts. Accuracy itself is measured by benchmarks/bench_fidelity.py, not here."""
 from __future__ import annotations

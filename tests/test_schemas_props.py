@@ -1,6 +1,6 @@
 """Property-based tests of every validated reader (dsconv/schemas): seeded, a few hundred cases each.
 
-The property is the one issue 12 asks for: for ANY input a reader either returns data of the promised types or raises
+The property: for ANY input a reader either returns data of the promised types or raises
 UserError (exit 2, one line) - never another exception. Valid documents round-trip unchanged.
 """
 from __future__ import annotations
