@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test bench bench-fidelity fuzz clean
+.PHONY: install demo test test-fast bench bench-fidelity fuzz clean
 
 install: $(STAMP)
 
@@ -19,6 +19,10 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# The edit-test loop: everything but the tests marked slow (pyproject.toml [tool.pytest.ini_options] markers).
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
 
 bench: install
 	$(BIN)/python -m benchmarks

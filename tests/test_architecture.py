@@ -13,6 +13,10 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "dsconv"
 MAX_LINES = 500
@@ -253,6 +257,30 @@ def test_graph_sees_function_level_imports():
     g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert sccs(g) == [["a", "b", "c"]]
     assert a_cycle(g, ["a", "b", "c"]) == ["a", "b", "c", "a"]
+
+
+# ---------------------------------------------------------------------------------------------- test markers
+def module_marks(path: Path) -> set[str]:
+    """The `pytest.mark.X` names of a test module's `pytestmark`."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    marks: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+            for sub in ast.walk(node.value):
+                if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Attribute) and sub.value.attr == "mark":
+                    marks.add(sub.attr)
+    return marks
+
+
+def test_every_test_module_has_one_category():
+    """`unit` or `cli` (exactly one) on every test module, so `-m unit`, `-m cli` and `make test-fast` see them all;
+    the markers are registered in pyproject.toml."""
+    wrong = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        marks = module_marks(path)
+        if len(marks & {"unit", "cli"}) != 1:
+            wrong[path.relative_to(ROOT).as_posix()] = sorted(marks)
+    assert not wrong, f"test modules without exactly one of unit/cli in pytestmark: {wrong}"
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ from typing import Callable
 
 import pytest
 
+pytestmark = pytest.mark.cli
+
 LLAMA = "llama"
 
 

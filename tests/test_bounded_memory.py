@@ -18,6 +18,8 @@ from dsconv.quant import schemes
 from dsconv.tensors import TensorSpec, torch_dtype
 from dsconv.writer import TensorSetWriter, sha256_file
 
+pytestmark = [pytest.mark.cli, pytest.mark.slow]
+
 
 # ---------------------------------------------------------------------------------------------- writer
 def test_write_chunks_equals_write_and_hashes_in_order(tmp_path):

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.cli, pytest.mark.slow]
+
 
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory) -> Path:

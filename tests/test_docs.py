@@ -17,6 +17,8 @@ from pathlib import Path
 import click
 import pytest
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 COMMANDS = ("inspect", "export", "quantize", "eval", "shard", "atc", "verify", "demo")
 HELP_BLOCK = re.compile(r"<!-- help -->\n(.*?)<!-- /help -->", re.S)

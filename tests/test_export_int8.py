@@ -28,7 +28,7 @@ DENSE = ("llama", "qwen2", "qwen3", "gemma3")
 FAMILIES = DENSE + ("deepseek_v3",)
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.cli, pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+pytestmark = [pytest.mark.cli, pytest.mark.slow]
+
 
 # ---- ONNX: transposed weights in blocks ------------------------------------------------------------------------
 def test_transposed_weight_is_written_in_blocks_of_the_scratch():

@@ -14,6 +14,8 @@ from dsconv.families.roles import Category, Role
 from dsconv.inspect import inspect_model
 from dsconv.tiny import FAMILIES, MOE_FAMILIES, build_model
 
+pytestmark = pytest.mark.cli
+
 DATA = Path(__file__).parent / "data"
 
 

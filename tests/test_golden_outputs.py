@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.cli, pytest.mark.slow]
+
 GOLDEN = Path(__file__).with_name("golden_outputs.json")
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])  # the checkout: reports name bundled data files by path
 # report keys that vary run to run: timings, free memory, float error figures, MindIR sizes

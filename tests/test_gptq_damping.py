@@ -12,6 +12,8 @@ from dsconv.quant.gptq import HessianAccumulator, gptq_quantize
 from dsconv.quant.options import QuantOptions
 from dsconv.quant.schemes import dequant_weight, quantize_weight_per_group
 
+pytestmark = pytest.mark.unit
+
 
 def _domains(seed: int, k: int = 256, tokens: int = 4000) -> tuple[np.ndarray, np.ndarray]:
     """(calibration inputs, evaluation inputs): the same correlated source, but calibration scales half of the

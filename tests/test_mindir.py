@@ -21,6 +21,8 @@ from dsconv.convert.mindir import export_mindir  # noqa: E402
 from dsconv.errors import UserError  # noqa: E402
 from dsconv.tiny import FAMILIES, MOE_FAMILIES  # noqa: E402
 
+pytestmark = [pytest.mark.cli, pytest.mark.slow]
+
 
 @pytest.fixture(scope="module")
 def cwd_dir(tmp_path_factory) -> Path:

@@ -22,6 +22,8 @@ from dsconv.errors import UserError  # noqa: E402
 from dsconv.quant.schemes import (pack_int4, pack_int4_along_k, quantize_weight_per_channel,  # noqa: E402
                                   quantize_weight_per_group, w8a8_static_params)
 
+pytestmark = [pytest.mark.cli, pytest.mark.slow]
+
 
 def write_quantized(src: Path, dst: Path, pick, group: int = 16) -> Path:
     """Quantize the linear weights of `src` into `dst` in the msModelSlim layout; `pick(role) -> type` chooses

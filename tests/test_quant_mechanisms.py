@@ -14,6 +14,8 @@ from dsconv.quant import smoothing as sm
 from dsconv.quant.gptq import gptq_quantize
 from dsconv.quant.schemes import quantize_weight_per_group
 
+pytestmark = [pytest.mark.cli, pytest.mark.slow]
+
 
 def llm_like(tokens: int = 2048, k: int = 256, seed: int = 0) -> torch.Tensor:
     """Norm-output-like rows: a few channels x40 on every token (systematic outliers), the rest N(0, 1)."""

@@ -21,6 +21,8 @@ from dsconv.quant.schemes import activation_qparams, deq_scale_from_int64
 from dsconv.quant import stage
 from dsconv.quant.stage import QuantRequest
 
+pytestmark = [pytest.mark.cli, pytest.mark.slow]
+
 # the mechanics of static W8A8 itself: without the default smoothing, clipping searches and mixed recipe (tested in
 # test_quant_mechanisms.py)
 FAST = dict(calib_samples=8, seq_len=48, smooth_alpha=None, recipe="uniform", act_method="minmax")

@@ -10,6 +10,8 @@ from safetensors import safe_open
 
 from dsconv.shard.mindie_sharded import Ranks, assign_experts, rope_rows
 
+pytestmark = pytest.mark.cli
+
 EP, TP = 4, 2  # world 8: attn tp 2 x dp 4; moe_ep 4 x moe_tp 2
 
 
