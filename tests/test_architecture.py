@@ -45,11 +45,6 @@ LAYERS: dict[str, int] = {
 }
 STAGE_LAYER = 4
 
-# Violations still present in areas being reworked in parallel (issue 13), each (kind, key) exactly as `problems()`
-# reports it (a cycle's key is the one unit its modules all belong to, else their names). The lead empties this set
-# as the branches land; anything NOT listed here fails the test, and so does an entry that no longer happens.
-KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()
-
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
@@ -226,22 +221,13 @@ def report() -> str:
     lm = long_modules()
     lines.append(f"modules over {MAX_LINES} lines: {len(lm)}")
     lines += [f"  {m} has {n} lines" for m, n in lm.items()]
-    lines.append(f"known exceptions listed: {len(KNOWN_EXCEPTIONS)}")
     return "\n".join(lines)
 
 
-def test_no_new_violations():
+def test_no_violations():
     found = problems()
-    new = sorted(set(found) - KNOWN_EXCEPTIONS)
-    assert not new, ("architecture violations (see docs/architecture.md):\n" + "\n".join(f"{k}: {found[(k, d)]}"
-                                                                                     for k, d in new)
-                     + "\n\n" + report())
-
-
-def test_known_exceptions_are_still_real():
-    """An exception that no longer happens must leave the list, so it cannot hide a later regression."""
-    stale = sorted(KNOWN_EXCEPTIONS - set(problems()))
-    assert not stale, "fixed, remove from KNOWN_EXCEPTIONS:\n" + "\n".join(f"{k}: {d}" for k, d in stale)
+    assert not found, ("architecture violations (see docs/architecture.md):\n"
+                       + "\n".join(f"{k}: {v}" for (k, _), v in sorted(found.items())) + "\n\n" + report())
 
 
 def test_graph_sees_function_level_imports():
