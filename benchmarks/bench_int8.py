@@ -1,4 +1,4 @@
-"""The INT8 path to OM (issue 15), per family: quantize W8A8 (the --bits 8 recipe), export the fake-quant and AMCT
+"""The INT8 path to OM, per family: quantize W8A8 (the --bits 8 recipe), export the fake-quant and AMCT
 deploy ONNX from it, then `dsconv atc --soc Ascend310P3` on the deploy model.
 
     python -m benchmarks int8 [--model DIR --quantized DIR]   # plus a real model's quantize output, if given

@@ -1,6 +1,6 @@
 """Benchmarks of `dsconv quantize` / `dsconv eval` (figures printed, JSON written to bench-results/quantize.json).
 
-1b. memory (issue 14): peak RSS of w8a16 round-to-nearest on DeepSeek-V3-shaped bf16 checkpoints of ~2, ~5.7 and
+1b. memory: peak RSS of w8a16 round-to-nearest on DeepSeek-V3-shaped bf16 checkpoints of ~2, ~5.7 and
    ~8 GB (the real 1.85 GB embedding and lm_head from 5.7 GB on), beside `cp -r`. Goal <= 1.0 GB and flat.
 1. weight-only throughput and peak RSS: w8a16 round-to-nearest on synthetic Llama-like bf16 checkpoints of ~2 GB and
    ~8 GB (random data, deleted afterwards), against a plain copy of the same files; each run in a child process whose
@@ -202,7 +202,7 @@ def bench_throughput(sizes: list[int], work: Path) -> dict[str, Any]:
     return out
 
 
-# ------------------------------------------------------------------------------------------ 1b. memory (issue 14)
+# ------------------------------------------------------------------------------------------ 1b. memory
 def deepseek_config(vocab: int, moe_layers: int, experts: int = 4) -> dict[str, Any]:
     """DeepSeek-V3's real dimensions (hidden 7168, MLA, dense MLP 18432, experts 2048) with one dense layer, a few
     MoE layers of `experts` routed experts, and `vocab` (129280 is the real one: 1.85 GB embedding and lm_head)."""
@@ -230,7 +230,8 @@ RESULT = {"seconds": time.perf_counter() - t, "linears": s["linears"]}
 def bench_memory(work: Path, labels: list[str] | None = None) -> dict[str, Any]:
     """Peak RSS (the child's VmHWM: anonymous and mapped file pages) of `quantize --scheme w8a16 --method rtn` on
     DeepSeek-V3-shaped bf16 checkpoints of ~2, ~5.7 and ~8 GB, beside `cp -r` of the same directory. Goal: <= 1.0
-    GB for 5.7 GB (round 1: 2.26 GB, the 1.85 GB embedding and lm_head passed through whole) and flat in size."""
+    GB for 5.7 GB (a whole-tensor pass-through of the 1.85 GB embedding and lm_head would reach 2.26 GB) and flat in
+    size."""
     out: dict[str, Any] = {}
     for label in labels or list(MEMORY_SIZES):
         vocab, moe = MEMORY_SIZES[label]

@@ -1,4 +1,4 @@
-"""Scale-out figures (issue 14), each beside its anchor from the same run.
+"""Scale-out figures, each beside its anchor from the same run.
 
 1. A synthetic DeepSeek-architecture BF16 checkpoint of ~2.5 GB (random normals): a plain user-space copy of its
    files (read + write in 16 MiB blocks; again right before each shard run, best of two pairs), then

@@ -266,7 +266,7 @@ print(json.dumps({"verify_s": time.perf_counter() - t, "problems": len(problems)
 """
 
 
-# the stronger anchors beside round 1's (a new 16 MiB block per read): benchmarks.cli_runner.RUNNER's copy()
+# the stronger anchors beside the simplest one (a new 16 MiB block per read): benchmarks.cli_runner.RUNNER's copy()
 ROUNDS = (1, 2, 3)  # interleaved (anchors, shard) rounds, best of each: this VM's I/O varies 2-20x between runs
 ANCHORS = {"bcopy": "reused_buffer_copy", "hcopy": "reused_buffer_copy_with_sha256",
            "kcopy": "copy_file_range_copy"}

@@ -36,7 +36,7 @@ COPIES = ("copy", "bcopy", "hcopy", "kcopy", "cp")
 
 
 def copy(kind, src, dst):
-    # the anchors. copy: user-space read + write in 16 MiB blocks, a new block per read (round 1's anchor);
+    # the anchors. copy: user-space read + write in 16 MiB blocks, a new block per read (the simplest anchor);
     # bcopy: the same through one reused buffer; hcopy: bcopy hashing each file's sha256 beside the writes, as
     # dsconv's writer does for its manifest; kcopy: os.copy_file_range, the call dsconv's writer uses (on ext4 a
     # copy in the kernel; file systems that clone extents would make it no copy at all: see "filesystem");

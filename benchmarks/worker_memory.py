@@ -1,4 +1,4 @@
-"""Worker memory (issue 14): peak RSS of the whole process tree - the driver AND its pool workers - for the jobs that
+"""Worker memory: peak RSS of the whole process tree - the driver AND its pool workers - for the jobs that
 fan out, beside the `--workers 1` figure of the same job in the same run.
 
 `peak_rss_bytes` in a stage's summary is the driver's alone; with `--workers 2` the tensors are held by the pool's

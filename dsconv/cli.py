@@ -1,7 +1,8 @@
 """The `dsconv` command line: one click group; each command parses options, calls one stage, prints its summary.
 
-Errors follow DESIGN.md: UserError -> exit 2 and CheckFailed -> exit 3, each one line on stderr with no traceback;
-anything else is a bug -> exit 1 with the traceback and a request to report it. `--json` output goes to stdout alone.
+Errors follow the README's exit codes: UserError -> exit 2 and CheckFailed -> exit 3, each one line on stderr with
+no traceback; anything else is a bug -> exit 1 with the traceback and a request to report it. `--json` output goes
+to stdout alone.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The three ways a dsconv command can end badly, each mapped to one exit code (see DESIGN.md).
+"""The three ways a dsconv command can end badly, each mapped to one exit code (README: exit codes).
 
 UserError (exit 2): the user's input or options are wrong. CheckFailed (exit 3): a check the user asked for
 (numeric parity, balance, fit) failed. Both print one line - what, where, what to do - and never a traceback.

@@ -2,8 +2,8 @@
 
 `dsconv verify DIR` first re-checks every file's sha256 and size against the manifest, then, when those match, the
 stage's own check (e.g. shard: every original tensor reassembles bit-exactly from the ranks). The table is explicit
-and lives at the top: a check used to register itself when its module happened to be imported, so whether `verify`
-knew a stage depended on import order. Each entry imports its stage only when it runs (the CLI starts fast).
+and lives at the top, so whether `verify` knows a stage never depends on which modules happen to have been imported
+(a check that registered itself on import would). Each entry imports its stage only when it runs (the CLI starts fast).
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny checkpoints of every family (built once per session) and an in-process CLI runner."""
+"""Shared fixtures: tiny checkpoints of every family and the demo workspace (each built once per session) and an
+in-process CLI runner."""
 from __future__ import annotations
 
 import contextlib
@@ -58,6 +59,23 @@ def one_torch_thread():
 def run_cli() -> Callable[..., CliResult]:
     """`run_cli(["inspect", "--model", d], cwd=...)` -> CliResult(code, out, err), exit codes as the shell sees them."""
     return _run_cli
+
+
+@pytest.fixture(scope="session")
+def demo_workspace(tmp_path_factory) -> Path:
+    """`dsconv demo DIR` run once per session, in a fresh process as a newcomer runs it: DIR holds the workspace,
+    `model/`, `out/<stage>` and the run's stdout in `demo-stdout.txt`. The demo's own tests and the golden outputs
+    share it; DIR is `<root>/demo` because the golden hashes name the demo's files relative to `<root>`."""
+    import subprocess
+    import sys
+
+    d = tmp_path_factory.mktemp("demo-session") / "demo"
+    env = {**os.environ, "GLOG_v": "3"}
+    p = subprocess.run([sys.executable, "-m", "dsconv", "demo", str(d)], capture_output=True, text=True, env=env,
+                       cwd=d.parent, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (d / "demo-stdout.txt").write_text(p.stdout)
+    return d
 
 
 @pytest.fixture(scope="session")

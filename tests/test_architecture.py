@@ -1,4 +1,5 @@
-"""The import graph of dsconv/ is acyclic and follows the layers of DESIGN.md; no module is over 500 lines.
+"""The import graph of dsconv/ is acyclic and follows the layers of docs/architecture.md; no module is over 500 lines;
+nothing in the repository points at a file outside it.
 
 Every import counts, function-level ones included: a cycle hidden inside a function still means neither module can be
 read, tested or moved without the other. Run as a script for the figures:
@@ -8,18 +9,24 @@ prints the strongly connected components, the layer violations and the long modu
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "dsconv"
 MAX_LINES = 500
 
-# Layer of each module or package (longest dotted prefix wins): DESIGN.md's layers. A module imports only from layers
-# below its own, from its own unit (the same key here), or from another unit of its layer, except that layer-4 stages
-# never import another stage (the acyclicity check keeps same-layer imports one-way). A module matching no key fails
-# the test: say where a new module belongs.
+# Layer of each module or package (longest dotted prefix wins): docs/architecture.md's layers. A module imports only
+# from layers below its own, from its own unit (the same key here), or from another unit of its layer, except that
+# layer-4 stages never import another stage (the acyclicity check keeps same-layer imports one-way). A module matching
+# no key fails the test: say where a new module belongs.
 LAYERS: dict[str, int] = {
     # 0 vocabulary and data
     "dsconv": 0, "dsconv.errors": 0, "dsconv.tensors": 0, "dsconv.soc": 0, "dsconv.bundled": 0,
@@ -39,11 +46,6 @@ LAYERS: dict[str, int] = {
     "dsconv.__main__": 5,
 }
 STAGE_LAYER = 4
-
-# Violations still present in areas being reworked in parallel (issue 13), each (kind, key) exactly as `problems()`
-# reports it (a cycle's key is the one unit its modules all belong to, else their names). The lead empties this set
-# as the branches land; anything NOT listed here fails the test, and so does an entry that no longer happens.
-KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()
 
 
 def module_name(path: Path) -> str:
@@ -221,22 +223,13 @@ def report() -> str:
     lm = long_modules()
     lines.append(f"modules over {MAX_LINES} lines: {len(lm)}")
     lines += [f"  {m} has {n} lines" for m, n in lm.items()]
-    lines.append(f"known exceptions listed: {len(KNOWN_EXCEPTIONS)}")
     return "\n".join(lines)
 
 
-def test_no_new_violations():
+def test_no_violations():
     found = problems()
-    new = sorted(set(found) - KNOWN_EXCEPTIONS)
-    assert not new, ("architecture violations (see DESIGN.md layers):\n" + "\n".join(f"{k}: {found[(k, d)]}"
-                                                                                     for k, d in new)
-                     + "\n\n" + report())
-
-
-def test_known_exceptions_are_still_real():
-    """An exception that no longer happens must leave the list, so it cannot hide a later regression."""
-    stale = sorted(KNOWN_EXCEPTIONS - set(problems()))
-    assert not stale, "fixed, remove from KNOWN_EXCEPTIONS:\n" + "\n".join(f"{k}: {d}" for k, d in stale)
+    assert not found, ("architecture violations (see docs/architecture.md):\n"
+                       + "\n".join(f"{k}: {v}" for (k, _), v in sorted(found.items())) + "\n\n" + report())
 
 
 def test_graph_sees_function_level_imports():
@@ -252,6 +245,108 @@ def test_graph_sees_function_level_imports():
     g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert sccs(g) == [["a", "b", "c"]]
     assert a_cycle(g, ["a", "b", "c"]) == ["a", "b", "c", "a"]
+
+
+# ------------------------------------------------------------------------------------ the repository stands alone
+# Someone who clones the repository has nothing beside it: no notes directory, no sibling checkout, not our home
+# directories. A fact the code relies on is written in docs/ (or where it is used), in our words; a pointer names a
+# file of the repository or an upstream project's path. (The patterns are spelt so that this file does not match
+# them itself.)
+TEXT_SUFFIXES = {".py", ".md", ".toml", ".txt", ".json", ".cfg", ".sh", ".yml", ".yaml", ".ini", ".jsonl"}
+TEXT_NAMES = {"Makefile", "run", ".gitignore"}
+NOT_SCANNED = {"tests/golden_outputs.json"}  # sha256 hashes only
+OUTSIDE = [
+    (re.compile(r"\.\./+(?:shared|notes|reference)\b"), "a directory beside the checkout"),
+    (re.compile(r"(?<![\w.-])/(?:work|home|root|Users)/\w"), "a path on a developer's machine"),
+    (re.compile(r"(?<![\w./-])(?:shared|notes|reference)/[\w./-]*\.(?:md|py|json|txt)\b"),
+     "the notes beside the checkout"),
+]
+BARE_DOC = re.compile(r"(?<![\w./-])([\w-]+\.md)\b")   # a markdown file named without a directory: must be ours
+DOCS_PATH = re.compile(r"(?<![\w.-])(docs/[\w./-]*\.md)\b")   # docs/...: must exist
+# Strings that cite a notes file and are copied verbatim into every profile.json `dsconv atc` writes: rewording them
+# changes output bytes, so they change with the next golden-output update (their meaning: docs/commands/atc.md).
+# file -> number of such citations; the test fails when the count changes either way.
+RECORDED_IN_OUTPUTS = {"dsconv/atc_profiles/Ascend310P3.json": 1, "dsconv/atc_profiles/Ascend910B.json": 1,
+                       "dsconv/atc_profiles/Ascend910B4.json": 1, "dsconv/atc_profiles/_common_910b.json": 1}
+
+
+def repo_files() -> list[str]:
+    """The repository's text files (tracked, or new and not ignored), relative to its root."""
+    try:
+        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=ROOT,
+                             capture_output=True, timeout=60, check=True).stdout.decode()
+        names = [n for n in out.split("\0") if n]
+    except (OSError, subprocess.SubprocessError):  # not a git checkout (an sdist): every file but caches
+        names = [p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*")
+                 if p.is_file() and not any(part.startswith(".") or part == "__pycache__"
+                                            for part in p.relative_to(ROOT).parts[:-1])]
+    return sorted(n for n in names if (Path(n).suffix in TEXT_SUFFIXES or Path(n).name in TEXT_NAMES)
+                  and n not in NOT_SCANNED and (ROOT / n).is_file())
+
+
+def outside_references(files: list[str] | None = None) -> dict[str, list[str]]:
+    """file -> the lines that point outside the repository (with what they point at)."""
+    files = repo_files() if files is None else files
+    doc_names = {Path(n).name for n in repo_files() if n.endswith(".md")}
+    found: dict[str, list[str]] = defaultdict(list)
+    for name in files:
+        for no, line in enumerate((ROOT / name).read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            hits = [why for rx, why in OUTSIDE if rx.search(line)]
+            hits += [f"{m} is not a file of the repository" for m in BARE_DOC.findall(line) if m not in doc_names]
+            hits += [f"{m} does not exist" for m in DOCS_PATH.findall(line) if not (ROOT / m).is_file()]
+            found[name] += [f"{name}:{no}: {why}: {line.strip()[:160]}" for why in hits]
+    return {k: v for k, v in found.items() if v}
+
+
+def test_nothing_points_outside_the_repository():
+    found = outside_references()
+    unexpected = [line for name, lines in sorted(found.items()) if name not in RECORDED_IN_OUTPUTS for line in lines]
+    assert not unexpected, "references to files outside the repository (state the fact in docs/ instead):\n" + \
+        "\n".join(unexpected)
+    counts = {name: len(found.get(name, [])) for name in RECORDED_IN_OUTPUTS}
+    assert counts == RECORDED_IN_OUTPUTS, f"citations recorded in outputs changed: {counts}; update " \
+                                          "RECORDED_IN_OUTPUTS (to {} once the golden outputs follow)"
+
+
+def test_the_outside_check_sees_what_it_must(tmp_path, monkeypatch):
+    """The patterns catch each way a pointer has leaked before, and leave upstream paths and our docs alone."""
+    bad = ["see ../" + "sha" + "red/fixtures/x.py", "(/" + "work/notes/rules" + ".md A.1)",
+           "shared" + "/reference/socs" + ".md", "the layers of " + "DESIGN" + ".md", "reference" + "/format" + ".md",
+           "(cluster_config" + ".md)", "docs/" + "missing_page" + ".md"]
+    good = ["MindIE-LLM examples/models/deepseek-v3/README.md", "docs/architecture.md", "a shared/routed expert",
+            "an fp32 reference/emulation", "~/.cache/dsconv-fixtures", "/tmp/dsconv-demo", "README.md"]
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "architecture.md").write_text("")
+    (tmp_path / "README.md").write_text("")
+    for i, text in enumerate(bad + good):
+        (tmp_path / f"f{i}.py").write_text(text + "\n")
+    found = outside_references([f"f{i}.py" for i in range(len(bad + good))])
+    assert sorted(found) == sorted(f"f{i}.py" for i in range(len(bad))), found
+
+
+# ---------------------------------------------------------------------------------------------- test markers
+def module_marks(path: Path) -> set[str]:
+    """The `pytest.mark.X` names of a test module's `pytestmark`."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    marks: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+            for sub in ast.walk(node.value):
+                if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Attribute) and sub.value.attr == "mark":
+                    marks.add(sub.attr)
+    return marks
+
+
+def test_every_test_module_has_one_category():
+    """`unit` or `cli` (exactly one) on every test module, so `-m unit`, `-m cli` and `make test-fast` see them all;
+    the markers are registered in pyproject.toml."""
+    wrong = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        marks = module_marks(path)
+        if len(marks & {"unit", "cli"}) != 1:
+            wrong[path.relative_to(ROOT).as_posix()] = sorted(marks)
+    assert not wrong, f"test modules without exactly one of unit/cli in pytestmark: {wrong}"
 
 
 if __name__ == "__main__":

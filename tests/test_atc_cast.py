@@ -18,6 +18,8 @@ from dsconv.atc.samples import tiny_lm
 from dsconv.cli import main
 from dsconv.errors import CheckFailed
 
+pytestmark = pytest.mark.cli
+
 
 class TinyLM(torch.nn.Module):
     """Embedding -> LayerNorm -> Linear -> GELU (+ a float arange, exported as Range) -> Linear, masked."""

@@ -11,6 +11,8 @@ from dsconv.atc.options import AtcOptions, parse_script
 from dsconv.atc.samples import tiny_lm
 from dsconv.cli import main
 
+pytestmark = pytest.mark.cli
+
 
 def run(args: list[str], capsys) -> tuple[int, str, str]:
     with pytest.raises(SystemExit) as e:

@@ -7,6 +7,8 @@ from dsconv.atc.options import (OPTIONS, AtcOptions, InputShape, check_combinati
                                 parse_script, render_gears)
 from dsconv.errors import UserError
 
+pytestmark = pytest.mark.unit
+
 BASE = dict(model="m.onnx", framework=5, output="model", soc_version="Ascend910B3")
 
 

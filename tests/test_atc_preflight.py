@@ -24,6 +24,8 @@ from dsconv.atc.shapes import Role, classify
 from dsconv.atc.stage import AtcRequest, plan
 from dsconv.errors import UserError
 
+pytestmark = pytest.mark.unit
+
 
 def verdicts(req: AtcRequest) -> tuple[dict[str, list[Finding]], UserError | None]:
     """rule -> findings; for a stopped plan, the failed rules from the UserError (first one + details)."""

@@ -11,6 +11,8 @@ from dsconv.atc.profiles import load_profile, load_profile_file
 from dsconv.soc import PROFILE_DIR, available_socs
 from dsconv.errors import UserError
 
+pytestmark = pytest.mark.unit
+
 VARIANTS_64GB = ["Ascend910B1", "Ascend910B2", "Ascend910B2C", "Ascend910B3", "Ascend910B4-1"]
 
 

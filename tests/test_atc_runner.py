@@ -18,6 +18,8 @@ from dsconv.atc.runner import KNOWN_ERRORS
 from dsconv.atc.samples import tiny_lm
 from dsconv.cli import main
 
+pytestmark = pytest.mark.cli
+
 FAILING_STANDIN = """#!/usr/bin/env bash
 # STAND-IN for CANN's atc (test only): prints an ATC-style failure and exits {code}
 echo "ATC start working now, please wait for a moment."

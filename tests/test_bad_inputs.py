@@ -1,4 +1,4 @@
-"""The bad-input catalog of issue 12: one reproducer per class of hostile input, run through the real commands.
+"""The bad-input catalog: one reproducer per class of hostile input, run through the real commands.
 
 Every case must end with exit 2 (or 3 for a failed check) and ONE line naming the file, field or tensor - never a
 traceback (exit 1) and never exit 0. The table at the bottom is the catalog; `test_catalog_size` keeps its count
@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+
+pytestmark = pytest.mark.cli
 
 LLAMA = "llama"
 
@@ -93,7 +95,7 @@ def small_fs(tmp_path):
 @dataclass
 class Case:
     id: str
-    cls: str  # the class of issue 12 it reproduces
+    cls: str  # the class of hostile input it reproduces
     run: Callable  # (tiny_model, tmp_path, small_fs) -> (argv, cwd or None)
     code: int
     needles: tuple[str, ...]
@@ -216,7 +218,7 @@ CASES: list[Case] = [
          ("model.safetensors", "is a directory")),
     Case("disk-too-small", "os", lambda tm, tp, fs: _export_st(tm(LLAMA), fs("256k") / "out"), 2,
          ("not enough space", "free space")),
-    # the ONNX/MindIR export checks the weights' bytes up front (before tracing): what used to fail mid-write at 96k
+    # the ONNX/MindIR export checks the weights' bytes up front (before tracing), not mid-write at 96k
     Case("onnx-disk-too-small", "os", lambda tm, tp, fs: (["export", "--format", "onnx", "--model", tm(LLAMA),
                                                            "--output", fs("96k") / "out"], None), 2,
          ("not enough space", "bytes", "free space")),

@@ -1,4 +1,4 @@
-"""Memory bounded by a chunk or a row block, not by the largest tensor (issue 14): the chunked and row-block paths
+"""Memory bounded by a chunk or a row block, not by the largest tensor: the chunked and row-block paths
 write exactly the bytes the whole-tensor paths wrote, and the MoE export's dense experts equal transformers'."""
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from dsconv.passthrough import copy_tensor
 from dsconv.quant import schemes
 from dsconv.tensors import TensorSpec, torch_dtype
 from dsconv.writer import TensorSetWriter, sha256_file
+
+pytestmark = [pytest.mark.cli, pytest.mark.slow]
 
 
 # ---------------------------------------------------------------------------------------------- writer

@@ -9,6 +9,8 @@ import pytest
 from dsconv.errors import UserError
 from dsconv.quant.calib import CalibSet, load_calib, min_tokens_warning, read_texts, text_of, tokenize
 
+pytestmark = pytest.mark.unit
+
 
 class CharTokenizer:
     """A stand-in with the HF call signature: one id per character (+ BOS), and an optional chat template."""

@@ -14,6 +14,8 @@ import dsconv.exec as dexec
 from dsconv.quant.forward_jobs import SPLIT_ENV
 from tests.test_exec import tree
 
+pytestmark = [pytest.mark.cli, pytest.mark.slow]
+
 FAST = ["--calib-samples", "12", "--seq-len", "48"]
 BATCHES = ["--calib-samples", "64", "--seq-len", "192"]  # several batches of 4096 tokens: the forward splits
 # (name, model key, CLI args)

@@ -15,6 +15,8 @@ from dsconv.tensorfile import dequant_fp8_block, read_tensor_infos
 from dsconv.errors import UserError
 from dsconv.tiny import FAMILIES, MOE_FAMILIES, build_model, write_fp8_checkpoint
 
+pytestmark = pytest.mark.cli
+
 
 def _model_tensors(model) -> dict[str, torch.Tensor]:
     """The model's state as per-expert tensors (the normalised form), computed independently of dsconv."""

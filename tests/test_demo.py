@@ -2,23 +2,16 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.cli, pytest.mark.slow]
+
 
 @pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("demo") / "dsconv-demo"
-    env = {**os.environ, "GLOG_v": "3"}
-    p = subprocess.run([sys.executable, "-m", "dsconv", "demo", str(d)], capture_output=True, text=True, env=env,
-                       cwd=d.parent, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    (d / "demo-stdout.txt").write_text(p.stdout)
-    return d
+def demo_dir(demo_workspace) -> Path:
+    return demo_workspace  # run once per session (tests/conftest.py), shared with the golden outputs
 
 
 def test_demo_runs_every_stage(demo_dir):

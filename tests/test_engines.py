@@ -9,6 +9,8 @@ from dsconv import engines
 from dsconv.errors import UserError
 from dsconv.families.roles import Category, Role
 
+pytestmark = pytest.mark.cli
+
 
 def lin(module, role, category, slot=None, qtype="W8A8"):
     return SimpleNamespace(module=module, role=role, category=category, slot=slot, qtype=qtype)

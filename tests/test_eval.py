@@ -17,6 +17,8 @@ from dsconv.quant.schemes import fake_quant_activation
 from dsconv.quant import stage
 from dsconv.quant.stage import QuantRequest
 
+pytestmark = [pytest.mark.cli, pytest.mark.slow]
+
 SMALL = dict(calib_samples=8, seq_len=48)
 
 

@@ -12,6 +12,8 @@ import pytest
 import dsconv.exec as dexec
 from dsconv.errors import UserError
 
+pytestmark = [pytest.mark.cli, pytest.mark.slow]
+
 # report keys that legitimately vary run to run
 VARYING = ("seconds", "time", "timing", "rss", "throughput", "created", "command", "versions")
 

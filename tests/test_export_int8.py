@@ -1,4 +1,4 @@
-"""`dsconv export --format onnx` of a quantize output (issue 15): the fake-quant ONNX equals dsconv's simulation of
+"""`dsconv export --format onnx` of a quantize output: the fake-quant ONNX equals dsconv's simulation of
 the quantized model in onnxruntime, the AMCT deploy model holds the quantize output's int8 weights byte for byte with
 AscendQuant/AscendDequant carrying its scales, `dsconv atc` compiles it static per gear and refuses what AMCT's ATC
 constraints forbid, and `dsconv eval` measures the fake-quant file."""
@@ -28,7 +28,7 @@ DENSE = ("llama", "qwen2", "qwen3", "gemma3")
 FAMILIES = DENSE + ("deepseek_v3",)
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.cli, pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Memory behaviour of the exports (issue 14): the ONNX writer never copies a whole transposed weight, the export's
+"""Memory behaviour of the exports: the ONNX writer never copies a whole transposed weight, the export's
 torch model is filled from checkpoint views whose pages leave the process, the FP8 cast jobs stream every tensor in
 stripes, and `--workers` says so when a format does not use it."""
 from __future__ import annotations
@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+pytestmark = [pytest.mark.cli, pytest.mark.slow]
 
 
 # ---- ONNX: transposed weights in blocks ------------------------------------------------------------------------

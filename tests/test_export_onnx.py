@@ -25,7 +25,7 @@ CASES = [("llama", False), ("qwen2", False), ("qwen3", False), ("qwen2_moe", Tru
 MOE = {"qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3"}
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.cli, pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 
 def session(path: Path) -> ort.InferenceSession:
@@ -219,7 +219,7 @@ def test_latent_cache_is_71x_smaller_for_the_real_deepseek_v3():
     f = ck.facts
     spec = IOSpec(True, False, [CacheLayer(1, f.kv_lora_rank, 1, f.qk_rope_head_dim)] * f.num_layers)
     c = cache_summary(ck, spec, "bf16")
-    assert c["bytes_per_token"] == 70_272  # reference/deepseek_v3.md: 576 x 2 B x 61 layers
+    assert c["bytes_per_token"] == 70_272  # docs/formats.md: 576 x 2 B x 61 layers
     assert 70 < c["reduction"] < 72
 
 

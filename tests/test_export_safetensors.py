@@ -16,6 +16,8 @@ from dsconv.convert.fp8 import dequantize_fp8, export_safetensors
 from dsconv.errors import UserError
 from dsconv.tiny import write_fp8_checkpoint
 
+pytestmark = pytest.mark.cli
+
 BLOCK = (16, 16)
 
 

@@ -14,6 +14,8 @@ from dsconv.families.roles import Category, Role
 from dsconv.inspect import inspect_model
 from dsconv.tiny import FAMILIES, MOE_FAMILIES, build_model
 
+pytestmark = pytest.mark.cli
+
 DATA = Path(__file__).parent / "data"
 
 
@@ -97,7 +99,7 @@ def deepseek_report(run_cli):
 
 
 def test_deepseek_v3_reference_counts(deepseek_report):
-    """The numbers of reference/deepseek_v3.md, from config.json alone."""
+    """The numbers of docs/formats.md (DeepSeek-V3), from config.json alone."""
     rep = deepseek_report
     assert rep["main_parameters"] == 671_026_419_200
     assert rep["elements"] == 684_531_386_000

@@ -13,6 +13,8 @@ from dsconv.checkpoint import Checkpoint
 from dsconv.inspect import inspect_model
 from dsconv.tiny import build_model
 
+pytestmark = [pytest.mark.cli, pytest.mark.slow]
+
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):

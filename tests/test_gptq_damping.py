@@ -1,8 +1,8 @@
-"""GPTQ's damping is what keeps it from fitting the calibration domain at the expense of others (issue 10: Chinese
-QA calibration, English Python docs evaluation; GPTQ with damping 0.01 beat rounding on every held-out calibration
-prompt yet lost to it end to end). A calibration set that barely excites half of the input channels reproduces it:
-the small damping wins on calibration-like inputs and loses badly on inputs that use every channel; the default
-damping keeps most of the calibration gain and beats rounding on both."""
+"""GPTQ's damping is what keeps it from fitting the calibration domain at the expense of others (docs/accuracy.md:
+Chinese QA calibration, English Python docs evaluation; GPTQ with damping 0.01 beats rounding on every held-out
+calibration prompt yet loses to it end to end). A calibration set that barely excites half of the input channels
+reproduces it: the small damping wins on calibration-like inputs and loses badly on inputs that use every channel;
+the default damping keeps most of the calibration gain and beats rounding on both."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,6 +11,8 @@ import pytest
 from dsconv.quant.gptq import HessianAccumulator, gptq_quantize
 from dsconv.quant.options import QuantOptions
 from dsconv.quant.schemes import dequant_weight, quantize_weight_per_group
+
+pytestmark = pytest.mark.unit
 
 
 def _domains(seed: int, k: int = 256, tokens: int = 4000) -> tuple[np.ndarray, np.ndarray]:

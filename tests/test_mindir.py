@@ -21,7 +21,7 @@ from dsconv.convert.mindir import export_mindir  # noqa: E402
 from dsconv.errors import UserError  # noqa: E402
 from dsconv.tiny import FAMILIES, MOE_FAMILIES  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the PyTorch references are tiny (conftest.py)
+pytestmark = [pytest.mark.cli, pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]  # tiny references
 
 
 @pytest.fixture(scope="module")

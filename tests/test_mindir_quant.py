@@ -1,8 +1,8 @@
 """MindIR export of quantized and FP8 inputs: int8/int4 weights stay int8 in the MindIR and are dequantized in the
 graph; the check compares with transformers on the dequantized weights.
 
-The quantized directories are written here in the msModelSlim reference layout (reference/msmodelslim_format.md)
-with dsconv's own quantization math, independent of `dsconv quantize` (which has its own test below when present).
+The quantized directories are written here in the msModelSlim layout (docs/formats.md) with dsconv's own
+quantization math, independent of `dsconv quantize` (whose output has its own test below).
 """
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from dsconv.convert.mindir import export_mindir  # noqa: E402
 from dsconv.errors import UserError  # noqa: E402
 from dsconv.quant.schemes import (pack_int4, pack_int4_along_k, quantize_weight_per_channel,  # noqa: E402
                                   quantize_weight_per_group, w8a8_static_params)
+
+pytestmark = [pytest.mark.cli, pytest.mark.slow]
 
 
 def write_quantized(src: Path, dst: Path, pick, group: int = 16) -> Path:
@@ -150,10 +152,6 @@ def test_fp8_checkpoint_with_mtp_layer(tiny_model, tmp_path, monkeypatch):
 
 def test_dsconv_quantize_output(tiny_model, tmp_path, run_cli):
     """The real `dsconv quantize` output (W4A16, round-to-nearest, group 16) exports and checks."""
-    from dsconv.cli import cli
-
-    if "quantize" not in cli.commands:
-        pytest.skip("dsconv quantize is not in this build")
     quant = tmp_path / "quant"
     made = run_cli(["quantize", "-m", tiny_model("llama"), "-o", quant, "--scheme", "w4a16", "--method", "rtn",
                     "--group-size", "16"], cwd=tmp_path)

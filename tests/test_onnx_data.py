@@ -8,6 +8,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from dsconv.onnx_data import ExternalDataWriter, external_location
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("align", [1, 4096])
 def test_writer_places_tensors_onnx_can_load(tmp_path, align):

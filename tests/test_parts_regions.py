@@ -12,6 +12,8 @@ import pytest
 from dsconv import parts
 from dsconv.parts import PartLayout, PartWriter, Region, Slot, coalesce
 
+pytestmark = pytest.mark.unit
+
 
 def _source(tmp_path, rows=300, cols=40):
     a = np.random.default_rng(0).integers(0, 256, size=(rows, cols), dtype=np.uint8)

@@ -13,6 +13,8 @@ from dsconv.quant import awq
 from dsconv.quant import smoothing as sm
 from dsconv.quant.schemes import dequant_weight, quantize_weight_per_group
 
+pytestmark = [pytest.mark.cli, pytest.mark.slow]
+
 
 def outlier_rows(tokens: int = 1024, k: int = 256, seed: int = 0) -> torch.Tensor:
     """Norm-output-like activations: channels 3, 77, 150 are x30 on every token, the rest N(0, 1)."""

@@ -11,6 +11,8 @@ from dsconv.quant.gptq import HessianAccumulator, gptq_quantize
 from dsconv.quant.grid import quantize_searched, search_scales
 from dsconv.quant.schemes import dequant_weight, quantize_weight_per_group
 
+pytestmark = pytest.mark.unit
+
 
 def _group_sq_err(w: torch.Tensor, q: np.ndarray, scale: np.ndarray, g: int,
                   imp: torch.Tensor | None = None) -> torch.Tensor:

@@ -34,6 +34,8 @@ from dsconv.quant.schemes import (
     w8a8_static_params,
 )
 
+pytestmark = pytest.mark.unit
+
 
 # ------------------------------------------------------------------------------------------ weight scales
 def test_per_channel_int8_by_hand():

@@ -1,4 +1,4 @@
-"""The accuracy mechanisms of `dsconv quantize` (issue 10), each pinned on synthetic data or a tiny model:
+"""The accuracy mechanisms of `dsconv quantize`, each pinned on synthetic data or a tiny model:
 smoothing-strength search, the exact up -> down fold, output-error clipping, the mixed static recipe, and the
 GPTQ-or-RTN choice on held-out prompts. Accuracy itself is measured by benchmarks/bench_fidelity.py, not here."""
 from __future__ import annotations
@@ -13,6 +13,8 @@ from dsconv.quant import clipping, selection
 from dsconv.quant import smoothing as sm
 from dsconv.quant.gptq import gptq_quantize
 from dsconv.quant.schemes import quantize_weight_per_group
+
+pytestmark = [pytest.mark.cli, pytest.mark.slow]
 
 
 def llm_like(tokens: int = 2048, k: int = 256, seed: int = 0) -> torch.Tensor:

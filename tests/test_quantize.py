@@ -21,6 +21,8 @@ from dsconv.quant.schemes import activation_qparams, deq_scale_from_int64
 from dsconv.quant import stage
 from dsconv.quant.stage import QuantRequest
 
+pytestmark = [pytest.mark.cli, pytest.mark.slow]
+
 # the mechanics of static W8A8 itself: without the default smoothing, clipping searches and mixed recipe (tested in
 # test_quant_mechanisms.py)
 FAST = dict(calib_samples=8, seq_len=48, smooth_alpha=None, recipe="uniform", act_method="minmax")
@@ -428,8 +430,8 @@ def test_cli_quantized_input_refused_and_dry_run(models, run, run_cli, tmp_path)
     assert r.code == 0
     plan = json.loads(r.out)
     assert plan["dry_run"] and plan["linears"] == {"W4A16": 117} and plan["output_bytes"] < plan["input_bytes"]
-    # the 4-bit default is the method measured best end to end on the real fixtures (README): plain rounding, which
-    # needs no calibration; GPTQ stays available with --method gptq
+    # the 4-bit default is the method measured best end to end on the real fixtures (docs/accuracy.md): plain
+    # rounding, which needs no calibration; GPTQ stays available with --method gptq
     assert plan["method"] == "rtn" and plan["calibration"] is False
     r = run_cli(["quantize", "-m", models["qwen2"], "--scheme", "w8a16", "-o", tmp_path / "z", "--json"])
     assert r.code == 0 and json.loads(r.out)["linears"] == {"W8A16": 14}

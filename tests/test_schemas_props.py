@@ -1,6 +1,6 @@
 """Property-based tests of every validated reader (dsconv/schemas): seeded, a few hundred cases each.
 
-The property is the one issue 12 asks for: for ANY input a reader either returns data of the promised types or raises
+The property: for ANY input a reader either returns data of the promised types or raises
 UserError (exit 2, one line) - never another exception. Valid documents round-trip unchanged.
 """
 from __future__ import annotations
@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from dsconv import schemas
 from dsconv.errors import UserError
 from dsconv.schemas.model import DTYPE_SIZES
+
+pytestmark = [pytest.mark.unit, pytest.mark.slow]
 
 SETTINGS = settings(max_examples=300, derandomize=True, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

@@ -16,6 +16,8 @@ from dsconv.shard.memory import FitSettings
 from dsconv.shard.placement import iter_tensor_ranks
 from dsconv.shard.table import build_table
 
+pytestmark = pytest.mark.cli
+
 FIT = FitSettings(soc="Ascend910B3", card_bytes=64 * 2**30)
 
 

@@ -10,6 +10,8 @@ from dsconv.errors import UserError
 from dsconv.shard import ranktable as R
 from dsconv.shard.layout import make_layout
 
+pytestmark = pytest.mark.cli
+
 
 def test_rank_table_matches_the_reference_shape():
     hosts = [R.Host("10.0.0.1", ("192.168.100.101", "192.168.100.102")),

@@ -1,5 +1,5 @@
 """MindIE's offline-sharded DeepSeek layout: one test per rule taken from MindIE-LLM (sources in each docstring;
-/work/notes/engine_rules.md A.1-A.5), each computed independently from the source checkpoint with torch."""
+docs/engine_rules.md A.1-A.5), each computed independently from the source checkpoint with torch."""
 from __future__ import annotations
 
 import json
@@ -9,6 +9,8 @@ import torch
 from safetensors import safe_open
 
 from dsconv.shard.mindie_sharded import Ranks, assign_experts, rope_rows
+
+pytestmark = pytest.mark.cli
 
 EP, TP = 4, 2  # world 8: attn tp 2 x dp 4; moe_ep 4 x moe_tp 2
 

@@ -15,6 +15,8 @@ from safetensors.torch import load_file, save_file
 from dsconv.checkpoint import Checkpoint
 from dsconv.families.roles import Role
 
+pytestmark = pytest.mark.cli
+
 
 def make_quantized(src: Path, out: Path, seed: int = 1) -> Path:
     """A msModelSlim-layout output of a tiny model (random codes): W8A8 static on row-parallel layers (o_proj, expert

@@ -13,6 +13,8 @@ from dsconv.errors import UserError
 from dsconv.model import torch_builder
 from dsconv.tiny import FAMILIES, MOE_FAMILIES
 
+pytestmark = pytest.mark.cli
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 

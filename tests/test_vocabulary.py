@@ -12,6 +12,8 @@ from dsconv.soc import available_socs, soc_facts
 from dsconv.tensors import (DTYPE_FROM_CONFIG, DTYPES, PRECISIONS, TensorSpec, config_dtype_name, human_bytes,
                             parse_size, precision_torch_dtype, safetensors_dtype, torch_dtype)
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("name", [d for d in DTYPES if DTYPES[d].torch])
 def test_dtype_table_agrees_with_torch(name):

@@ -5,6 +5,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.cli
+
 
 def test_init_then_commands_without_paths(run_cli, tiny_model, tmp_path):
     model = tiny_model("llama")

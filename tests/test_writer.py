@@ -12,6 +12,8 @@ from dsconv.errors import UserError
 from dsconv.tensors import TensorSpec, parse_size
 from dsconv.writer import MANIFEST, OutputDir, sha256_file, verify_files
 
+pytestmark = pytest.mark.cli
+
 
 def _tensors():
     g = torch.Generator().manual_seed(0)

@@ -2,7 +2,7 @@
 
 Why a table: every option dsconv writes (and every option a user's hand-edited atc.sh may hold) is parsed by the same
 rules, so `render(parse(x)) == x` can be tested and an unknown option or value is rejected with its name instead of
-reaching a 20-minute compile that fails with E10001. Values follow shared/reference/atc_and_socs.md ("Command line")
+reaching a 20-minute compile that fails with E10001. Values follow docs/commands/atc.md
 and the CANN ATC parameter reference.
 """
 from __future__ import annotations

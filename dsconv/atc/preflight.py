@@ -2,7 +2,7 @@
 
 Each rule is one function returning Findings; `fail` marks a compile (or deployment) that would certainly fail and
 becomes a one-line UserError, `warn` a likely problem printed to stderr with its fix. The rules follow
-shared/reference/atc_and_socs.md ("Rules to check before ATC runs") and the CANN ATC parameter reference.
+docs/commands/atc.md ("Preflight rules") and the CANN ATC parameter reference.
 Everything here reads the model header only (graph.read_model), never the weights.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dsconv.tensors import human_bytes as human
 
 PROTOBUF_LIMIT = 2 * 1024**3  # protobuf cannot serialize a message of 2 GiB or more
 
-# ops whose inputs ATC requires to share one dtype (shared/reference: mixed int32/int64 -> E89999)
+# ops whose inputs ATC requires to share one dtype (mixed int32/int64 fails with E89999)
 ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Mod", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual",
                "Max", "Min", "Sum", "Mean", "BitShift"}
 WHERE_DATA_INPUTS = (1, 2)

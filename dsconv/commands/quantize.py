@@ -34,7 +34,7 @@ from dsconv.quant.methods import DEFAULT_METHOD, METHODS
                    "the smallest rounding error (no calibration); gptq, error compensation with the calibration "
                    "Hessian (act order, static groups), kept per linear only where it beats rtn on held-out "
                    f"calibration prompts; awq (W4A16/W8A16), activation-aware scales folded into the norms and up_proj plus a clip search, both by output error on calibration rows, kept per site only where no linear is worse than rtn on held-out prompts. Default: {DEFAULT_METHOD[4]} for 4 bits, {DEFAULT_METHOD[8]} for 8 (measured "
-                   "best end to end on real models: README).")
+                   "best end to end on real models: docs/accuracy.md).")
 @click.option("--act-method", type=click.Choice(["search", "minmax", "percentile", "mse"]), default="search",
               show_default=True,
               help="Static activation ranges. search (default): the min/max range scaled by the clip ratio that "

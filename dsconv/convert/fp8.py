@@ -23,8 +23,8 @@ exponent re-bias is folded into the scale, which also makes subnormals exact), t
 round-to-nearest-even store (ml_dtypes for bfloat16). torch's own float8 cast is ~10x slower on CPU. NaN/Inf
 checks work on bit patterns (an AND and a max; torch.isfinite on bf16 cost 3.6x the dequantization itself) and are
 skipped for FP8 stripes whose block scales prove them finite.
-`pipeline=True` converts whole tensors and writes one on a thread while the next converts (the round-1 path, kept
-for comparison in benchmarks/bench_export.py).
+`pipeline=True` converts whole tensors and writes one on a thread while the next converts: the whole-tensor baseline
+that benchmarks/bench_export.py measures the streamed path against.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Why transformers' module: it is the code users run, so the exported graph is the
 tied embeddings, fp32 routers, rope scaling); tests/test_torch_builder.py proves it equal to `from_pretrained`'s.
 MoE experts run as `dense_experts_forward` (registered as transformers experts implementation "dsconv_dense"):
 `grouped_mm` (the default) cannot be exported, `eager` bakes the experts hit during tracing into the graph
-(reference/toolchain_notes.md), and `batched_mm` gathers a copy of the expert weights for every (token, expert)
+(docs/formats.md), and `batched_mm` gathers a copy of the expert weights for every (token, expert)
 pair - in PyTorch and in onnxruntime alike - which put the export's peak at 2.63x the fp32 weights. The dense form
 runs every expert on every token with its routing weight (zero where not routed): static shapes, plain MatMul on
 per-expert initializers (the fused [E, 2I, H] tensors are split into per-expert views, no copy, named as the

@@ -17,11 +17,11 @@ Steps, in one OutputDir transaction (any failure leaves nothing behind):
   6. below the external-data threshold (2 GB), stream the weights into model.onnx itself (one file), byte for byte.
 Why external data during the check: onnxruntime maps external weights instead of parsing a second copy out of the
 protobuf, so the check adds almost nothing to the peak. Measured per phase (benchmarks/bench_export.py, MoE 1.0 GB):
-every phase - load, trace, write, PyTorch reference, onnxruntime check - now sits at the fp32 weights + ~0.45 GB of
-libraries (1.45x the weights); the write's transposed lm_head copy and the load's per-tensor bf16 + fp32 temporaries
-were what put it at 1.55x.
+every phase - load, trace, write, PyTorch reference, onnxruntime check - sits at the fp32 weights + ~0.45 GB of
+libraries (1.45x the weights), because the write never makes a transposed copy of lm_head and the load keeps no
+per-tensor bf16 + fp32 temporaries (those would make it 1.55x).
 
-Why opset 14 by default: it is inside the range every CANN release's ATC accepts (11-15, reference/atc_and_socs.md),
+Why opset 14 by default: it is inside the range every CANN release's ATC accepts (11-15, docs/commands/atc.md),
 it is what optimum uses for decoder LMs, the TorchScript exporter emits it directly for every family here (MoE
 included: the dense experts need no `repeat_interleave`, so even 11 is emitted directly), and it has bf16/fp16
 versions of the arithmetic ops. bf16 graphs need 16 (Where on bfloat16 appears at 16), so `--dtype bf16` defaults to

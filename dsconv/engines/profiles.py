@@ -1,6 +1,6 @@
 """Engine profiles as data: what MindIE and vLLM-Ascend load, read from their loader source.
 
-Every rule carries the source it was read from (/work/notes/engine_rules.md; MindIE-LLM @8b4871ad, vllm-ascend
+Every rule carries the source it was read from (docs/engine_rules.md; MindIE-LLM @8b4871ad, vllm-ascend
 @182b75ea). Code elsewhere asks a profile; it never restates an engine fact. Layer *kinds* are dsconv's grouping of
 linears (from the family's Role/Category table); each engine maps a kind to its own layer type ("linear" or "moe").
 """

@@ -1,5 +1,5 @@
 """DeepSeek-V3 / R1: MLA attention, sigmoid noaux_tc routing over 256 experts + 1 shared, MTP stored as layer 61,
-FP8 block-scaled weights (see reference/deepseek_v3.md)."""
+FP8 block-scaled weights (see docs/formats.md)."""
 from dsconv.families.base import (REQUIRED, L, T, Family, dense_mlp, experts, linear, norm, router, swiglu)
 from dsconv.families.roles import Category, Role
 

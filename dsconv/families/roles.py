@@ -1,4 +1,4 @@
-"""The shared vocabulary (DESIGN.md): every stage asks a tensor's Role, never its name."""
+"""The shared vocabulary (docs/architecture.md): every stage asks a tensor's Role, never its name."""
 from __future__ import annotations
 
 from dataclasses import dataclass

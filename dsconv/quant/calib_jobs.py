@@ -1,5 +1,5 @@
 """The calibrated path's independent work as executor jobs (dsconv.exec): one job per quantized linear of a layer and
-one per routed expert (issue 14).
+one per routed expert.
 
 Why these cuts: once a layer's calibration forward has run, every linear's statistics (observer, GPTQ Hessian,
 sample rows) are final, and quantizing one linear - GPTQ solve, held-out choice, activation parameters, output-error

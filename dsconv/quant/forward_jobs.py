@@ -1,5 +1,4 @@
-"""A layer's calibration forward split over the calibration batches, as executor jobs (issue 14: "layers where
-inputs are already captured").
+"""A layer's calibration forward split over the calibration batches, as executor jobs.
 
 Why this cut: the calibrated path propagates float activations layer by layer, so once layer i's input rows are in
 the driver (`Calibrator.h`), its batches are independent - each job pushes a contiguous run of batches through a copy

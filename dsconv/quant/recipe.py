@@ -4,7 +4,7 @@ The input of a gated MLP's down_proj (f(gate) * up) carries the largest activati
 models they are token-wise (a few "massive activation" tokens, e.g. the first of each prompt, reach thousands while
 the rest stay below ten): one per-tensor static range cannot serve both, whatever the smoothing or clipping.
 Ascend's own static-W8A8 practices leave every down_proj out of static quantization for this reason
-(msmodelslim_format.md); dsconv gives them W8A8_DYNAMIC (per-token scales, still int8 GEMMs), which keeps q/k/v,
+(docs/formats.md); dsconv gives them W8A8_DYNAMIC (per-token scales, still int8 GEMMs), which keeps q/k/v,
 o_proj and gate/up static: 6 of 7 linears of a dense layer (86%). `--recipe uniform` keeps everything static.
 """
 from __future__ import annotations

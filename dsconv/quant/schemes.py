@@ -1,9 +1,9 @@
 """The arithmetic of quantization in the msModelSlim layout: scales, offsets, groups, int4 packing, W8A8 auxiliaries.
 
 Everything here is pure (arrays in, arrays out) and numpy-first, because numpy's per-row int8 quantization is
-1.5-2x faster than torch on CPU (toolchain_notes.md). Torch tensors are accepted where checkpoints hand them to us
+1.5-2x faster than torch on CPU (measured on a 2-core VM). Torch tensors are accepted where checkpoints hand them to us
 (bf16, fp8): they are widened to float32 one block of rows at a time, so the peak extra memory is one block, not
-one float32 copy of the tensor. Conventions (msmodelslim_format.md):
+one float32 copy of the tensor. Conventions (docs/formats.md):
 
 * weights: symmetric, per output channel (``scale [n, 1]``) or per group along k (``scale [n, k/group]``); the
   format still stores ``weight_offset``, always zeros;

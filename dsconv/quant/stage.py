@@ -91,7 +91,7 @@ def run(req: QuantRequest) -> QuantResult:
         needs = {}
         if plan.scheme == STATIC:
             needs["static activation ranges"] = 512
-        if plan.method == "gptq":  # a Hessian fitted on fewer tokens than ~2x its width overfits them (issue 10)
+        if plan.method == "gptq":  # a Hessian fitted on fewer tokens than ~2x its width overfits (docs/accuracy.md)
             k = max(lp.k for lp in plan.linears.values())
             needs[f"GPTQ Hessians (2 x the widest input, {k}, after holding out 1/{HOLD_EVERY} of the prompts)"] = \
                 -(-2 * k * HOLD_EVERY // (HOLD_EVERY - 1))

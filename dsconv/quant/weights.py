@@ -20,7 +20,7 @@ def quantize_weight(lp: LinearPlan, w: torch.Tensor, plan: QuantPlan, hessian: n
     (act order, static groups: the scales are round-to-nearest's), else round-to-nearest with max |w| scales.
 
     Scales searched for the smallest weight error (grid.py, ``mse``) are not used by default: on the real fixture
-    they lowered every group's error yet raised perplexity 2.6x over plain rounding (README, issue 10)."""
+    they lowered every group's error yet raised perplexity 2.6x over plain rounding (docs/accuracy.md)."""
     bits = BITS[lp.qtype]
     g = plan.group_size if bits == 4 else 0
     method = method or plan.method

@@ -230,7 +230,7 @@ def place_experts(strategy: str, num_experts: int, ep: int, expert_bytes: np.nda
 
 
 def expert_map(placement: ExpertPlacement) -> dict[str, Any]:
-    """vLLM-Ascend's static expert map (cluster_config.md): layer_id counts MoE layers from 0, device_id EP ranks."""
+    """vLLM-Ascend's static expert map (docs/engine_rules.md): layer_id counts MoE layers from 0, device_id EP ranks."""
     return {"moe_layer_count": len(placement.slots),
             "layer_list": [{"layer_id": li, "device_count": len(layer),
                             "device_list": [{"device_id": d, "device_expert": list(experts)}

@@ -140,7 +140,7 @@ def make_layout(ep: int | None, tp: int | None, world: int | None = None, nodes:
 
 
 def layout_violations(layout: Layout, is_moe: bool) -> list[str]:
-    """MindIE's parallel rules (cluster_config.md) and the grid's own: each a sentence naming the numbers."""
+    """MindIE's parallel rules (docs/engine_rules.md A.1) and the grid's own: each a sentence naming the numbers."""
     out = []
     w = layout.world
     if w % layout.tp:

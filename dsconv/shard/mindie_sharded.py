@@ -7,7 +7,7 @@ re-applies those transforms offline. Each output tensor is an `Item`: which sour
 transforms follow, so the writer streams one output tensor at a time and `verify` can invert every exact transform
 to reassemble the source tensors bit for bit (the lossy ones - casts to a narrower float, the min-shifted
 correction bias - are checked by recomputing them). Which items each rank folder holds is mindie_planner.py. Rules
-and sources: /work/notes/engine_rules.md A.1-A.5; each function's docstring names the MindIE code it mirrors.
+and sources: docs/engine_rules.md A.1-A.5; each function's docstring names the MindIE code it mirrors.
 """
 from __future__ import annotations
 

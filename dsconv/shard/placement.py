@@ -1,4 +1,4 @@
-"""Where each kind lies on the ranks of a layout (split, whole, or first-only), decided by Role (DESIGN.md).
+"""Where each kind lies on the ranks of a layout (split, whole, or first-only), decided by Role (docs/architecture.md).
 
 Quantization auxiliaries and biases follow their weight: split on the same
 dim at their own granularity (FP8 128-blocks, int4 groups, packed int4 rows), replicated where the weight's split

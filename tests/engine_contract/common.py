@@ -2,7 +2,7 @@
 one name -> file routing map, a duplicate name is an error) and the naming tables of the families under test.
 
 Deliberately independent of dsconv's own profiles and family tables: a reader that imported them would agree with
-dsconv by construction. Engine facts are restated here from the engines' source (/work/notes/engine_rules.md)."""
+dsconv by construction. Engine facts are restated here from the engines' source (docs/engine_rules.md)."""
 from __future__ import annotations
 
 import json

@@ -16,6 +16,8 @@ from tests.engine_contract import mindie, vllm_ascend
 from tests.engine_contract.common import Problems, routing, tensor
 from tests.engine_contract.conftest import ENGINES, FAMILIES, MOE, SCHEMES
 
+pytestmark = [pytest.mark.cli, pytest.mark.slow]
+
 READERS = {"mindie": mindie.read, "vllm-ascend": vllm_ascend.read}
 README = Path(__file__).resolve().parents[2] / "README.md"
 # w8a8 explicit differs from the --bits 8 recipe only where experts or DeepSeek regions are involved

@@ -7,6 +7,8 @@ import pytest
 
 from tests.engine_contract import mindie_sharded
 
+pytestmark = pytest.mark.cli
+
 
 @pytest.fixture(scope="module")
 def demo_model(tmp_path_factory):

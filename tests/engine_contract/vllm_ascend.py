@@ -10,7 +10,7 @@ import numpy as np
 from tests.engine_contract.common import (EXPERT_RE, FLOAT_DTYPES, Problems, linear_modules, read_json, routing,
                                           tensor)
 
-# va/quantization/methods/* @register_scheme, A2/A3 registry (engine_rules.md C.3)
+# va/quantization/methods/* @register_scheme, A2/A3 registry (docs/engine_rules.md C.3)
 REGISTRY = {"linear": {"W8A8", "W8A8_DYNAMIC", "W8A16", "W8A8_MIX", "W4A4_DYNAMIC"},
             "moe": {"W8A8_DYNAMIC", "W4A8_DYNAMIC", "W4A16"}}
 # va/quantization/modelslim_config.py::packed_modules_model_mapping (fused vLLM layer -> checkpoint shards)

@@ -1,4 +1,4 @@
-"""The msModelSlim layout (reference/msmodelslim_format.md), both ways.
+"""The msModelSlim layout (docs/formats.md), both ways.
 
 `LAYOUT` is the reference table as data: for each type, the tensors a linear `P` has (suffix, dtype, shape rule), in
 a fixed order. Everything that lists a linear's tensors is generated from it: the output specs (`linear_layout`),
