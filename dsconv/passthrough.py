@@ -109,3 +109,27 @@ def _uint(size: int):
     import torch
 
     return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+
+
+def check_finite(name: str, tensor, where: Path, chunk: int = 1 << 24) -> None:
+    """NaN/Inf in a weight is a broken checkpoint (or an FP8 NaN code): refuse it by name rather than pass it on.
+    Chunked, on the bit patterns (passthrough.first_nonfinite), so the check costs an AND and a max per element."""
+    import torch
+
+    from dsconv.tensors import safetensors_dtype
+
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return
+    flat = tensor.reshape(-1)
+    st = safetensors_dtype(tensor)
+    bits_type = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(tensor.element_size())
+    for lo in range(0, flat.numel(), chunk):
+        part = flat[lo:lo + chunk]
+        if bits_type is not None and st in ("BF16", "F16", "F32", "F64"):
+            bad = first_nonfinite(part.contiguous().view(bits_type).numpy(), st)
+        elif not bool(torch.isfinite(part).all()):
+            bad = int((~torch.isfinite(part)).nonzero()[0, 0])
+        else:
+            bad = None
+        if bad is not None:
+            raise nonfinite_error(where, name, lo + bad, float(flat[lo + bad]))

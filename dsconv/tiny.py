@@ -94,7 +94,9 @@ def make_deep(out: Path, layers: int = 30, seed: int = 0, vocab_size: int = 1024
     the noise-derived one (convert/tolerance.py) must."""
     import torch
 
-    model = build_model("llama", seed=seed, num_hidden_layers=layers, vocab_size=vocab_size, tie_word_embeddings=True,
+    from dsconv.families.llama import Llama
+
+    model = build_model(Llama.name, seed=seed, num_hidden_layers=layers, vocab_size=vocab_size, tie_word_embeddings=True,
                         intermediate_size=256)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

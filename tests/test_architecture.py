@@ -263,12 +263,6 @@ OUTSIDE = [
 ]
 BARE_DOC = re.compile(r"(?<![\w./-])([\w-]+\.md)\b")   # a markdown file named without a directory: must be ours
 DOCS_PATH = re.compile(r"(?<![\w.-])(docs/[\w./-]*\.md)\b")   # docs/...: must exist
-# Strings that cite a notes file and are copied verbatim into every profile.json `dsconv atc` writes: rewording them
-# changes output bytes, so they change with the next golden-output update (their meaning: docs/commands/atc.md).
-# file -> number of such citations; the test fails when the count changes either way.
-RECORDED_IN_OUTPUTS = {"dsconv/atc_profiles/Ascend310P3.json": 1, "dsconv/atc_profiles/Ascend910B.json": 1,
-                       "dsconv/atc_profiles/Ascend910B4.json": 1, "dsconv/atc_profiles/_common_910b.json": 1}
-
 
 def repo_files() -> list[str]:
     """The repository's text files (tracked, or new and not ignored), relative to its root."""
@@ -299,13 +293,9 @@ def outside_references(files: list[str] | None = None) -> dict[str, list[str]]:
 
 
 def test_nothing_points_outside_the_repository():
-    found = outside_references()
-    unexpected = [line for name, lines in sorted(found.items()) if name not in RECORDED_IN_OUTPUTS for line in lines]
+    unexpected = [line for _, lines in sorted(outside_references().items()) for line in lines]
     assert not unexpected, "references to files outside the repository (state the fact in docs/ instead):\n" + \
         "\n".join(unexpected)
-    counts = {name: len(found.get(name, [])) for name in RECORDED_IN_OUTPUTS}
-    assert counts == RECORDED_IN_OUTPUTS, f"citations recorded in outputs changed: {counts}; update " \
-                                          "RECORDED_IN_OUTPUTS (to {} once the golden outputs follow)"
 
 
 def test_the_outside_check_sees_what_it_must(tmp_path, monkeypatch):

@@ -19,6 +19,8 @@ from dsconv.errors import UserError
 from dsconv.schemas.core import _DECLINED, _plain_json
 from dsconv.schemas.model import DTYPE_SIZES, _plain_header, _strict_header
 
+pytestmark = pytest.mark.unit
+
 SETTINGS = settings(max_examples=300, derandomize=True, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 

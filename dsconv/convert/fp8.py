@@ -1,30 +1,21 @@
 """`dsconv export --format safetensors`: rewrite a checkpoint in another dtype, FP8 block-scaled weights dequantized.
 
-Plan from headers, then stream. The plan keeps the input's layout: one output part per input part, with the same
-file name and the same tensors in the same order (minus the FP8 `weight_scale_inv` scales, which are folded into
-their weights), and an index of the same name. Each tensor is then converted and written in bounded pieces
-(`write_converted`: stripes of FP8 block rows, 64 MiB chunks of cast or kept tensors), so memory is a few pieces,
-not the largest tensor, and the arithmetic of the next stripes overlaps the pwrite + sha256 of the previous ones.
+Plan from headers, then stream. The output keeps the input's layout (one part per input part, same names, same tensor
+order, an index of the same name) minus the FP8 `weight_scale_inv` scales, folded into their weights. Each tensor is
+converted and written in bounded pieces (`write_converted`: stripes of FP8 block rows, 64 MiB chunks of cast or kept
+tensors), so memory is a few pieces, and the next stripes' arithmetic overlaps the previous ones' pwrite + sha256. Per
+tensor: an FP8 weight (with its scale, wherever the index puts it) is dequantized to the target dtype; other floating
+tensors are cast, except float32 router tensors (DeepSeek's `e_score_correction_bias`), which stay float32 as
+transformers keeps them; integer and bool tensors are unchanged. config.json loses `quantization_config` and gets the
+new dtype; tokenizer and generation files are copied. Fused MoE checkpoints are written with the per-expert names the
+reader presents (transformers' default layout, which it loads as well).
 
-Per tensor:
-  * FP8 weight (with its `weight_scale_inv`, wherever the index puts it) -> dequantized to the target dtype;
-  * the scale -> dropped;
-  * other floating tensors -> cast to the target dtype, except float32 router tensors (DeepSeek's
-    `e_score_correction_bias`), which stay float32 as transformers keeps them (routing is sensitive to them);
-  * integer and bool tensors -> unchanged.
-config.json loses `quantization_config` and gets the new dtype; tokenizer and generation files are copied.
-
-Fused MoE checkpoints (transformers' `mlp.experts.gate_up_proj`) are written with the per-expert names the reader
-presents (transformers' default "original" layout, which it loads as well); everything else keeps its name.
-
-The FP8 -> BF16 kernel is exact (bit-identical to `fp8.to(float32) * scale` rounded to the target dtype) and runs in
-numpy on 128-row stripes, two threads: the e4m3 bits are moved into float32 position with integer ops (the 2^120
-exponent re-bias is folded into the scale, which also makes subnormals exact), then one float32 multiply and one
-round-to-nearest-even store (ml_dtypes for bfloat16). torch's own float8 cast is ~10x slower on CPU. NaN/Inf
-checks work on bit patterns (an AND and a max; torch.isfinite on bf16 cost 3.6x the dequantization itself) and are
-skipped for FP8 stripes whose block scales prove them finite.
-`pipeline=True` converts whole tensors and writes one on a thread while the next converts: the whole-tensor baseline
-that benchmarks/bench_export.py measures the streamed path against.
+The FP8 -> BF16 kernel is exact (bit-identical to `fp8.to(float32) * scale` rounded to the target dtype) and runs on
+128-row stripes, two threads: the e4m3 bits move into float32 position with integer ops (the 2^120 exponent re-bias
+is folded into the scale, which also makes subnormals exact), then one float32 multiply and one round-to-nearest-even
+store (torch's float8 cast is ~10x slower on CPU). NaN/Inf checks work on bit patterns, skipped for FP8 stripes whose
+block scales prove them finite. `pipeline=True` (whole tensors, one written while the next converts) is the baseline
+benchmarks/bench_export.py measures the streamed path against.
 """
 from __future__ import annotations
 
@@ -41,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from dsconv.convert import DTYPES
+from dsconv.passthrough import check_finite
 from dsconv.process import gc_paused, peak_rss_bytes
 from dsconv.tensors import FLOAT_DTYPES, FP8_DTYPES, PRECISIONS, config_dtype_name
 from dsconv.errors import UserError
@@ -299,11 +291,10 @@ def _numpy_view(t):
 
 
 def write_converted(write_chunks, ck, t: TensorPlan, threads: int = 2) -> int:
-    """One planned tensor converted and written through `write_chunks(name, chunks)` in bounded pieces, checked
-    for NaN/Inf on the way; returns the bytes written. Per tensor, from the checkpoint and the plan entry alone, so
-    a worker can run it. FP8: stripes of block rows (see `iter_dequantized_fp8`), computed while the previous ones
-    are written; cast and kept floats: 64 MiB chunks (dsconv/passthrough.py). Memory is a few stripes or chunks,
-    never the output tensor, and the result's bytes are those of `convert_tensor` + `check_finite`."""
+    """One planned tensor converted and written through `write_chunks(name, chunks)` in bounded pieces, checked for
+    NaN/Inf on the way; returns the bytes written. From the checkpoint and the plan entry alone, so a worker can run
+    it. FP8: stripes of block rows (`iter_dequantized_fp8`), computed while the previous ones are written; cast and
+    kept floats: 64 MiB chunks. Memory is a few stripes or chunks; the bytes are `convert_tensor` + `check_finite`'s."""
     from dsconv.passthrough import copy_tensor, first_nonfinite, nonfinite_error
     from dsconv.tensors import DTYPE_SIZES, torch_dtype
 
@@ -446,31 +437,6 @@ def rewrite_into(out, ck, plan: RewritePlan, progress: bool | None = None, pipel
     for f in ck.copy_files():
         if f.name != "config.json":
             out.copy_in(f)
-
-
-def check_finite(name: str, tensor, where: Path, chunk: int = 1 << 24) -> None:
-    """NaN/Inf in a weight is a broken checkpoint (or an FP8 NaN code): refuse it by name rather than pass it on.
-    Chunked, on the bit patterns (passthrough.first_nonfinite), so the check costs an AND and a max per element."""
-    import torch
-
-    from dsconv.passthrough import first_nonfinite, nonfinite_error
-    from dsconv.tensors import safetensors_dtype
-
-    if not tensor.is_floating_point() or tensor.numel() == 0:
-        return
-    flat = tensor.reshape(-1)
-    st = safetensors_dtype(tensor)
-    bits_type = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(tensor.element_size())
-    for lo in range(0, flat.numel(), chunk):
-        part = flat[lo:lo + chunk]
-        if bits_type is not None and st in ("BF16", "F16", "F32", "F64"):
-            bad = first_nonfinite(part.contiguous().view(bits_type).numpy(), st)
-        elif not bool(torch.isfinite(part).all()):
-            bad = int((~torch.isfinite(part)).nonzero()[0, 0])
-        else:
-            bad = None
-        if bad is not None:
-            raise nonfinite_error(where, name, lo + bad, float(flat[lo + bad]))
 
 
 def rewritten_config(config: dict[str, Any], dtype: str) -> dict[str, Any]:

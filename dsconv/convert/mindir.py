@@ -1,9 +1,9 @@
 """`dsconv export --format mindir`: a MindSpore network built from the checkpoint, exported to MindIR, and proven
 equal to the PyTorch model before anything is written.
 
-No ONNX -> MindIR converter exists on PyPI, so dsconv writes the network in MindSpore (dsconv/model/ms: one
-builder driven by the family table, on shared blocks; convert/ms_nets/worker.py runs it), streams the weights into it one tensor at a time, and exports it with
-`mindspore.export`. The exported graph:
+No ONNX -> MindIR converter exists on PyPI, so dsconv writes the network in MindSpore (dsconv/model/ms: one builder
+driven by the family table, on shared blocks; convert/ms_nets/worker.py runs it), streams the weights into it one
+tensor at a time, and exports it with `mindspore.export`. The exported graph:
 
 * inputs  `input_ids` int64 [batch, seq] and `attention_mask` int64 [batch, seq] (1 = token, 0 = padding), both
   dimensions dynamic; position ids are `cumsum(attention_mask) - 1`, as transformers' `generate()` makes them, so a
@@ -23,10 +23,10 @@ three shapes (batch 2 with left padding, a single token, a longer sequence); its
 positions are compared with transformers' model in float32 on the same weights (dequantized for quantized input,
 rounded to the export dtype for fp16/bf16). An error above the bound raises CheckFailed (exit 3) and nothing is
 written: by default the bound follows the reference's own float noise on the same inputs (tolerance.py: measured
-against the reference run in float64; in float16 for --dtype fp16, whose network computes in float16), with
-`--atol` an absolute bound instead. MindSpore runs with a scratch directory
-as its cwd (in a child process for checkpoints above ISOLATE_ABOVE_BYTES), so its debris (`rank_0/`, compile
-caches) never reaches the user's directories. `--with-past` is refused: no KV-cache graph yet.
+against the reference run in float64; in float16 for --dtype fp16, whose network computes in float16), with `--atol`
+an absolute bound instead. MindSpore runs with a scratch directory as its cwd (in a child process for checkpoints
+above ISOLATE_ABOVE_BYTES), so its debris (`rank_0/`, compile caches) never reaches the user's directories.
+`--with-past` is refused: no KV-cache graph yet.
 """
 from __future__ import annotations
 
@@ -342,7 +342,7 @@ def compare_with_reference(ck, scratch: Path, outputs: list[np.ndarray], dtype: 
     result: dict[str, Any] = {
         "reference": reference, "rule": "atol" if noise is None else "noise",
         "tolerance": f"max |MindIR - reference| <= atol {atol:g}" if noise is None else tolerance.rule_text(),
-        "atol": atol, "bound": limit, "max_abs_err": observed, "margin": _finite(tolerance.margin(limit, observed)),
+        "atol": atol, "bound": limit, "max_abs_err": observed, "margin": tolerance.json_margin(tolerance.margin(limit, observed)),
         "passed": all(s["passed"] for s in shapes),
         "compared": "logits at real (non-padding) positions", "shapes": shapes}
     if noise is not None:
@@ -357,11 +357,6 @@ def compare_with_reference(ck, scratch: Path, outputs: list[np.ndarray], dtype: 
     return result
 
 
-def _finite(x: float) -> float | None:
-    """JSON has no infinity: an exact match's margin is reported as null."""
-    return None if x == float("inf") else x
-
-
 def _check_table(check: dict[str, Any]) -> str:
     noise = check["rule"] == "noise"
     lines = [f"{'shape':<24} {'max |err|':>10} {'bound':>10} {'noise':>10} {'mean |err|':>11} {'max |ref|':>10} "
@@ -371,15 +366,6 @@ def _check_table(check: dict[str, Any]) -> str:
                      f"{(format(s['noise'], '.3g') if noise else '-'):>10} {s['mean_abs_err']:>11.3g} "
                      f"{s['ref_max_abs']:>10.3g} {s['top1_agreement']:>6.1%}")
     return "\n".join(lines)
-
-
-def bound_text(check: dict[str, Any]) -> str:
-    """Where the bound comes from, one clause: the rule's figures, or --atol."""
-    if check["rule"] == "atol":
-        return f"--atol {check['atol']:g}"
-    c = check["constants"]
-    return (f"{c['K']:g} x the reference's {check['noise_dtype']} noise {check['noise']:.2g} (measured against "
-            f"float64) + {c['floor']:g} x max |logit| {check['max_abs_ref']:.3g}")
 
 
 # ------------------------------------------------------------------------------------------------ entry point
@@ -425,8 +411,8 @@ def _export(ck, model_dir: Path, output: Path, dtype: str, atol: float | None, f
             if not check["passed"]:
                 worst = max(check["shapes"], key=lambda s: s["max_abs_err"])
                 raise CheckFailed(f"{output}: MindIR logits differ from PyTorch by {worst['max_abs_err']:.3g} "
-                                  f"> bound {worst['tolerance']:.3g} ({bound_text(check)}) on {worst['name']}; "
-                                  f"nothing written",
+                                  f"> bound {worst['tolerance']:.3g} ({tolerance.bound_text(check)}) on "
+                                  f"{worst['name']}; nothing written",
                                   hint="--atol sets an absolute bound instead if the dtype explains it, else report it",
                                   details=_check_table(check))
             for name in ms_side["written"]:
@@ -466,7 +452,7 @@ def render(summary: dict[str, Any]) -> str:
              f"{summary['dtype']} weights, {summary['compute_dtype']} compute) in {summary['seconds']['total']:.1f}s",
              f"inputs input_ids, attention_mask: {INPUT_DTYPE} [batch, seq] (dynamic); output logits float32",
              f"checked with mindspore.load + GraphCell against {c['reference']} (real positions): max |err| "
-             f"{c['max_abs_err']:.2g} <= bound {c['bound']:.2g} ({bound_text(c)}; "
+             f"{c['max_abs_err']:.2g} <= bound {c['bound']:.2g} ({tolerance.bound_text(c)}; "
              f"{'exact' if c['margin'] is None else format(c['margin'], '.3g') + 'x'} margin)"]
     lines += ["  " + line for line in _check_table(c).splitlines()]
     if "max_abs_err_vs_unrounded" in c:

@@ -377,7 +377,7 @@ def _report(spec: IOSpec, ref: Reference, cases_in: list, scale: dict[str, float
                                           "what the graph's bf16-rounded constants move the outputs by")
                       if atol is None else f"max |export - reference| <= atol {atol:g}"),
         "atol": atol, "passed": all(observed[k] <= bounds[k] for k in kinds),
-        "max_abs_err": observed, "bound": bounds, "margin": _finite(min(margins.values())),
+        "max_abs_err": observed, "bound": bounds, "margin": tolerance.json_margin(min(margins.values())),
         "cases": cases, "worst": {k: worst[k] for k in ("name", "output", "max_abs_err", "where", "bound")}}
     if atol is None:
         report["noise"] = dict(ref.noise)
@@ -397,9 +397,6 @@ def _ratio(err: float, bound: float) -> float:
     return err / bound if bound > 0 else float("inf") if err > 0 else 0.0
 
 
-def _finite(x: float) -> float | None:
-    """JSON has no infinity: an exact match's margin is reported as null."""
-    return None if x == float("inf") else x
 
 
 def _first_line(e: Exception) -> str:

@@ -63,6 +63,20 @@ def margin(bound_: float, observed: float) -> float:
     return bound_ / observed
 
 
+def bound_text(check: dict[str, Any]) -> str:
+    """Where a MindIR check's bound comes from, one clause: the rule's figures, or --atol."""
+    if check["rule"] == "atol":
+        return f"--atol {check['atol']:g}"
+    c = check["constants"]
+    return (f"{c['K']:g} x the reference's {check['noise_dtype']} noise {check['noise']:.2g} (measured against "
+            f"float64) + {c['floor']:g} x max |logit| {check['max_abs_ref']:.3g}")
+
+
+def json_margin(m: float) -> float | None:
+    """A margin as JSON writes it: JSON has no infinity, so an exact match's margin is null."""
+    return None if m == float("inf") else m
+
+
 # ------------------------------------------------------------------------------------------------ float64 run
 def _units(model) -> list[tuple[Any, bool]]:
     """(module, recurse) pairs that are widened as one: every element of the first ModuleList on each path down

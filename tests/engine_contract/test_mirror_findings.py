@@ -14,6 +14,8 @@ from safetensors.torch import load_file, save_file
 from tests.engine_contract import mindie_sharded
 from tests.engine_contract.test_quantize_contract import _read
 
+pytestmark = [pytest.mark.cli, pytest.mark.slow]
+
 
 def _copy(src: Path, tmp_path: Path) -> Path:
     d = tmp_path / src.name
