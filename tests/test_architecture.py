@@ -369,3 +369,22 @@ def test_model_type_literal_check_sees_one(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text('def f(c):\n    return c.model_type == "deepseek_v3"\n')
     assert model_type_literals({"dsconv.shard.probe": probe}) == ["probe.py:2: 'deepseek_v3'"]
+
+
+def private_imports(paths: dict[str, Path] | None = None) -> list[str]:
+    """`from dsconv.x import _name` anywhere in dsconv/: a module reaching into another's private parts (make the
+    name public, with a docstring saying what it is for, or move the code)."""
+    found = []
+    for mod, path in (modules() if paths is None else paths).items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dsconv"):
+                found += [f"{path.name}:{node.lineno}: {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_no_private_names_imported_across_modules(tmp_path):
+    assert private_imports() == []
+    probe = tmp_path / "probe.py"
+    probe.write_text("from dsconv.quant.schemes import _MIN_SCALE\n")
+    assert private_imports({"dsconv.probe": probe}) == ["probe.py:1: dsconv.quant.schemes._MIN_SCALE"]

@@ -207,7 +207,7 @@ class Dispatch:
 
 # ---- the task side ---------------------------------------------------------------------------------------------
 @contextmanager
-def _threads(n: int) -> Iterator[None]:
+def job_threads(n: int) -> Iterator[None]:
     old = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
@@ -216,7 +216,7 @@ def _threads(n: int) -> Iterator[None]:
         torch.set_num_threads(old)
 
 
-def _open(ctx: Context, skeleton: bool = False) -> tuple[Checkpoint, Skeleton | None]:
+def open_job_checkpoint(ctx: Context, skeleton: bool = False) -> tuple[Checkpoint, Skeleton | None]:
     """The run's checkpoint (and model skeleton): the driver's own when inline, else opened once per process."""
     hit = _LOCAL.get(ctx.key) or _OPENED.get(ctx.key)
     if hit is None:
@@ -230,7 +230,7 @@ def _open(ctx: Context, skeleton: bool = False) -> tuple[Checkpoint, Skeleton | 
 _OPENED: dict[str, tuple[Checkpoint, Skeleton | None]] = {}
 
 
-def _env(ctx: Context, ck: Checkpoint) -> Any:
+def job_env(ctx: Context, ck: Checkpoint) -> Any:
     """A Calibrator holding only what `_quantize`/`_prepare`/`_finish`/`_stats` read."""
     env = ctx.cls.__new__(ctx.cls)
     env.ck, env.plan, env.opts, env.qw = ck, ctx.plan, ctx.opts, _Collector(ctx.staged)
@@ -262,8 +262,8 @@ def _load_stats(path: str) -> Any:
 
 def run_linear(job: LinearJob) -> JobResult:
     """Task: quantize one linear with its statistics (GPTQ, choice, activation parameters, output errors)."""
-    with _threads(JOB_THREADS):
-        env = _env(job.ctx, _open(job.ctx)[0])
+    with job_threads(JOB_THREADS):
+        env = job_env(job.ctx, open_job_checkpoint(job.ctx)[0])
         w = torch.load(job.weight, weights_only=True)
         st = _load_stats(job.stats) if job.stats else None
         if job.preset is not None:
@@ -277,9 +277,9 @@ def run_expert(job: ExpertJob) -> JobResult:
     of gate/up/down (under-covered ones prepared only: their activation ranges are the layer's, decided by the
     driver), output rows returned."""
     ctx, opts, e, i = job.ctx, job.ctx.opts, job.expert, job.layer
-    with _threads(JOB_THREADS):
-        ck, sk = _open(ctx, skeleton=True)
-        env = _env(ctx, ck)
+    with job_threads(JOB_THREADS):
+        ck, sk = open_job_checkpoint(ctx, skeleton=True)
+        env = job_env(ctx, ck)
         t = time.perf_counter()
         w = {s: sk.load(job.names[s]) for s in SLOTS}
         if job.col_scale is not None:

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 import dsconv.exec as dexec
-from dsconv.quant.calib_jobs import JOB_THREADS, Context, _env, _open, _threads
+from dsconv.quant.calib_jobs import JOB_THREADS, Context, job_env, job_threads, open_job_checkpoint
 from dsconv.quant.gptq import HessianAccumulator
 from dsconv.quant.hooks import ExpertRecorder, FlowProbe, LinearHooks, RowMask
 from dsconv.quant.layers import Skeleton, install_forward
@@ -156,15 +156,15 @@ def run_forward(job: ForwardJob) -> ForwardResult:
     """Task: layer i (materialised from the checkpoint, the driver's changes applied) over a run of batches, with
     the same hooks as the driver's pass; their partial statistics and the output rows returned."""
     ctx, i = job.ctx, job.layer
-    with _threads(JOB_THREADS), torch.no_grad():
-        ck, _ = _open(ctx)
+    with job_threads(JOB_THREADS), torch.no_grad():
+        ck, _ = open_job_checkpoint(ctx)
         sk = _SKELETONS.get(ctx.key)
         if sk is None:  # its own, never the driver's (whose layer i holds the driver's changes) even inline
             _SKELETONS.clear()
             sk = _SKELETONS[ctx.key] = Skeleton(ck)
         layer = sk.materialise(i)
         try:
-            return _run(job, sk, layer, _env(ctx, ck))
+            return _run(job, sk, layer, job_env(ctx, ck))
         finally:
             sk.release(i)
 

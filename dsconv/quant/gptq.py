@@ -14,12 +14,12 @@ import torch
 
 from dsconv.errors import UserError
 from dsconv.quant.grid import search_scales
-from dsconv.quant.schemes import _is_torch, check_group_size, qrange, to_float32, usable_scale
+from dsconv.quant.schemes import is_torch, check_group_size, qrange, to_float32, usable_scale
 
 
 def _as_torch_f32(x: Any) -> torch.Tensor:
     """A float32 CPU tensor that owns its memory (GPTQ updates it in place: never alias the caller's array)."""
-    if _is_torch(x):
+    if is_torch(x):
         return x.detach().to("cpu", torch.float32, copy=True)
     return torch.from_numpy(np.array(to_float32(x), dtype=np.float32, copy=True))
 
@@ -175,7 +175,7 @@ class HessianAccumulator:
         self.tokens = 0
 
     def update(self, x: Any) -> None:
-        t = x.detach().to("cpu", torch.float32) if _is_torch(x) else torch.from_numpy(to_float32(x))
+        t = x.detach().to("cpu", torch.float32) if is_torch(x) else torch.from_numpy(to_float32(x))
         if t.shape[-1] != self.k:
             raise UserError(f"Hessian update: input width {t.shape[-1]} does not match the layer's {self.k}")
         t = t.reshape(-1, self.k)

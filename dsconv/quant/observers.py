@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from dsconv.errors import UserError
-from dsconv.quant.schemes import _is_torch, activation_qparams
+from dsconv.quant.schemes import is_torch, activation_qparams
 
 ACT_METHODS = ("minmax", "percentile", "mse")
 DEFAULT_ACT_METHOD = "minmax"
@@ -41,7 +41,7 @@ _CHUNK = 1 << 20  # elements binned per step (float32 temporaries of 4 MB)
 
 def _channel_stats(x: Any) -> tuple[np.ndarray, np.ndarray, int]:
     """Per-channel (min, max) over all leading dims as float32 numpy, and the token count."""
-    if _is_torch(x):
+    if is_torch(x):
         t = x.detach()
         t = t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)
         if t.shape[0] == 0:
@@ -185,10 +185,10 @@ class HistogramObserver(MinMaxObserver):
         # bin index = floor(x * 2**-e) - i0, in float32: scaling by a power of two is exact, and every result is an
         # integer of magnitude <= bins, so float32 holds it exactly (2.5x faster than float64 + int64 arithmetic)
         inv_width, i0 = np.float32(2.0 ** -self.e), np.float32(self.i0)
-        flat = x.detach().reshape(-1) if _is_torch(x) else np.asarray(x).reshape(-1)
+        flat = x.detach().reshape(-1) if is_torch(x) else np.asarray(x).reshape(-1)
         for s in range(0, flat.shape[0], _CHUNK):
             part = flat[s:s + _CHUNK]
-            part = part.float().numpy() if _is_torch(part) else part.astype(np.float32, copy=False)
+            part = part.float().numpy() if is_torch(part) else part.astype(np.float32, copy=False)
             t = np.multiply(part, inv_width)
             np.floor(t, out=t)
             t -= i0

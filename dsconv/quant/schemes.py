@@ -45,7 +45,7 @@ _BF16_FINER_THAN_FP16 = 2.0 ** -17
 
 
 # ----------------------------------------------------------------------------------------------- input helpers
-def _is_torch(x: Any) -> bool:
+def is_torch(x: Any) -> bool:
     """True for a torch.Tensor, without importing torch (the CLI's planning paths never need it)."""
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor)
@@ -61,7 +61,7 @@ def _shape2d(w: Any, name: str) -> tuple[int, int]:
 def to_float32(x: Any) -> np.ndarray:
     """Whole tensor as float32 numpy (no copy when it already is). For small tensors and tests; big weights go
     through :func:`iter_row_blocks`."""
-    if _is_torch(x):
+    if is_torch(x):
         return x.detach().to("cpu").float().numpy()
     a = np.asarray(x)
     return a if a.dtype == np.float32 else a.astype(np.float32)
@@ -84,7 +84,7 @@ def iter_row_blocks(w: Any, rows: int | None = None) -> Iterator[tuple[int, int,
 def _fill_float32(out: np.ndarray, src: Any) -> np.ndarray:
     """Widen ``src`` (rows of a tensor) into the preallocated float32 ``out``; a float32 numpy source is returned
     as is (a read-only view). Reusing buffers avoids page-faulting fresh memory for every block."""
-    if _is_torch(src):
+    if is_torch(src):
         import torch
 
         if src.dtype == torch.float32 and src.device.type == "cpu":
@@ -137,7 +137,7 @@ def usable_scale(scale: Any) -> Any:
     """The scale as written (numpy or torch float32, same kind as given): values too small to invert (all-zero
     rows/groups) become 1.0, the rest are rounded up onto the grid bf16, fp16 and float32 all hold exactly (see
     _FP16_SUBNORMAL_STEP), so every engine computes with the value the weights were quantized with."""
-    if _is_torch(scale):
+    if is_torch(scale):
         import torch
 
         s = scale.to(torch.float32)
@@ -319,7 +319,7 @@ def activation_qparams(min_val: float, max_val: float) -> tuple[np.float32, np.f
 
 def quantize_activation(x: Any, input_scale: float, input_offset: float) -> Any:
     """``x_q = clamp(round(x / scale + offset), -128, 127)`` as int8 (numpy or torch, same kind as ``x``)."""
-    if _is_torch(x):
+    if is_torch(x):
         import torch
 
         t = torch.round(x.float() / float(input_scale) + float(input_offset))
@@ -331,7 +331,7 @@ def quantize_activation(x: Any, input_scale: float, input_offset: float) -> Any:
 def fake_quant_activation(x: Any, input_scale: float, input_offset: float) -> Any:
     """Quantize then dequantize activations (``(x_q - offset) * scale``) to evaluate W8A8 in float."""
     xq = quantize_activation(x, input_scale, input_offset)
-    if _is_torch(x):
+    if is_torch(x):
         return ((xq.float() - float(input_offset)) * float(input_scale)).to(x.dtype)
     return (xq.astype(np.float32) - np.float32(input_offset)) * np.float32(input_scale)
 

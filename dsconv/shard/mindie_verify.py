@@ -82,7 +82,7 @@ def verify(directory: Path, manifest: dict[str, Any], doc: dict[str, Any]) -> li
 
 
 def _check_folders(directory: Path, src: Any, plan: Any) -> list[str]:
-    from dsconv.shard.write import _same
+    from dsconv.shard.write import same_bytes
     from dsconv.tensorfile import TensorReader, read_tensor_infos
 
     load = CachedLoader(src)
@@ -105,7 +105,7 @@ def _check_folders(directory: Path, src: Any, plan: Any) -> list[str]:
                 # the item's sources, held while it is checked (a stacked item reads each expert for make and again
                 # for its pieces): memory is one dumped tensor and its sources
                 srcs = {n: load(n) for n in dict.fromkeys(p.src for g in it.groups for p in g)}
-                if not _same(stored, make(it, srcs.__getitem__)):
+                if not same_bytes(stored, make(it, srcs.__getitem__)):
                     problems.append(f"{folder}/{it.name}: differs from MindIE's transform of the source")
                     continue
                 pieces = invert(it, stored)
@@ -113,7 +113,7 @@ def _check_folders(directory: Path, src: Any, plan: Any) -> list[str]:
                     lossy.update(p.src for g in it.groups for p in g)
                 for part, vals in pieces:
                     want = select(srcs[part.src], part).contiguous()
-                    if not _same(want, vals.reshape(want.shape).contiguous()):
+                    if not same_bytes(want, vals.reshape(want.shape).contiguous()):
                         problems.append(f"{part.src}: {folder}/{it.name} does not give back its rows of the source")
                     held[part.src].append(part)
         finally:

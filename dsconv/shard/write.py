@@ -188,7 +188,7 @@ class _RankReader:
         self._reader.close()
 
 
-def _same(a, b) -> bool:
+def same_bytes(a, b) -> bool:
     import torch
 
     if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
@@ -276,7 +276,7 @@ def _check_tensor(name: str, e: dict[str, Any], world: int, readers: list[_RankR
         dim, lo, _ = slice_for_rank(e, r)
         key = lo if dim is not None else 0
         if key in pieces:
-            if not _same(pieces[key], t):
+            if not same_bytes(pieces[key], t):
                 return f"{name}: {dirs[r]}'s copy differs from the other ranks holding the same slice"
         else:
             pieces[key] = t
@@ -291,7 +291,7 @@ def _check_tensor(name: str, e: dict[str, Any], world: int, readers: list[_RankR
         return f"{name}: the source has shape {list(whole.shape)}, the plan says {e['shape']}"
     for lo, piece in pieces.items():
         ref = whole.narrow(e["dim"], lo, piece.shape[e["dim"]]) if e["mode"] == "split" else whole
-        if not _same(piece, ref):
+        if not same_bytes(piece, ref):
             return f"{name}: reassembled tensor differs from the source"
     return None
 

@@ -147,7 +147,7 @@ def _checkpoint(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality (NaN payloads included): the loader copies bytes, it never computes."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
@@ -212,9 +212,9 @@ def check(directory: Path, dtype: str | None = None) -> dict:
         got = params[pname].data[index] if index else params[pname].data
         if got.shape != t.shape and got.numel() == t.numel():
             got = got.reshape(t.shape)  # [n] vs [n, 1] scales: the same values
-        if _same(got, t):
+        if same_bytes(got, t):
             res["bit_exact"] += 1
-        elif got.shape == t.shape and _same(got, t.to(got.dtype)):
+        elif got.shape == t.shape and same_bytes(got, t.to(got.dtype)):
             res["after_cast"] += 1
             changed = int((t.to(got.dtype).to(t.dtype) != t).sum())  # values, so -0.0 -> 0 is no change
             if changed:  # the engine keeps another value than the one written
