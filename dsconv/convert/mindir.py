@@ -42,6 +42,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from dsconv import schemas
+from dsconv.convert import tolerance
 from dsconv.convert.ms_nets import worker
 from dsconv.errors import CheckFailed, UserError
 from dsconv.process import working_dir
@@ -266,7 +267,6 @@ def _computing_in(model, dtype: str) -> Iterator[None]:
 def reference_noise(model, cases, dtype: str, reference: list[np.ndarray]) -> list[float]:
     """The reference's own float noise per case (tolerance.py): max |the reference in the export's compute dtype -
     the same weights in float64| at real positions. For fp32/bf16 the compute-dtype run is `reference` itself."""
-    from dsconv.convert import tolerance
 
     if dtype == "fp16":
         with _computing_in(model, dtype):
@@ -303,7 +303,6 @@ def compare_with_reference(ck, scratch: Path, outputs: list[np.ndarray], dtype: 
     reference's own float noise (max over the shapes of |the reference in the export's compute dtype - float64|),
     so the bound follows the model's depth, width and logit scale; with --atol it is that absolute value.
     """
-    from dsconv.convert import tolerance
 
     cases = worker.cases_for(ck.config, int(ck.facts.vocab_size))
     model = load_reference(ck, scratch)
@@ -342,7 +341,8 @@ def compare_with_reference(ck, scratch: Path, outputs: list[np.ndarray], dtype: 
     result: dict[str, Any] = {
         "reference": reference, "rule": "atol" if noise is None else "noise",
         "tolerance": f"max |MindIR - reference| <= atol {atol:g}" if noise is None else tolerance.rule_text(),
-        "atol": atol, "bound": limit, "max_abs_err": observed, "margin": tolerance.json_margin(tolerance.margin(limit, observed)),
+        "atol": atol, "bound": limit, "max_abs_err": observed,
+        "margin": tolerance.json_margin(tolerance.margin(limit, observed)),
         "passed": all(s["passed"] for s in shapes),
         "compared": "logits at real (non-padding) positions", "shapes": shapes}
     if noise is not None:
