@@ -51,19 +51,11 @@ def onnx_correct(work: Path, seeds: int) -> list[dict[str, Any]]:
 
 def onnx_faults(work: Path) -> list[dict[str, Any]]:
     import numpy as np
-    import onnx
-    from onnx import numpy_helper
 
     from dsconv.convert.onnx import export_onnx, recheck
     from dsconv.tiny import make_deep, make_tiny
 
-    def changed(src: Path, dst: Path, name: str, change) -> Path:
-        m = onnx.load(str(src))
-        t = next(t for t in m.graph.initializer if t.name == name)
-        a = numpy_helper.to_array(t)
-        t.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(change(a)).astype(a.dtype), name))
-        onnx.save(m, str(dst))
-        return dst
+    from tests.test_export_tolerance import faulted as changed  # the tests' fault injector, one initializer changed
 
     rows = []
     for label, model, mid, last in (("qwen2", make_tiny("qwen2", work / "f-qwen2"), 1, 1),
