@@ -83,11 +83,14 @@ def test_validate_rank_table_rejects_non_strings_and_gaps():
 
 
 def test_mindie_parallel_settings():
-    cfg = R.mindie_parallel(make_layout(8, 4), True, "deepseek_v3")
+    from dsconv.families.deepseek_v3 import DeepseekV3
+    from dsconv.families.llama import Llama
+
+    cfg = R.mindie_parallel(make_layout(8, 4), True, DeepseekV3())
     assert cfg == {"worldSize": 32, "tp": 4, "dp": 8, "moe_tp": 4, "moe_ep": 8,
                    "models": {"deepseekv2": {"ep_level": 1}}}
     assert cfg["tp"] * cfg["dp"] == cfg["worldSize"] == cfg["moe_tp"] * cfg["moe_ep"]
-    assert R.mindie_parallel(make_layout(None, 8, is_moe=False), False, "llama") == {"worldSize": 8, "tp": 8, "dp": 1}
+    assert R.mindie_parallel(make_layout(None, 8, is_moe=False), False, Llama()) == {"worldSize": 8, "tp": 8, "dp": 1}
 
 
 def test_hosts_through_the_cli(run_cli, tiny_model, tmp_path):

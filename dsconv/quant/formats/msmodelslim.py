@@ -145,9 +145,14 @@ def emit_linear(module: str, qtype: str, res: LinearResult, deq_dtype: str = "F3
         yield f"{module}.bias", res.bias
 
 
+# A fused MoE layer's type, `<moe>.experts.weight`, which vLLM-Ascend looks up for model types its packed-module
+# table does not list (dsconv.engines.description_updates): a description key that names no tensor.
+MOE_TYPE_KEY_SUFFIX = ".experts.weight"
+
+
 def description_types(desc: dict[str, Any]) -> dict[str, str]:
-    """tensor name -> type, global keys removed."""
-    return {k: v for k, v in desc.items() if k not in GLOBAL_KEYS}
+    """tensor name -> type: global keys and MoE layer-type keys removed."""
+    return {k: v for k, v in desc.items() if k not in GLOBAL_KEYS and not k.endswith(MOE_TYPE_KEY_SUFFIX)}
 
 
 # ----------------------------------------------------------------------------------------------- reading
