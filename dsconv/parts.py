@@ -35,6 +35,50 @@ def as_bytes(tensor: Any) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
 
 
+SPLIT_WRITE_MIN = 2 << 20  # chunks from this size on are written as two halves on two threads
+_HELPERS: dict[int, Any] = {}
+
+
+def _helpers():
+    """This process's two helper threads for `put` (per pid: a forked worker starts its own)."""
+    pool = _HELPERS.get(os.getpid())
+    if pool is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = _HELPERS[os.getpid()] = ThreadPoolExecutor(2, thread_name_prefix="dsconv-put")
+    return pool
+
+
+def pwrite_all(fd: int, data: memoryview, pos: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], pos + done)
+
+
+def put(fd: int, data: memoryview, pos: int, update: Any = None) -> None:
+    """`data` (a byte memoryview) written at `pos` while `update` (a running sha256's, or None) reads it. Big chunks
+    are written as two halves, the second on a helper thread, and hashed on the other helper: pwrite's copy into
+    the page cache is as long as the hash, and one thread doing it for every tensor was the longest path of an
+    FP8 -> BF16 export (pwrite and sha256 release the GIL). The hash still sees the bytes in order."""
+    pool = _helpers() if len(data) >= SPLIT_WRITE_MIN or (update is not None and len(data) >= 2**20) else None
+    if pool is None:
+        pwrite_all(fd, data, pos)
+        if update is not None:
+            update(data)
+        return
+    jobs = [pool.submit(update, data)] if update is not None else []
+    half = len(data) // 2 if len(data) >= SPLIT_WRITE_MIN else len(data)
+    if half < len(data):
+        jobs.append(pool.submit(pwrite_all, fd, data[half:], pos + half))
+    try:
+        pwrite_all(fd, data[:half], pos)
+    finally:
+        errors = [j.exception() for j in jobs]
+    for e in errors:
+        if e is not None:
+            raise e
+
+
 class Known:
     """A part's digest computed elsewhere (by the task that wrote it)."""
 
@@ -133,18 +177,7 @@ class PartWriter:
             data = memoryview(chunk).cast("B")
             if pos + len(data) > slot.offset + slot.nbytes:
                 raise ValueError(f"tensor {name}: more than its planned {slot.nbytes} bytes")
-            t = None
-            if self._hash is not None and len(data) >= 2**20:  # hash beside the write (both outside the GIL)
-                t = _Beside(self._hash.update, data)
-            try:
-                done = 0
-                while done < len(data):
-                    done += os.pwrite(self._fd, data[done:], pos + done)
-            finally:
-                if t is not None:
-                    t.join()
-            if self._hash is not None and t is None:
-                self._hash.update(data)
+            put(self._fd, data, pos, self._hash.update if self._hash is not None else None)
             pos += len(data)
         return pos
 

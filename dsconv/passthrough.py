@@ -85,6 +85,8 @@ def _element_chunks(ck: Any, name: str, out_dtype: str, chunk: int, check: Any) 
     try:
         for a in range(0, flat.numel(), step):
             b = min(flat.numel(), a + step)
+            if info.shape and row and hasattr(ck, "map_rows"):  # the slice's pages mapped in one call
+                ck.map_rows(name, a // row, -(-b // row))
             piece = flat[a:b]
             out = piece if piece.dtype == want else piece.to(want)
             bits = out.view(_uint(DTYPE_SIZES[out_dtype])).numpy()

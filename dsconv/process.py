@@ -66,7 +66,28 @@ def _threads(n: int):
 
     key = (os.getpid(), n)
     if key not in _POOLS:
-        _POOLS[key] = ThreadPoolExecutor(n, thread_name_prefix="dsconv-block")
+        torch = sys.modules.get("torch")
+        if torch is None:
+            _POOLS[key] = ThreadPoolExecutor(n, thread_name_prefix="dsconv-block")
+            return _POOLS[key]
+        # The pool is the parallelism (n threads for n cores): torch ops inside a pool thread run on that thread,
+        # not on torch's own threads too. torch.set_num_threads(1) in each thread once it exists (all n are
+        # started here, on a barrier); it also moves torch's process-wide default, which this thread then puts back
+        # (its own setting unchanged: the value it reports is the default it was started with).
+        import threading
+
+        mine = torch.get_num_threads()
+        barrier = threading.Barrier(n)
+
+        def serial() -> None:
+            torch.get_num_threads()  # torch's per-thread setup first, so it does not undo the next line later
+            torch.set_num_threads(1)
+            barrier.wait()
+
+        pool = ThreadPoolExecutor(n, thread_name_prefix="dsconv-block", initializer=serial)
+        list(pool.map(lambda _: None, range(n)))  # every thread started (each ran `serial`)
+        torch.set_num_threads(mine)
+        _POOLS[key] = pool
     return _POOLS[key]
 
 

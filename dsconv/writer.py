@@ -25,12 +25,12 @@ import numpy as np
 
 from dsconv import __version__, schemas
 from dsconv.errors import UserError
-from dsconv.parts import DURABLE, Known, PartLayout, Slot
+from dsconv.parts import DURABLE, Known, PartLayout, Slot, put
 from dsconv.tensors import TensorSpec, is_within, safetensors_dtype
 
 MANIFEST = "dsconv_manifest.json"
 DEFAULT_MAX_SHARD_SIZE = 4 * 1000**3  # the official tools' "4GB"
-PARALLEL_HASH_MIN = 1 << 20  # chunks from this size on are hashed on a helper thread while being written
+
 
 def _as_bytes(tensor: Any) -> memoryview:
     """A zero-copy byte view of a contiguous torch tensor or numpy array."""
@@ -85,7 +85,6 @@ class TensorSetWriter:
         self._cursor: list[int] = []  # next in-order offset per part (for incremental hashing)
         self._sizes: list[int] = []
         self._written: set[str] = set()
-        self._pool: Any = None  # the sha256 helper thread, started by the first big chunk
         for i, part in enumerate(parts):
             entries: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
             offset = 0
@@ -143,19 +142,9 @@ class TensorSetWriter:
             data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
             if pos + len(data) > offset + nbytes:
                 raise ValueError(f"tensor {name}: more than its {nbytes} planned bytes")
-            # sha256 and pwrite both release the GIL: a big chunk is hashed on a helper thread while it is
-            # written, so the pair costs the slower of the two instead of their sum
-            hashing = self._hasher().submit(self._hash[part].update, data) \
-                if in_order and len(data) >= PARALLEL_HASH_MIN else None
-            try:
-                done = 0
-                while done < len(data):
-                    done += os.pwrite(fd, data[done:], pos + done)
-            finally:
-                if hashing is not None:
-                    hashing.result()
-            if in_order and hashing is None:
-                self._hash[part].update(data)
+            # sha256 and pwrite both release the GIL: a big chunk is hashed and half-written on helper threads
+            # while it is written, so the lot costs the slowest of them instead of their sum
+            put(fd, data, pos, self._hash[part].update if in_order else None)
             pos += len(data)
             del data, chunk
         if pos != offset + nbytes:
@@ -184,21 +173,8 @@ class TensorSetWriter:
             self._written.add(name)
         self._hash[part] = Known(sha256) if sha256 else None
 
-    def _hasher(self):
-        if self._pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
-        return self._pool
-
-    def _stop_hasher(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
-
     def close(self) -> dict[str, dict[str, Any]]:
         """Check completeness, close the parts, write the index; return {relative file: {sha256, size}}."""
-        self._stop_hasher()
         missing = [n for n in self.specs if n not in self._written]
         if missing:
             raise RuntimeError(f"{len(missing)} planned tensors never written, e.g. {missing[0]}")
@@ -218,7 +194,6 @@ class TensorSetWriter:
         return out
 
     def abort(self) -> None:
-        self._stop_hasher()
         for fd in self._fds:
             os.close(fd)
         self._fds = []

@@ -145,7 +145,7 @@ def dequantize_fp8(weight, scale_inv, block: tuple[int, int], out_dtype, name: s
 
 
 def iter_dequantized_fp8(weight, scale_inv, block: tuple[int, int], out_dtype, name: str = "weight",
-                         threads: int = 2, out: np.ndarray | None = None, map_rows=None):
+                         threads: int = 2, out: np.ndarray | None = None, map_rows=None, drop_rows=None):
     """`dequantize_fp8` one stripe of whole block rows at a time, in row order: `(row_start, row_stop, array)`,
     the array in `out_dtype`'s numpy form (bfloat16 through ml_dtypes) and written into `out[row_start:row_stop]`
     when `out` is given. Stripes are computed by `threads` threads at most a few ahead of the consumer, so a writer
@@ -154,7 +154,8 @@ def iter_dequantized_fp8(weight, scale_inv, block: tuple[int, int], out_dtype, n
     Per stripe: the e4m3 bits move into float32 position with integer ops (the 2^120 exponent re-bias is folded into
     the scale, which also makes subnormals exact), one float32 multiply by the block scale, one round-to-nearest-even
     store into the target dtype. A NaN code (0x7F/0xFF) is a UserError naming the first stripe holding one.
-    `map_rows(r0, r1)`, when given, maps a stripe's input pages before it is read (a view of an mmap). Without
+    `map_rows(r0, r1)` / `drop_rows(r0, r1)`, when given, map a stripe's input pages before it is read and drop
+    them once it is (a view of an mmap; on the stripe's own thread, not the consumer's). Without
     `out`, a yielded array is valid until the next one is asked for (its buffer is reused)."""
     import torch
 
@@ -188,6 +189,8 @@ def iter_dequantized_fp8(weight, scale_inv, block: tuple[int, int], out_dtype, n
                             hint="the checkpoint is damaged; re-download it")
         y = _int32_scratch(x.shape[0], cols)
         np.copyto(y, x)  # sign-extended, so the sign lands in bit 31 after the shift
+        if drop_rows is not None:
+            drop_rows(r0, r0 + x.shape[0])
         y <<= 20
         y &= _FP8_BITS  # sign, 4 exponent and 3 mantissa bits in float32 position
         f = y.view(np.float32)  # = fp8 value / 2^120, exact (subnormals included)
@@ -316,9 +319,11 @@ def write_converted(write_chunks, ck, t: TensorPlan, threads: int = 2) -> int:
     cols = w.shape[1] if w.dim() == 2 else 1
 
     def stripes():
-        mapped = (lambda r0, r1: ck.map_rows(t.name, r0, r1)) if viewed and w.dim() == 2 else None
-        for r0, r1, arr in iter_dequantized_fp8(w, scale, ck.facts.fp8_block or (128, 128),
-                                                torch_dtype(t.out_dtype), t.name, threads, map_rows=mapped):
+        paged = viewed and w.dim() == 2
+        for r0, r1, arr in iter_dequantized_fp8(
+                w, scale, ck.facts.fp8_block or (128, 128), torch_dtype(t.out_dtype), t.name, threads,
+                map_rows=(lambda r0, r1: ck.map_rows(t.name, r0, r1)) if paged else None,
+                drop_rows=(lambda r0, r1: ck.release_rows(t.name, r0, r1)) if paged else None):
             if arr is None:
                 continue
             if not proven:
@@ -326,8 +331,6 @@ def write_converted(write_chunks, ck, t: TensorPlan, threads: int = 2) -> int:
                 if bad is not None:
                     raise nonfinite_error(ck.root, t.name, r0 * cols + bad, float(arr.reshape(-1)[bad]))
             yield arr
-            if viewed and w.dim() == 2:
-                ck.release_rows(t.name, r0, r1)
 
     try:
         write_chunks(t.name, stripes())
