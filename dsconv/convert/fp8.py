@@ -146,17 +146,14 @@ def dequantize_fp8(weight, scale_inv, block: tuple[int, int], out_dtype, name: s
 
 def iter_dequantized_fp8(weight, scale_inv, block: tuple[int, int], out_dtype, name: str = "weight",
                          threads: int = 2, out: np.ndarray | None = None, map_rows=None, drop_rows=None):
-    """`dequantize_fp8` one stripe of whole block rows at a time, in row order: `(row_start, row_stop, array)`,
-    the array in `out_dtype`'s numpy form (bfloat16 through ml_dtypes) and written into `out[row_start:row_stop]`
-    when `out` is given. Stripes are computed by `threads` threads at most a few ahead of the consumer, so a writer
-    consuming them in order overlaps pwrite + sha256 with the arithmetic and never holds the whole output.
-
-    Per stripe: the e4m3 bits move into float32 position with integer ops (the 2^120 exponent re-bias is folded into
-    the scale, which also makes subnormals exact), one float32 multiply by the block scale, one round-to-nearest-even
-    store into the target dtype. A NaN code (0x7F/0xFF) is a UserError naming the first stripe holding one.
-    `map_rows(r0, r1)` / `drop_rows(r0, r1)`, when given, map a stripe's input pages before it is read and drop
-    them once it is (a view of an mmap; on the stripe's own thread, not the consumer's). Without
-    `out`, a yielded array is valid until the next one is asked for (its buffer is reused)."""
+    """`dequantize_fp8` one stripe of whole block rows at a time, in row order: `(row_start, row_stop, array)`, the
+    array in `out_dtype`'s numpy form (bfloat16 through ml_dtypes) and written into `out[row_start:row_stop]` when
+    `out` is given. Stripes are computed by `threads` threads at most a few ahead of the consumer, so a writer
+    consuming them in order overlaps pwrite + sha256 with the arithmetic and never holds the whole output; the kernel
+    is the module docstring's. A NaN code (0x7F/0xFF) is a UserError naming the first stripe holding one.
+    `map_rows(r0, r1)` / `drop_rows(r0, r1)`, when given, map a stripe's input pages before it is read and drop them
+    once it is (a view of an mmap; on the stripe's own thread, not the consumer's). Without `out`, a yielded array is
+    valid until the next one is asked for (its buffer is reused)."""
     import torch
 
     from dsconv.process import ordered_map
