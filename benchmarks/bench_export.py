@@ -53,8 +53,8 @@ BASELINE = """
 import json
 import torch, transformers, onnx, onnxruntime, numpy
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
-from dsconv.process import peak_rss_bytes
 from dsconv.convert import onnx as stage, onnx_check, onnx_graph, hf_model
+from dsconv.runtime.process import peak_rss_bytes
 print(json.dumps({"peak_rss_bytes": peak_rss_bytes()}))
 """
 

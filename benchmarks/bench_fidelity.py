@@ -239,7 +239,7 @@ def run_model(name: str, model_dir: Path, keys: list[str], a: argparse.Namespace
         cache.write_text(json.dumps({"model": str(model_dir), "ppl": ppl_float}))
     print(f"{name}: float perplexity {ppl_float:.4f} on {len(chunks)} x {SEQ} tokens of pydoc_data.topics; "
           f"load {os.getloadavg()[0]:.1f}", flush=True)
-    from dsconv.quant.methods import DEFAULT_METHOD
+    from dsconv.quant.algorithms.methods import DEFAULT_METHOD
 
     rows: dict[str, dict[str, Any]] = {}
     for key in keys:

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv if argv is not None else [])
     from dsconv.bundled import calib_texts
     from dsconv.quant import stage
-    from dsconv.quant.options import QuantOptions
+    from dsconv.quant.plan.options import QuantOptions
     from dsconv.quant.stage import QuantRequest
     from dsconv.tiny import make_tiny, train_tokenizer
 

@@ -65,8 +65,8 @@ def write_synthetic(out: Path, layers: int, seed: int = 0, cfg: dict[str, Any] |
     import numpy as np
 
     from dsconv.families import family_for
+    from dsconv.io.writer import OutputDir
     from dsconv.tensors import torch_dtype
-    from dsconv.writer import OutputDir
 
     cfg = cfg or llama_config(layers)
     specs = family_for(cfg).synthesize(cfg)
@@ -102,7 +102,7 @@ def _bf16(a):
 QUANT_CHILD = """
 import sys, time
 from pathlib import Path
-from dsconv.quant.options import QuantOptions
+from dsconv.quant.plan.options import QuantOptions
 from dsconv.quant.stage import QuantRequest, run
 t = time.perf_counter()
 s = run(QuantRequest(Path(sys.argv[1]), Path(sys.argv[2]), QuantOptions(scheme="w8a16"), force=True,
@@ -143,7 +143,7 @@ DSCONV_COPY_CHILD = """
 import sys, time
 from pathlib import Path
 from dsconv.checkpoint import Checkpoint
-from dsconv.writer import OutputDir
+from dsconv.io.writer import OutputDir
 src, dst = Path(sys.argv[1]), Path(sys.argv[2])
 t = time.perf_counter()
 ck = Checkpoint.open(src)
@@ -218,7 +218,7 @@ MEMORY_SIZES = {"2GB": (32000, 0), "5.7GB": (129280, 1), "8GB": (129280, 4)}  # 
 RTN_CHILD = """
 import sys, time
 from pathlib import Path
-from dsconv.quant.options import QuantOptions
+from dsconv.quant.plan.options import QuantOptions
 from dsconv.quant.stage import QuantRequest, run
 t = time.perf_counter()
 s = run(QuantRequest(Path(sys.argv[1]), Path(sys.argv[2]), QuantOptions(scheme="w8a16", method="rtn"), force=True,
@@ -271,13 +271,13 @@ CALIB_CHILD = """
 import sys, time, torch
 from pathlib import Path
 from dsconv.checkpoint import Checkpoint
-from dsconv.quant.calib import load_calib, load_tokenizer
-from dsconv.quant.layers import load_full_model
-from dsconv.quant.calibration import Calibrator
-from dsconv.quant.options import QuantOptions
-from dsconv.quant.output import QuantWriter
-from dsconv.quant.plan import make_plan
-from dsconv.writer import OutputDir
+from dsconv.io.writer import OutputDir
+from dsconv.quant.calibrate.calibration import Calibrator
+from dsconv.quant.calibrate.data import load_calib, load_tokenizer
+from dsconv.quant.calibrate.layers import load_full_model
+from dsconv.quant.formats.output import QuantWriter
+from dsconv.quant.plan.options import QuantOptions
+from dsconv.quant.plan.plan import make_plan
 model_dir, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
 ck = Checkpoint.open(model_dir)
 cs = load_calib(None, load_tokenizer(model_dir))
@@ -431,8 +431,8 @@ def train_small_llama(out: Path, steps: int, seed: int = 0) -> dict[str, Any]:
 
 
 def bench_targets(work: Path, steps: int) -> dict[str, Any]:
-    from dsconv.quant.evaluate import evaluate
-    from dsconv.quant.options import QuantOptions
+    from dsconv.quant.evaluate.fidelity import evaluate
+    from dsconv.quant.plan.options import QuantOptions
     from dsconv.quant.stage import QuantRequest, run
 
     model = work / "trained-llama"

@@ -146,8 +146,8 @@ class SpecSource:
     """A headers-only source from (name, dtype, shape) triples (what a W8A8 output of the full model would list)."""
 
     def __init__(self, config: dict, specs: list, quant: dict | None) -> None:
-        from dsconv.tensorfile import TensorInfo
         from dsconv.families import family_for
+        from dsconv.io.tensorfile import TensorInfo
 
         self.config, self.family = config, family_for(config)
         self.facts = self.family.facts(config)
@@ -236,7 +236,7 @@ def write_synthetic(root: Path, config: dict[str, Any] = SYNTH, normal: bool = F
     import torch
 
     from dsconv.families import family_for
-    from dsconv.writer import OutputDir
+    from dsconv.io.writer import OutputDir
 
     specs = family_for(config).synthesize(config)
     rng = np.random.default_rng(0)

@@ -152,8 +152,8 @@ class Targets:
 
     def __init__(self, root: Path) -> None:
         from dsconv.demo import write_demo_model
-        from dsconv.quant.calib import load_tokenizer
-        from dsconv.writer import OutputDir
+        from dsconv.io.writer import OutputDir
+        from dsconv.quant.calibrate.data import load_tokenizer
 
         self.root = root
         self.model = write_demo_model(root / "model")
@@ -270,7 +270,7 @@ class Targets:
         return p
 
     def read_manifest(self, b: bytes) -> None:
-        from dsconv.writer import verify_files
+        from dsconv.io.writer import verify_files
 
         d = self.work / "out"
         if d.exists():
@@ -292,7 +292,7 @@ class Targets:
         ws.stage_dir("quantize")
 
     def read_calib(self, b: bytes, suffix: str) -> None:
-        from dsconv.quant.calib import read_texts, tokenize
+        from dsconv.quant.calibrate.data import read_texts, tokenize
 
         texts = read_texts(self._file("calib" + suffix, b), self.tokenizer)
         tokenize(texts, self.tokenizer, 64, "fuzz")

@@ -2,12 +2,12 @@
 projected on 1, 8 and 32 nodes from costs and a parallel split MEASURED on this host (bench_scale part 2).
 
 Measured here, on a medium DeepSeek-shaped model (random weights, the bundled calibration set), with `--workers 1`
-and `--workers 2` (the calibrated path's jobs: dsconv/quant/calib_jobs.py):
+and `--workers 2` (the calibrated path's jobs: dsconv/quant/calibrate/calib_jobs.py):
   * c_fwd  - seconds per FLOP of the calibration forward outside the routed experts (attention, dense and
              shared MLP, router), one single-threaded worker: its CPU seconds with `--workers 1` and one thread
              (`forward_cpu`),
              which the host's load does not inflate;
-  * fwd_speedup - the forward split over the calibration batches (dsconv/quant/forward_jobs.py; over local
+  * fwd_speedup - the forward split over the calibration batches (dsconv/quant/calibrate/forward_jobs.py; over local
              processes with DSCONV_FORWARD_SPLIT=1, as Ray workers on other nodes run it by default) on one node:
              `forward_cpu` with 1 worker over `forward_cpu_critical` with 2 (each pass's driver CPU plus its
              longest job's: the pass's wall on free cores, per-job overheads - layer materialised per job, input

@@ -139,7 +139,7 @@ def build(name: str, dest: Path, dtype: str = "bfloat16") -> Path:
 def tensor_digests(model_dir: Path) -> dict[str, str]:
     """sha256 of every tensor's bytes (with its dtype and shape) in a checkpoint: two builds are the same fixture
     when these are equal, whatever the safetensors header order or metadata."""
-    from dsconv.tensorfile import TensorReader, read_tensor_infos
+    from dsconv.io.tensorfile import TensorReader, read_tensor_infos
 
     out: dict[str, str] = {}
     reader = TensorReader()

@@ -25,8 +25,8 @@ from dsconv.errors import UserError
 from dsconv.families import Family, family_for, supported_model_types
 from dsconv.families.base import ModelFacts
 from dsconv.families.roles import TensorRole
-from dsconv.process import gc_paused
-from dsconv.tensorfile import TensorInfo, TensorReader, dequant_fp8_block, read_header
+from dsconv.io.tensorfile import TensorInfo, TensorReader, dequant_fp8_block, read_header
+from dsconv.runtime.process import gc_paused
 from dsconv.tensors import DTYPE_SIZES, FP8_DTYPES, is_within, safetensors_dtype
 
 COPY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

@@ -16,7 +16,7 @@ from typing import Callable
 import click
 
 from dsconv.bundled import calib_texts
-from dsconv.process import working_dir
+from dsconv.runtime.process import working_dir
 
 # The pipeline as a user types it in a workspace. A step whose command is not registered is reported and skipped.
 STEPS: list[tuple[str, list[str]]] = [

@@ -22,7 +22,8 @@ class DsconvError(Exception):
         return self.one_line()
 
     def __reduce__(self):
-        """Pickled whole (hint and details too): a task's error crosses process and host boundaries (dsconv.exec)."""
+        """Pickled whole (hint and details too): a task's error crosses process and host boundaries
+        (dsconv.executor)."""
         return (type(self), (self.message, self.hint, self.details))
 
     def one_line(self) -> str:

@@ -3,7 +3,7 @@ pattern, dequantization.
 
 Why here, below the stages: the quantizer WRITES this format, but readers (MindIR export of a quantized directory,
 eval, verify) must READ it without importing the quantizer; so the format math sits beside the reader (layer 1) and
-quant/schemes.py builds on it.
+quant/algorithms/schemes.py builds on it.
 """
 from __future__ import annotations
 

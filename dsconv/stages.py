@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from dsconv.writer import read_manifest, verify_files
+from dsconv.io.writer import read_manifest, verify_files
 
 Check = Callable[[Path, dict], "list[str]"]
 

@@ -14,7 +14,7 @@ import tomli_w
 
 from dsconv import schemas
 from dsconv.errors import UserError
-from dsconv.writer import MANIFEST
+from dsconv.io.writer import MANIFEST
 
 FILENAME = "dsconv.toml"
 STAGE_DIRS = {"export": "onnx", "export_int8": "onnx_int8", "safetensors": "safetensors", "mindir": "mindir", "quantize": "quant",

@@ -28,17 +28,18 @@ MAX_LINES = 500
 # layer-4 stages never import another stage (the acyclicity check keeps same-layer imports one-way). A module matching
 # no key fails the test: say where a new module belongs.
 LAYERS: dict[str, int] = {
-    # 0 vocabulary and data
+    # 0 vocabulary and data, and the running process (runtime: working directory, gc, peak RSS, a thread pool)
     "dsconv": 0, "dsconv.errors": 0, "dsconv.tensors": 0, "dsconv.soc": 0, "dsconv.bundled": 0,
-    "dsconv.calib_data": 0, "dsconv.atc_profiles": 0, "dsconv.process": 0,
-    # 1 files and formats, no model knowledge: safetensors bytes (tensorfile), the one writer, validated readers of
-    # inputs, the quantized-tensor format math, the ONNX external-data writer, the workspace file
-    "dsconv.tensorfile": 1, "dsconv.writer": 1, "dsconv.parts": 1, "dsconv.onnx_data": 1, "dsconv.schemas": 1, "dsconv.qformat": 1, "dsconv.workspace": 1,
+    "dsconv.calib_data": 0, "dsconv.atc_profiles": 0, "dsconv.runtime": 0,
+    # 1 files and formats, no model knowledge: io (safetensors bytes, the one writer, planned parts, a checkpoint
+    # tensor copied into a writer in bounded chunks, the ONNX external-data writer), validated readers of inputs, the
+    # quantized-tensor format math, the workspace file
+    "dsconv.io": 1, "dsconv.schemas": 1, "dsconv.qformat": 1, "dsconv.workspace": 1,
     # 2 the model: the family tables, the checkpoint (which classifies every tensor through its family), the torch
-    # model builder, tiny models, a checkpoint tensor copied into a writer in bounded chunks (passthrough)
-    "dsconv.families": 2, "dsconv.checkpoint": 2, "dsconv.model": 2, "dsconv.tiny": 2, "dsconv.passthrough": 2,
+    # model builder, tiny models
+    "dsconv.families": 2, "dsconv.checkpoint": 2, "dsconv.model": 2, "dsconv.tiny": 2,
     # 3 engine profiles, executor
-    "dsconv.engines": 3, "dsconv.exec": 3,
+    "dsconv.engines": 3, "dsconv.executor": 3,
     # 4 stages
     "dsconv.convert": 4, "dsconv.quant": 4, "dsconv.shard": 4, "dsconv.atc": 4,
     # 5 the top: CLI, commands, demo, the stage table verify reads, inspect (a command's report)
@@ -237,8 +238,8 @@ def test_graph_sees_function_level_imports():
     tree = ast.parse("def f():\n    from dsconv.cli import warn\n")
     node = next(n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom))
     assert _targets(node, "dsconv.shard.write", False, {"dsconv.cli"}) == ["dsconv.cli"]
-    assert layer_violations({"dsconv.writer": {"dsconv.quant.plan"}, "dsconv.quant.plan": set()}) == [
-        ("layer", "dsconv.writer (1) imports dsconv.quant.plan (4)")]
+    assert layer_violations({"dsconv.io.writer": {"dsconv.quant.plan.plan"}, "dsconv.quant.plan.plan": set()}) == [
+        ("layer", "dsconv.io.writer (1) imports dsconv.quant.plan.plan (4)")]
     assert layer_violations({"dsconv.shard.plan": {"dsconv.atc.profiles"}, "dsconv.atc.profiles": set()}) == [
         ("layer", "dsconv.shard.plan (4) imports dsconv.atc.profiles (4)")]  # a stage importing another stage
     assert layer_violations({"dsconv.newthing": set()}) == [("unplaced", "dsconv.newthing")]
@@ -386,5 +387,5 @@ def private_imports(paths: dict[str, Path] | None = None) -> list[str]:
 def test_no_private_names_imported_across_modules(tmp_path):
     assert private_imports() == []
     probe = tmp_path / "probe.py"
-    probe.write_text("from dsconv.quant.schemes import _MIN_SCALE\n")
-    assert private_imports({"dsconv.probe": probe}) == ["probe.py:1: dsconv.quant.schemes._MIN_SCALE"]
+    probe.write_text("from dsconv.quant.algorithms.schemes import _MIN_SCALE\n")
+    assert private_imports({"dsconv.probe": probe}) == ["probe.py:1: dsconv.quant.algorithms.schemes._MIN_SCALE"]

@@ -51,7 +51,7 @@ def raw_header(d: Path, header: bytes) -> Path:
 
 
 def a_manifest_dir(tmp_path: Path, manifest: bytes | None = None) -> Path:
-    from dsconv.writer import OutputDir
+    from dsconv.io.writer import OutputDir
 
     out = tmp_path / "out"
     with OutputDir(out, stage="export") as o:
@@ -445,8 +445,8 @@ def _export(run_cli, model: Path, out: Path, *extra):
 
 
 def _fail_after_first_tensor(monkeypatch, exc: BaseException) -> None:
-    """The second tensor written fails, whichever writes it: the driver's set or a job's part (dsconv.parts)."""
-    from dsconv import parts, writer
+    """The second tensor written fails, whichever writes it: the driver's set or a job's part (dsconv.io.parts)."""
+    from dsconv.io import parts, writer
 
     calls = []
 
@@ -478,7 +478,7 @@ def test_force_keeps_the_old_output_until_the_new_one_is_complete(tiny_model, tm
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["rename-exchange", "rename-aside"])
 def test_force_replaces_and_leaves_nothing_behind(tiny_model, tmp_path, run_cli, monkeypatch, exchange):
-    from dsconv import writer
+    from dsconv.io import writer
 
     used = []
     real = writer.exchange

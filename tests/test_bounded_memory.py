@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from dsconv import tensorfile
 from dsconv.checkpoint import Checkpoint
-from dsconv.passthrough import copy_tensor
-from dsconv.quant import schemes
+from dsconv.io import tensorfile
+from dsconv.io.passthrough import copy_tensor
+from dsconv.io.writer import TensorSetWriter, sha256_file
+from dsconv.quant.algorithms import schemes
 from dsconv.tensors import TensorSpec, torch_dtype
-from dsconv.writer import TensorSetWriter, sha256_file
 
 pytestmark = [pytest.mark.cli, pytest.mark.slow]
 
@@ -134,7 +134,7 @@ def test_row_blocks_equal_whole_tensor_quantization(small_blocks, group_size, bi
 
 
 def _quantize(model: Path, out: Path, scheme: str, group_size: int | None = None) -> dict:
-    from dsconv.quant.options import QuantOptions
+    from dsconv.quant.plan.options import QuantOptions
     from dsconv.quant.stage import QuantRequest, run
 
     opts = QuantOptions(scheme=scheme, method="rtn", group_size=group_size if scheme == "w4a16" else None)
@@ -169,7 +169,7 @@ def test_weight_only_matches_whole_tensor_reference(tiny_model, tmp_path):
     from safetensors import safe_open
 
     from dsconv.quant.formats.msmodelslim import LinearResult, emit_linear
-    from dsconv.quant.plan import make_plan
+    from dsconv.quant.plan.plan import make_plan
     from dsconv.quant.weights import quantize_weight
 
     model = tiny_model("llama", dtype="bf16")
@@ -269,7 +269,7 @@ def test_streamed_fp8_export_refuses_a_nan_scale_by_element(fp8_model, tmp_path)
 
 @pytest.mark.parametrize("dtype,bits", [("BF16", np.uint16), ("F16", np.uint16), ("F32", np.uint32)])
 def test_first_nonfinite_on_bit_patterns(dtype, bits):
-    from dsconv.passthrough import first_nonfinite
+    from dsconv.io.passthrough import first_nonfinite
 
     t = torch.randn(1000).to(torch_dtype(dtype))
     raw = t.view({np.uint16: torch.int16, np.uint32: torch.int32}[bits]).numpy()

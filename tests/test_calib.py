@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from dsconv.errors import UserError
-from dsconv.quant.calib import CalibSet, load_calib, min_tokens_warning, read_texts, text_of, tokenize
+from dsconv.quant.calibrate.data import CalibSet, load_calib, min_tokens_warning, read_texts, text_of, tokenize
 
 pytestmark = pytest.mark.unit
 

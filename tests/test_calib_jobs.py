@@ -1,6 +1,6 @@
-"""The calibrated path's jobs (dsconv.quant.calib_jobs, forward_jobs): `quantize --bits 8` and `--method gptq` write
-the same bytes inline (--workers 1), on two local processes and on a local Ray, for a dense model and a MoE model -
-per-linear jobs and per-routed-expert jobs (forward, statistics, quantization), under-covered experts finished by the
+"""The calibrated path's jobs (dsconv.quant.calibrate.calib_jobs, forward_jobs): `quantize --bits 8` and `--method gptq`
+write the same bytes inline (--workers 1), on two local processes and on a local Ray, for a dense model and a MoE model
+- per-linear jobs and per-routed-expert jobs (forward, statistics, quantization), under-covered experts finished by the
 driver, and (the `fwd-` cases: several calibration batches) the layer forward split over the batches."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import dsconv.exec as dexec
-from dsconv.quant.forward_jobs import SPLIT_ENV
+import dsconv.executor as dexec
+from dsconv.quant.calibrate.forward_jobs import SPLIT_ENV
 from tests.test_exec import tree
 
 pytestmark = [pytest.mark.cli, pytest.mark.slow]
@@ -124,7 +124,7 @@ def test_local_processes_keep_the_threaded_forward_by_default(inline, run_cli, m
     assert summary["timings"]["jobs_wall"] > 0
     assert files == inline[case[0]][0]
     monkeypatch.setenv(SPLIT_ENV, "0")  # and 0 keeps even Ray's forward in the driver
-    from dsconv.quant.forward_jobs import serial_reason
+    from dsconv.quant.calibrate.forward_jobs import serial_reason
 
     assert serial_reason(None, None) == f"{SPLIT_ENV}=0"
 
@@ -139,9 +139,9 @@ def test_a_merge_that_would_misplace_samples_fails_loudly():
     """Job partials start at the token count of the batches before them; a mismatch is a bug, never merged."""
     import torch
 
-    from dsconv.quant.forward_jobs import _merge_site, _merge_stats
-    from dsconv.quant.smoothing import SiteSample
-    from dsconv.quant.stats import InputStats
+    from dsconv.quant.algorithms.smoothing import SiteSample
+    from dsconv.quant.calibrate.forward_jobs import _merge_site, _merge_stats
+    from dsconv.quant.calibrate.stats import InputStats
 
     a = InputStats(4, "x", "minmax", hessian=False, sample_tokens=8, stride=3)
     a.update(torch.randn(10, 4))
@@ -164,9 +164,9 @@ def test_merged_statistics_equal_one_stream():
     import numpy as np
     import torch
 
-    from dsconv.quant.forward_jobs import _merge_site, _merge_stats
-    from dsconv.quant.smoothing import SiteSample
-    from dsconv.quant.stats import InputStats
+    from dsconv.quant.algorithms.smoothing import SiteSample
+    from dsconv.quant.calibrate.forward_jobs import _merge_site, _merge_stats
+    from dsconv.quant.calibrate.stats import InputStats
 
     torch.manual_seed(0)
     parts = [torch.randn(n, 6) for n in (37, 5, 64, 23)]
@@ -221,8 +221,8 @@ def test_job_statistics_are_never_plainly_unpickled(tmp_path):
 
     import torch
 
-    from dsconv.quant.calib_jobs import _load_stats
-    from dsconv.quant.stats import InputStats
+    from dsconv.quant.calibrate.calib_jobs import _load_stats
+    from dsconv.quant.calibrate.stats import InputStats
 
     class Evil:
         def __reduce__(self):
@@ -246,7 +246,7 @@ def test_gptq_over_its_hessian_budget_stays_serial_and_says_so(inline, run_cli, 
                                                               monkeypatch):
     """Per-batch Hessian parts bound a job's memory: over the budget the forward stays in the driver, reported,
     and the bytes are still those of --workers 1 (same threads either way)."""
-    import dsconv.quant.forward_jobs as fj
+    import dsconv.quant.calibrate.forward_jobs as fj
 
     monkeypatch.setattr(fj, "HESSIAN_PARTS_MAX", 1024)
     case = next(c for c in CASES if c[0] == "fwd-gptq-llama")

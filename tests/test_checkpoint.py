@@ -11,8 +11,8 @@ import torch
 
 from conftest import copy_model, write_raw_safetensors
 from dsconv.checkpoint import Checkpoint
-from dsconv.tensorfile import dequant_fp8_block, read_tensor_infos
 from dsconv.errors import UserError
+from dsconv.io.tensorfile import dequant_fp8_block, read_tensor_infos
 from dsconv.tiny import FAMILIES, MOE_FAMILIES, build_model, write_fp8_checkpoint
 
 pytestmark = pytest.mark.cli

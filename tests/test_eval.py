@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from dsconv.checkpoint import Checkpoint
-from dsconv.quant.evaluate import EngineLinear, compare, load_original_model, load_quantized_model
-from dsconv.quant.formats.msmodelslim import read_linear
-from dsconv.quant.options import QuantOptions
-from dsconv.quant.schemes import fake_quant_activation
 from dsconv.quant import stage
+from dsconv.quant.algorithms.schemes import fake_quant_activation
+from dsconv.quant.evaluate.fidelity import EngineLinear, compare, load_original_model, load_quantized_model
+from dsconv.quant.formats.msmodelslim import read_linear
+from dsconv.quant.plan.options import QuantOptions
 from dsconv.quant.stage import QuantRequest
 
 pytestmark = [pytest.mark.cli, pytest.mark.slow]

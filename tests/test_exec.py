@@ -1,4 +1,4 @@
-"""The executor (dsconv.exec): outputs are byte-identical whoever runs the jobs - inline (--workers 1), two local
+"""The executor (dsconv.executor): outputs are byte-identical whoever runs the jobs - inline (--workers 1), two local
 processes, or a local Ray instance - for weight-only quantize, the FP8 -> BF16 cast and shard writing (ranks and
 MindIE folders); the executor's contract (order, errors, a missing Ray) on its own."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import dsconv.exec as dexec
+import dsconv.executor as dexec
 from dsconv.errors import UserError
 
 pytestmark = [pytest.mark.cli, pytest.mark.slow]

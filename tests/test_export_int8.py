@@ -16,12 +16,12 @@ import torch
 from onnx import helper, numpy_helper
 
 from dsconv.checkpoint import Checkpoint
-from dsconv.quant import fakequant as quant_model
 from dsconv.convert.quant_graph import deq_scale_uint64
-from dsconv.onnx_data import external_location
-from dsconv.quant.formats.msmodelslim import quantized_modules, read_linear
-from dsconv.quant.options import QuantOptions
+from dsconv.io.onnx_data import external_location
 from dsconv.quant import stage
+from dsconv.quant.evaluate import fakequant as quant_model
+from dsconv.quant.formats.msmodelslim import quantized_modules, read_linear
+from dsconv.quant.plan.options import QuantOptions
 from dsconv.quant.stage import QuantRequest
 
 DENSE = ("llama", "qwen2", "qwen3", "gemma3")
@@ -71,7 +71,7 @@ def _session(path: Path) -> ort.InferenceSession:
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_fakequant_matches_simulation(quantized, exported, fam):
     """Independently of the export's own check: onnxruntime on the file vs `dsconv eval`'s quantized model."""
-    from dsconv.quant.evaluate import load_quantized_model
+    from dsconv.quant.evaluate.fidelity import load_quantized_model
 
     info = json.loads((exported[fam] / "export_info.json").read_text())
     assert info["check"]["passed"] and info["check"]["worst"]["max_abs_err"] <= info["atol"]

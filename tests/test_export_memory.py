@@ -91,9 +91,9 @@ def test_cast_jobs_stream_fp8_weights_in_stripes(tiny_model, tmp_path, monkeypat
     from types import SimpleNamespace
 
     from dsconv.convert import cast_parts, fp8
-    from dsconv.exec import Executor
+    from dsconv.executor import Executor
+    from dsconv.io.writer import OutputDir
     from dsconv.tiny import write_fp8_checkpoint
-    from dsconv.writer import OutputDir
 
     src = write_fp8_checkpoint(tiny_model("deepseek_v3", intermediate_size=512), tmp_path / "fp8", block=(16, 16))
     loaded: list[str] = []
@@ -137,7 +137,7 @@ def test_cast_jobs_stream_fp8_weights_in_stripes(tiny_model, tmp_path, monkeypat
 
 def test_cast_job_output_equals_the_whole_tensor_path(tiny_model, tmp_path):
     from dsconv.convert.fp8 import export_safetensors
-    from dsconv.exec import ExecOptions
+    from dsconv.executor import ExecOptions
     from dsconv.tiny import write_fp8_checkpoint
 
     src = write_fp8_checkpoint(tiny_model("deepseek_v3", intermediate_size=512), tmp_path / "fp8", block=(16, 16),

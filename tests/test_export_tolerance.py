@@ -195,7 +195,7 @@ def test_fault_exits_3_and_writes_nothing(tiny_model, tmp_path, run_cli, monkeyp
     """The written weights (not the reference) get a 1% scale on one layer's weight, as a broken writer would:
     `dsconv export` refuses with the figures and writes nothing."""
     from dsconv.convert import onnx_graph
-    from dsconv.onnx_data import external_location
+    from dsconv.io.onnx_data import external_location
 
     real = onnx_graph.write_onnx
     name = "model.layers.1.mlp.down_proj.weight.T"

@@ -48,7 +48,7 @@ def test_layer_runner_reproduces_transformers(gemma):
     embedding scale, the sliding mask of layer 0 and each layer type's rotary table all matter here."""
     from transformers import AutoModelForCausalLM
 
-    from dsconv.quant.layers import Skeleton
+    from dsconv.quant.calibrate.layers import Skeleton
 
     ck = Checkpoint.open(gemma)
     ref = AutoModelForCausalLM.from_pretrained(gemma, dtype=torch.float32, attn_implementation="sdpa").eval()
@@ -110,7 +110,8 @@ def test_quantize_and_eval_round_trip(gemma, tmp_path, run_cli, scheme, ppl_pct,
     r = run_cli(["eval", "-m", gemma, "-q", tmp_path / "q", "--samples", "6", "--seq-len", "48", "--json"])
     assert r.code == 0, r.err
     res = json.loads(r.out)
-    # static W8A8's mixed recipe under MindIE (the default engine): the 2 down_proj stay float (dsconv/quant/recipe.py)
+    # static W8A8's mixed recipe under MindIE (the default engine): the 2 down_proj stay float
+    # (dsconv/quant/plan/recipe.py)
     assert res["linears"] == ({"W8A8": 12} if scheme == "w8a8" else {scheme.upper(): 14})
     assert abs(res["ppl_change_pct"]) < ppl_pct and res["top1_agreement"] > top1, res
     assert 0 < res["logits_mean_abs_error"]

@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dsconv.quant.gptq import HessianAccumulator, gptq_quantize
-from dsconv.quant.options import QuantOptions
-from dsconv.quant.schemes import dequant_weight, quantize_weight_per_group
+from dsconv.quant.algorithms.gptq import HessianAccumulator, gptq_quantize
+from dsconv.quant.algorithms.schemes import dequant_weight, quantize_weight_per_group
+from dsconv.quant.plan.options import QuantOptions
 
 pytestmark = pytest.mark.unit
 
@@ -57,7 +57,7 @@ def test_default_damping_is_the_measured_one():
 
 
 def test_damping_is_reported_and_printed():
-    from dsconv.quant.report import decisions_lines, decisions_summary
+    from dsconv.quant.plan.report import decisions_lines, decisions_summary
 
     d = decisions_summary({"gptq": {"damp": 0.1, "act_order": True, "static_groups": True},
                            "gptq_or_rtn": {"a": "gptq", "b": "rtn", "c": "gptq"}})

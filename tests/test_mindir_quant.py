@@ -19,8 +19,9 @@ pytest.importorskip("mindspore")
 from dsconv.checkpoint import Checkpoint  # noqa: E402
 from dsconv.convert.mindir import export_mindir  # noqa: E402
 from dsconv.errors import UserError  # noqa: E402
-from dsconv.quant.schemes import (pack_int4, pack_int4_along_k, quantize_weight_per_channel,  # noqa: E402
-                                  quantize_weight_per_group, w8a8_static_params)
+from dsconv.quant.algorithms.schemes import (pack_int4, pack_int4_along_k,  # noqa: E402
+                                             quantize_weight_per_channel, quantize_weight_per_group,
+                                             w8a8_static_params)
 
 pytestmark = [pytest.mark.cli, pytest.mark.slow]
 

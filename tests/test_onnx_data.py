@@ -6,7 +6,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from dsconv.onnx_data import ExternalDataWriter, external_location
+from dsconv.io.onnx_data import ExternalDataWriter, external_location
 
 pytestmark = pytest.mark.unit
 

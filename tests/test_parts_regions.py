@@ -9,8 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from dsconv import parts
-from dsconv.parts import PartLayout, PartWriter, Region, Slot, coalesce
+from dsconv.io import parts
+from dsconv.io.parts import PartLayout, PartWriter, Region, Slot, coalesce
 
 pytestmark = pytest.mark.unit
 

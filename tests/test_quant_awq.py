@@ -1,5 +1,5 @@
-"""`--method awq` (dsconv/quant/awq.py), pinned on synthetic data and tiny models: the scale search beats rounding
-where a few input channels carry large activations, the clip search never loses to max|w| on the tokens it is
+"""`--method awq` (dsconv/quant/calibrate/awq.py), pinned on synthetic data and tiny models: the scale search beats
+rounding where a few input channels carry large activations, the clip search never loses to max|w| on the tokens it is
 judged on, the folds keep the float function (Gemma's 1 + w norms included), and the per-linear choice on held-out
 prompts never writes a linear worse than round-to-nearest there. Accuracy itself: benchmarks/bench_fidelity.py."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from dsconv.quant import awq
-from dsconv.quant import smoothing as sm
-from dsconv.quant.schemes import dequant_weight, quantize_weight_per_group
+from dsconv.quant.algorithms import smoothing as sm
+from dsconv.quant.algorithms.schemes import dequant_weight, quantize_weight_per_group
+from dsconv.quant.calibrate import awq
 
 pytestmark = [pytest.mark.cli, pytest.mark.slow]
 
@@ -127,10 +127,10 @@ def tiny(tmp_path_factory):
 
 def _calibrator(model_dir, scheme="w4a16"):
     from dsconv.checkpoint import Checkpoint
-    from dsconv.quant.calib import load_calib, load_tokenizer
-    from dsconv.quant.calibration import Calibrator
-    from dsconv.quant.options import QuantOptions
-    from dsconv.quant.plan import make_plan
+    from dsconv.quant.calibrate.calibration import Calibrator
+    from dsconv.quant.calibrate.data import load_calib, load_tokenizer
+    from dsconv.quant.plan.options import QuantOptions
+    from dsconv.quant.plan.plan import make_plan
 
     ck = Checkpoint.open(model_dir)
     opts = QuantOptions(scheme=scheme, group_size=32, method="awq", calib_samples=16, seq_len=48)
@@ -172,8 +172,8 @@ def test_awq_output_never_worse_than_rtn_on_held_out_and_loads(tiny, fam, tmp_pa
     from safetensors.torch import load_file
 
     from dsconv.quant import stage
-    from dsconv.quant.options import QuantOptions
-    from dsconv.quant.report import decisions_lines
+    from dsconv.quant.plan.options import QuantOptions
+    from dsconv.quant.plan.report import decisions_lines
     from dsconv.quant.stage import QuantRequest
 
     base = dict(scheme="w4a16", group_size=32, calib_samples=16, seq_len=48)
@@ -211,7 +211,7 @@ def test_awq_output_never_worse_than_rtn_on_held_out_and_loads(tiny, fam, tmp_pa
 
 def test_awq_leaves_activation_quantized_schemes_to_smoothing(tiny, tmp_path):
     from dsconv.quant import stage
-    from dsconv.quant.options import QuantOptions
+    from dsconv.quant.plan.options import QuantOptions
     from dsconv.quant.stage import QuantRequest
 
     opts = QuantOptions(scheme="w8a8_dynamic", method="awq", calib_samples=8, seq_len=48)

@@ -1,15 +1,15 @@
-"""Group scales by clip-ratio search (dsconv.quant.grid) and GPTQ's static groups / act order / searched scales:
-the written format stays plain per-group, the search never increases a group's error, act order with static groups
-lowers the Hessian-weighted error on a layer whose input channels differ in magnitude."""
+"""Group scales by clip-ratio search (dsconv.quant.algorithms.grid) and GPTQ's static groups / act order / searched
+scales: the written format stays plain per-group, the search never increases a group's error, act order with static
+groups lowers the Hessian-weighted error on a layer whose input channels differ in magnitude."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from dsconv.quant.gptq import HessianAccumulator, gptq_quantize
-from dsconv.quant.grid import quantize_searched, search_scales
-from dsconv.quant.schemes import dequant_weight, quantize_weight_per_group
+from dsconv.quant.algorithms.gptq import HessianAccumulator, gptq_quantize
+from dsconv.quant.algorithms.grid import quantize_searched, search_scales
+from dsconv.quant.algorithms.schemes import dequant_weight, quantize_weight_per_group
 
 pytestmark = pytest.mark.unit
 

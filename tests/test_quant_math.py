@@ -6,15 +6,10 @@ import pytest
 import torch
 
 from dsconv.errors import UserError
-from dsconv.quant.gptq import HessianAccumulator, _inverse_cholesky, gptq_quantize
-from dsconv.quant.observers import (
-    ACT_METHODS,
-    DEFAULT_ACT_METHOD,
-    HistogramObserver,
-    MinMaxObserver,
-    make_observer,
-)
-from dsconv.quant.schemes import (
+from dsconv.quant.algorithms.gptq import HessianAccumulator, _inverse_cholesky, gptq_quantize
+from dsconv.quant.algorithms.observers import (ACT_METHODS, DEFAULT_ACT_METHOD, HistogramObserver, MinMaxObserver,
+                                               make_observer)
+from dsconv.quant.algorithms.schemes import (
     activation_qparams,
     deq_scale_as_int64,
     deq_scale_from_int64,
@@ -452,7 +447,7 @@ def test_scales_are_values_every_engine_dtype_holds():
     clipping), and at most 2**-7 above it; all-zero rows still get 1.0."""
     import torch
 
-    from dsconv.quant.schemes import activation_qparams, usable_scale
+    from dsconv.quant.algorithms.schemes import activation_qparams, usable_scale
 
     rng = np.random.default_rng(0)
     exact = np.concatenate([10.0 ** rng.uniform(-9, 3, 4000), [2.0 ** -24, 2.0 ** -17, 2.0 ** -14, 1.0, 3.0]])

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from dsconv.quant import clipping, selection
-from dsconv.quant import smoothing as sm
-from dsconv.quant.gptq import gptq_quantize
-from dsconv.quant.schemes import quantize_weight_per_group
+from dsconv.quant.algorithms import clipping, selection
+from dsconv.quant.algorithms import smoothing as sm
+from dsconv.quant.algorithms.gptq import gptq_quantize
+from dsconv.quant.algorithms.schemes import quantize_weight_per_group
 
 pytestmark = [pytest.mark.cli, pytest.mark.slow]
 
@@ -149,7 +149,7 @@ def qwen_outlier(tmp_path_factory):
 
 def test_default_static_handles_the_outlier_channel(qwen_outlier, tmp_path):
     from dsconv.quant import stage
-    from dsconv.quant.options import QuantOptions
+    from dsconv.quant.plan.options import QuantOptions
     from dsconv.quant.stage import QuantRequest
 
     base = dict(calib_samples=8, seq_len=48, fallback=0)
@@ -172,11 +172,11 @@ def test_default_static_handles_the_outlier_channel(qwen_outlier, tmp_path):
     assert {t for m, t in types.items() if not m.endswith("down_proj")} == {"W8A8"}
     assert s["linears"]["W8A8"] == 6 * s["linears"]["W8A8_DYNAMIC"]
     # the printed summary says what down_proj became, per engine (dynamic here, float under MindIE)
-    from dsconv.quant.report import decisions_lines, render
+    from dsconv.quant.plan.report import decisions_lines, render
     assert "recipe: mixed (down_proj per-token dynamic, the rest static)" in decisions_lines(s["decisions"])
     mindie = dict(s["decisions"], recipe_down_proj="float")
     assert any("down_proj kept float" in line for line in decisions_lines(mindie))
-    from dsconv.quant.report import _layer_order
+    from dsconv.quant.plan.report import _layer_order
     assert sorted(["10", "model", "2", "0"], key=_layer_order) == ["0", "2", "10", "model"]  # not as strings
     printed = [line.split()[0] for line in render(s).splitlines()[3:] if line[:5].strip().isdigit()]
     assert printed == sorted(printed, key=int)
@@ -184,7 +184,7 @@ def test_default_static_handles_the_outlier_channel(qwen_outlier, tmp_path):
 
 def test_uniform_recipe_keeps_every_linear_static(qwen_outlier):
     from dsconv.checkpoint import Checkpoint
-    from dsconv.quant.plan import make_plan
+    from dsconv.quant.plan.plan import make_plan
 
     ck = Checkpoint.open(qwen_outlier)
     assert {lp.qtype for lp in make_plan(ck, "w8a8", recipe="uniform").linears.values()} == {"W8A8"}

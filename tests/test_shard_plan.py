@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from dsconv.checkpoint import Checkpoint, ConfigOnly
-from dsconv.tensorfile import TensorInfo
 from dsconv.errors import UserError
+from dsconv.io.tensorfile import TensorInfo
 from dsconv.shard import plan as P
 from dsconv.shard.layout import Layout, layout_violations, make_layout
 from dsconv.shard.memory import FitSettings

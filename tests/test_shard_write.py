@@ -149,7 +149,7 @@ def test_verify_catches_a_replica_that_disagrees(run_cli, sharded_bf16, tmp_path
     t = load_file(f)
     t["model.norm.weight"] = t["model.norm.weight"] + 1
     save_file(t, f, metadata={"format": "pt"})
-    from dsconv.writer import sha256_file
+    from dsconv.io.writer import sha256_file
 
     m = json.loads((out / "dsconv_manifest.json").read_text())  # re-hash: only the shard check can see it
     m["files"]["rank_06/model.safetensors"] = {"sha256": sha256_file(f), "size": f.stat().st_size}

@@ -9,8 +9,8 @@ import torch
 from safetensors import safe_open
 
 from dsconv.errors import UserError
+from dsconv.io.writer import MANIFEST, OutputDir, sha256_file, verify_files
 from dsconv.tensors import TensorSpec, parse_size
-from dsconv.writer import MANIFEST, OutputDir, sha256_file, verify_files
 
 pytestmark = pytest.mark.cli
 

@@ -25,7 +25,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from dsconv.atc.graph import infer_types, walk_nodes
 from dsconv.errors import CheckFailed, UserError
-from dsconv.onnx_data import EMBED_BELOW, ExternalDataWriter, external_location, opset_of
+from dsconv.io.onnx_data import EMBED_BELOW, ExternalDataWriter, external_location, opset_of
 
 FP16_MAX = 65504.0
 CHUNK = 1 << 24  # elements per conversion chunk (64 MB of fp32)

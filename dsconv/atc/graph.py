@@ -16,7 +16,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from dsconv.errors import UserError
-from dsconv.onnx_data import external_location, opset_of
+from dsconv.io.onnx_data import external_location, opset_of
 
 FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
 QUANT_OPS = {"QuantizeLinear", "DequantizeLinear", "MatMulInteger", "ConvInteger", "QLinearMatMul", "QLinearConv",

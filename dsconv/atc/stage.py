@@ -27,7 +27,7 @@ from dsconv.atc.profiles import Decisions, SocProfile, load_profile
 from dsconv.atc.runner import RunResult, find_atc, run_script
 from dsconv.atc.shapes import ShapePlan, plan_shapes
 from dsconv.errors import UserError
-from dsconv.writer import MANIFEST, OutputDir, read_manifest
+from dsconv.io.writer import MANIFEST, OutputDir, read_manifest
 
 FP16_MODEL = "model_fp16.onnx"
 

@@ -32,7 +32,7 @@ def eval_cmd(model: Path | None, quantized: Path | None, text: Path | None, seq_
     The quantized model is rebuilt from the written files (dequantized weights, activations quantized as the engine
     does for W8A8). Both models are held in memory: an evaluation tool for small models.
     """
-    from dsconv.quant.eval_stage import EvalRequest, run
+    from dsconv.quant.evaluate.stage import EvalRequest, run
 
     model = workspace.resolve_model(model)
     if quantized is None:

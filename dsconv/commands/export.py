@@ -59,7 +59,7 @@ def export(model: Path | None, output: Path | None, fmt: str, quantized: Path | 
     int8 = fmt == "onnx" and (quantized is not None or is_quantize_output(model))
     load_source = None
     if int8:  # the quant stage reads its own output; the export stage traces what it is handed
-        from dsconv.quant.fakequant import load_source
+        from dsconv.quant.evaluate.fakequant import load_source
     output = workspace.resolve_output(QUANT_STAGE if int8 else STAGE_OF_FORMAT[fmt], output)
     given = [f"--{n}" for n, v in (("workers", workers), ("executor", executor), ("ray-address", ray_address))
              if v is not None]

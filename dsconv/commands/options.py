@@ -59,14 +59,14 @@ def force_option(f):
 
 
 def exec_options(f):
-    """--workers, --executor, --ray-address: how a stage runs its independent jobs (dsconv.exec)."""
+    """--workers, --executor, --ray-address: how a stage runs its independent jobs (dsconv.executor)."""
     f = click.option("--ray-address", default=None, metavar="ADDR",
                      help="Ray cluster to run on (e.g. auto after `ray start --head`); without it --executor ray "
                           "starts a local Ray instance.")(f)
     f = click.option("--executor", type=click.Choice(["local", "ray"]), default=None,
                      help="local: processes on this host (default); ray: tasks on a Ray cluster "
                           "(pip install 'dsconv[ray]'). Outputs are byte-identical either way.")(f)
-    from dsconv.exec import MAX_WORKERS
+    from dsconv.executor import MAX_WORKERS
 
     f = click.option("--workers", type=click.IntRange(1, MAX_WORKERS), default=None, metavar="N",
                      help="Parallel jobs (output parts, ranks): 1 runs inline; default: the CPU count "
@@ -79,7 +79,7 @@ def resolve_exec(workers: int | None, executor: str | None, ray_address: str | N
     dsconv.toml, else local processes on every CPU."""
     from dsconv import workspace
     from dsconv.errors import UserError
-    from dsconv.exec import EXECUTORS, MAX_WORKERS, ExecOptions
+    from dsconv.executor import EXECUTORS, MAX_WORKERS, ExecOptions
 
     ws = workspace.find()
     d = (ws.defaults or {}) if ws is not None else {}
@@ -97,7 +97,7 @@ def resolve_exec(workers: int | None, executor: str | None, ray_address: str | N
         if not isinstance(ray_address, str) or not ray_address:
             raise UserError(f"{ws.path}: ray_address = {ray_address!r} is not an address", hint='e.g. "auto"')
     opts = ExecOptions(executor or "local", workers, ray_address)
-    from dsconv.exec import check_options
+    from dsconv.executor import check_options
 
     check_options(opts)
     return opts

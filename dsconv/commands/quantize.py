@@ -9,7 +9,7 @@ from dsconv import workspace
 from dsconv.commands.options import (PATH, SIZE, emit_json, exec_options, force_option, json_option, model_option,
                                      output_option, resolve_exec, warn)
 from dsconv.errors import UserError
-from dsconv.quant.methods import DEFAULT_METHOD, METHODS
+from dsconv.quant.algorithms.methods import DEFAULT_METHOD, METHODS
 
 
 @click.command()
@@ -89,11 +89,11 @@ def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: 
              max_shard_size: int, dry_run: bool, workers: int | None, executor: str | None, ray_address: str | None,
              force: bool, as_json: bool) -> None:
     """Quantize a model to INT8/INT4 in the layout Ascend serving engines load, layer by layer."""
-    from dsconv.quant.options import QuantOptions
-    from dsconv.quant.plan import BITS, DEFAULT_SCHEME, SCHEMES
-    from dsconv.quant.smoothing import parse_smooth
-    from dsconv.quant.stage import QuantRequest, run
     from dsconv import engines
+    from dsconv.quant.algorithms.smoothing import parse_smooth
+    from dsconv.quant.plan.options import QuantOptions
+    from dsconv.quant.plan.plan import BITS, DEFAULT_SCHEME, SCHEMES
+    from dsconv.quant.stage import QuantRequest, run
 
     bits_default = scheme is None
     engine = engines.get(engine).name

@@ -1,4 +1,4 @@
-"""The parts of `dsconv export --format safetensors` as independent jobs (dsconv.exec): each output part - or a run
+"""The parts of `dsconv export --format safetensors` as independent jobs (dsconv.executor): each output part - or a run
 of its tensors when there are fewer parts than workers - is read by byte range, converted and written by its own task.
 
 Why the kernel arrives in the job: the conversion (`fp8.write_converted`) stays in fp8.py, which imports this module;
@@ -15,9 +15,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
 
-from dsconv.exec import Executor
-from dsconv.parts import PartLayout, PartWriter
-from dsconv.tensorfile import TensorInfo, TensorReader
+from dsconv.executor import Executor
+from dsconv.io.parts import PartLayout, PartWriter
+from dsconv.io.tensorfile import TensorInfo, TensorReader
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class _ByPath:
 
 def cast_part(job: CastJob) -> str | None:
     """Convert and write one job's tensors, streamed; the part's sha256 when the job wrote all of it."""
-    from dsconv.process import gc_paused
+    from dsconv.runtime.process import gc_paused
 
     src = _ByPath(job.infos, job.block, Path(job.root))
     out = PartWriter(job.part)

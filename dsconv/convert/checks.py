@@ -83,7 +83,7 @@ def verify_onnx_int8(directory: Path, manifest: dict) -> list[str]:
     import onnx
 
     from dsconv.convert.quant_onnx import DEPLOY, FAKEQUANT
-    from dsconv.onnx_data import external_location
+    from dsconv.io.onnx_data import external_location
 
     fq = directory / FAKEQUANT
     if not fq.is_file():

@@ -32,11 +32,11 @@ from typing import Any
 import numpy as np
 
 from dsconv.convert import DTYPES
-from dsconv.passthrough import check_finite
-from dsconv.process import gc_paused, peak_rss_bytes
-from dsconv.tensors import FLOAT_DTYPES, FP8_DTYPES, PRECISIONS, config_dtype_name
 from dsconv.errors import UserError
 from dsconv.families.roles import Role
+from dsconv.io.passthrough import check_finite
+from dsconv.runtime.process import gc_paused, peak_rss_bytes
+from dsconv.tensors import FLOAT_DTYPES, FP8_DTYPES, PRECISIONS, config_dtype_name
 
 INDEX_SUFFIX = ".safetensors.index.json"
 STRIPE_ROWS = 128
@@ -156,8 +156,8 @@ def iter_dequantized_fp8(weight, scale_inv, block: tuple[int, int], out_dtype, n
     valid until the next one is asked for (its buffer is reused)."""
     import torch
 
-    from dsconv.process import ordered_map
-    from dsconv.tensorfile import dequant_fp8_block
+    from dsconv.io.tensorfile import dequant_fp8_block
+    from dsconv.runtime.threads import ordered_map
 
     scale = scale_inv.to(torch.float32)
     if (weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or scale.numel() == 0
@@ -295,7 +295,7 @@ def write_converted(write_chunks, ck, t: TensorPlan, threads: int = 2) -> int:
     NaN/Inf on the way; returns the bytes written. From the checkpoint and the plan entry alone, so a worker can run
     it. FP8: stripes of block rows (`iter_dequantized_fp8`), computed while the previous ones are written; cast and
     kept floats: 64 MiB chunks. Memory is a few stripes or chunks; the bytes are `convert_tensor` + `check_finite`'s."""
-    from dsconv.passthrough import copy_tensor, first_nonfinite, nonfinite_error
+    from dsconv.io.passthrough import copy_tensor, first_nonfinite, nonfinite_error
     from dsconv.tensors import DTYPE_SIZES, torch_dtype
 
     nbytes = math.prod(t.shape) * DTYPE_SIZES[t.out_dtype]
@@ -394,7 +394,7 @@ class _BackgroundWriter:
 def rewrite_into(out, ck, plan: RewritePlan, progress: bool | None = None, pipeline: bool = False,
                  executor=None) -> None:
     """Stream every planned tensor into `out` (an open OutputDir), then config, index and the small files. With an
-    executor (dsconv.exec), each part is a job (convert/cast_parts.py) unless the input is pickled."""
+    executor (dsconv.executor), each part is a job (convert/cast_parts.py) unless the input is pickled."""
     from tqdm import tqdm
 
     from dsconv.tensors import TensorSpec
@@ -454,8 +454,8 @@ def export_safetensors(model_dir: Path, output: Path, *, dtype: str = "bf16", fo
                        stage: str = "safetensors", pipeline: bool = False, execution=None) -> dict[str, Any]:
     """Rewrite `model_dir` into `output` in `dtype` (FP8 dequantized); returns a JSON-ready summary."""
     from dsconv.checkpoint import Checkpoint
-    from dsconv.exec import make_executor
-    from dsconv.writer import OutputDir
+    from dsconv.executor import make_executor
+    from dsconv.io.writer import OutputDir
 
     t0 = time.perf_counter()
     model_dir, output = Path(model_dir), Path(output)

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsconv.tensors import precision_torch_dtype
 from dsconv.errors import UserError
 from dsconv.model.quiet import quiet_transformers
+from dsconv.tensors import precision_torch_dtype
 
 
 
@@ -71,7 +71,7 @@ class _ViewLoader:
         ck = self.ck
         scale = ck.fp8_scales.get(name)
         if scale is not None:
-            from dsconv.tensorfile import dequant_fp8_block
+            from dsconv.io.tensorfile import dequant_fp8_block
 
             self.read_fp8.add(name)
             return dequant_fp8_block(ck.load(name), ck.load(scale), ck.facts.fp8_block or (128, 128),

@@ -45,7 +45,7 @@ from dsconv import schemas
 from dsconv.convert import tolerance
 from dsconv.convert.ms_nets import worker
 from dsconv.errors import CheckFailed, UserError
-from dsconv.process import working_dir
+from dsconv.runtime.process import working_dir
 from dsconv.tensors import precision_torch_dtype
 
 DTYPES = ("fp32", "fp16", "bf16")
@@ -393,8 +393,8 @@ def export_mindir(model_dir: Path, output: Path, *, dtype: str = "fp32", with_pa
 
 def _export(ck, model_dir: Path, output: Path, dtype: str, atol: float | None, force: bool, allow_pickle: bool,
             t0: float) -> dict:
+    from dsconv.io.writer import OutputDir
     from dsconv.model.ms.weights import Precision
-    from dsconv.writer import OutputDir
 
     options = {"format": "mindir", "dtype": dtype, "with_past": False, "atol": atol}
     with OutputDir(output, stage=STAGE, inputs=[model_dir], force=force, options=options,

@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from dsconv.convert import DTYPES
-from dsconv.process import peak_rss_bytes
-from dsconv.tensors import human_bytes, precision_torch_dtype
 from dsconv.errors import CheckFailed, UserError
+from dsconv.runtime.process import peak_rss_bytes
+from dsconv.tensors import human_bytes, precision_torch_dtype
 
 DEFAULT_OPSET = 14
 BF16_MIN_OPSET = 16
@@ -177,7 +177,7 @@ def _export(ck, model_dir: Path, output: Path, *, dtype: str, opset: int, with_p
     from tqdm import tqdm
 
     from dsconv.convert import hf_model, onnx_check, onnx_graph, onnx_wrapper
-    from dsconv.writer import OutputDir
+    from dsconv.io.writer import OutputDir
 
     options = {k: summary[k] for k in ("dtype", "opset", "with_past", "position_ids", "atol")}
     options["external_data_threshold"] = threshold

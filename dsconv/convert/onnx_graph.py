@@ -30,7 +30,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from dsconv.errors import UserError
-from dsconv.onnx_data import EMBED_BELOW, ExternalDataWriter, external_location, opset_of
+from dsconv.io.onnx_data import EMBED_BELOW, ExternalDataWriter, external_location, opset_of
 
 EXTERNAL_DATA = "model.onnx_data"
 ALIGN = 4096  # onnxruntime maps external tensors at page-aligned offsets

@@ -19,7 +19,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from dsconv.errors import UserError
-from dsconv.onnx_data import opset_of
+from dsconv.io.onnx_data import opset_of
 
 AXES_INPUT = {"Squeeze": 13, "Unsqueeze": 13, "ReduceSum": 13, "ReduceMean": 18, "ReduceMax": 18, "ReduceMin": 18,
               "ReduceProd": 18, "ReduceL1": 18, "ReduceL2": 18, "ReduceLogSum": 18, "ReduceLogSumExp": 18,

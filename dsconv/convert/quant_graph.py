@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from dsconv.onnx_data import EMBED_BELOW, ExternalDataWriter
+from dsconv.io.onnx_data import EMBED_BELOW, ExternalDataWriter
 
 FP16_MAX = 65504.0
 DQ_SUFFIX = "_dq"

@@ -53,7 +53,8 @@ def export_quantized_onnx(quant_dir: Path, output: Path, source: Callable[[Any],
                           external_data_threshold: int = 2 * 10**9, force: bool = False, dry_run: bool = False,
                           progress: bool | None = None) -> dict[str, Any]:
     """Export, check and commit a quantize output; returns the JSON-ready summary. `source(qck)` reads it (the quant
-    stage's dsconv.quant.fakequant.load_source, handed in by the command layer: stages do not import each other):
+    stage's dsconv.quant.evaluate.fakequant.load_source, handed in by the command layer: stages do not import each
+    other):
     `.layers` {module: layer with qtype, q, weight_scale, input_scale, input_offset, deq_scale, quant_bias},
     `.model` the fake-quantized torch model, `.fused` int8 fused expert parameters, `.report`, `.simulation()`."""
     from dsconv.checkpoint import Checkpoint
@@ -98,7 +99,7 @@ def _export(qck, quant_dir: Path, output: Path, source: Callable[[Any], Any], *,
     import torch
 
     from dsconv.convert import hf_model, onnx_check, onnx_graph, onnx_wrapper, quant_graph
-    from dsconv.writer import OutputDir
+    from dsconv.io.writer import OutputDir
 
     options = {k: summary[k] for k in ("opset", "with_past", "position_ids", "atol")}
     options["external_data_threshold"] = threshold

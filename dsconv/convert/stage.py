@@ -29,8 +29,8 @@ class ExportRequest:
     output: Path
     format: str = "onnx"
     quantized: Path | None = None  # a `dsconv quantize` output beside the float model (or model itself is one)
-    #: reads a quantize output for the export (dsconv.quant.fakequant.load_source); the command layer hands it in
-    #: because stages do not import each other
+    #: reads a quantize output for the export (dsconv.quant.evaluate.fakequant.load_source); the command layer hands it
+    #: in because stages do not import each other
     quant_source: Callable[[Any], Any] | None = None
     dtype: str | None = None
     opset: int | None = None
@@ -42,7 +42,7 @@ class ExportRequest:
     dry_run: bool = False
     force: bool = False
     progress: bool | None = None
-    execution: Any = None  # dsconv.exec.ExecOptions: how safetensors parts run (default inline)
+    execution: Any = None  # dsconv.executor.ExecOptions: how safetensors parts run (default inline)
 
 
 @dataclass
@@ -71,7 +71,7 @@ def run(req: ExportRequest) -> ExportResult:
 
         if req.quant_source is None:
             raise RuntimeError("exporting a quantize output needs ExportRequest.quant_source "
-                               "(dsconv.quant.fakequant.load_source)")
+                               "(dsconv.quant.evaluate.fakequant.load_source)")
         summary = export_quantized_onnx(
             quant_dir, req.output, req.quant_source, model_dir=req.model if req.quantized is not None else None, opset=req.opset,
             with_past=req.with_past, position_ids=req.position_ids, atol=req.atol,
@@ -113,7 +113,7 @@ def _check_space(req: ExportRequest, dtype: str) -> None:
     import math
 
     from dsconv.checkpoint import Checkpoint
-    from dsconv.writer import check_free_space
+    from dsconv.io.writer import check_free_space
 
     itemsize = 4 if dtype == "fp32" else 2
     ck = Checkpoint.open(req.model, allow_pickle=req.allow_pickle)

@@ -15,16 +15,16 @@ from typing import Any, Callable
 from dsconv import engines
 from dsconv.checkpoint import Checkpoint
 from dsconv.errors import UserError
-from dsconv.exec import ExecOptions, make_executor
-from dsconv.quant import report as rep
-from dsconv.quant.calib import load_calib, load_tokenizer, min_tokens_warning
-from dsconv.quant.calibration import Calibrator
-from dsconv.quant.options import QuantOptions, check_options, fallback_policy, needs_calibration
-from dsconv.quant.output import QuantWriter
-from dsconv.quant.plan import SCHEMES, STATIC, make_plan
-from dsconv.quant.selection import HOLD_EVERY, MIN_PROMPTS, held_out_prompts
+from dsconv.executor import ExecOptions, make_executor
+from dsconv.io.writer import OutputDir
+from dsconv.quant.algorithms.selection import HOLD_EVERY, MIN_PROMPTS, held_out_prompts
+from dsconv.quant.calibrate.calibration import Calibrator
+from dsconv.quant.calibrate.data import load_calib, load_tokenizer, min_tokens_warning
+from dsconv.quant.formats.output import QuantWriter
+from dsconv.quant.plan import report as rep
+from dsconv.quant.plan.options import QuantOptions, check_options, fallback_policy, needs_calibration
+from dsconv.quant.plan.plan import SCHEMES, STATIC, make_plan
 from dsconv.quant.streaming import weight_only
-from dsconv.writer import OutputDir
 
 
 @dataclass

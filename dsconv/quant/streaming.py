@@ -4,7 +4,7 @@ read ahead.
 
 Why part jobs: the output parts are planned before their first byte (QuantWriter opens the final set), so each part -
 or, when there are fewer parts than workers, each run of its tensors - can be written by its own task
-(`part_jobs` -> `run_part`), on any executor (dsconv.exec). A job names its inputs by byte range and its output by
+(`part_jobs` -> `run_part`), on any executor (dsconv.executor). A job names its inputs by byte range and its output by
 path; the task reads, quantizes, writes and returns the part's sha256 (when it wrote all of it) with the linears'
 error figures. The bytes are the same whoever runs the job.
 """
@@ -19,15 +19,15 @@ import numpy as np
 import torch
 
 from dsconv.checkpoint import Checkpoint
-from dsconv.exec import Executor
-from dsconv.parts import PartLayout, PartWriter, Region
+from dsconv.executor import Executor
+from dsconv.io.parts import PartLayout, PartWriter, Region
+from dsconv.io.tensorfile import TensorInfo, TensorReader, dequant_fp8_block
+from dsconv.quant.algorithms.schemes import dequant_weight, relative_error
+from dsconv.quant.calibrate.stats import LinearRecord
 from dsconv.quant.formats.msmodelslim import LinearResult, emit_linear
-from dsconv.quant.output import QuantWriter, as_float
-from dsconv.quant.plan import LinearPlan, QuantPlan, linear_specs
-from dsconv.quant.schemes import dequant_weight, relative_error
-from dsconv.quant.stats import LinearRecord
+from dsconv.quant.formats.output import QuantWriter, as_float
+from dsconv.quant.plan.plan import LinearPlan, QuantPlan, linear_specs
 from dsconv.quant.weights import quantize_weight, rtn_linear_into
-from dsconv.tensorfile import TensorInfo, TensorReader, dequant_fp8_block
 
 ERROR_SAMPLE_ROWS = 256  # rows used to estimate a big tensor's relative error
 VIEWABLE = ("BF16", "F16", "F32")

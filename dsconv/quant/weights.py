@@ -6,12 +6,12 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from dsconv.quant import grid
+from dsconv.quant.algorithms import grid
+from dsconv.quant.algorithms.gptq import gptq_quantize
+from dsconv.quant.algorithms.schemes import (dequant_weight, iter_quantized_rows, qrange, quantize_weight_per_channel,
+                                             quantize_weight_per_group, relative_error, to_float32)
 from dsconv.quant.formats.msmodelslim import LinearResult, emit_linear, pack_weight_rows
-from dsconv.quant.gptq import gptq_quantize
-from dsconv.quant.plan import BITS, LinearPlan, QuantPlan
-from dsconv.quant.schemes import (dequant_weight, iter_quantized_rows, qrange, quantize_weight_per_channel,
-                                  quantize_weight_per_group, relative_error, to_float32)
+from dsconv.quant.plan.plan import BITS, LinearPlan, QuantPlan
 
 
 def quantize_weight(lp: LinearPlan, w: torch.Tensor, plan: QuantPlan, hessian: np.ndarray | None,

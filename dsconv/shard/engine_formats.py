@@ -37,7 +37,7 @@ def resolve_format(engine: str, fmt: str | None, family: Any) -> tuple[str, str 
 
 def write_plan_only(src: Any, output: Path, *, head: dict[str, Any], files: dict[str, Any], force: bool,
                     options: dict[str, Any]) -> dict[str, Any]:
-    from dsconv.writer import OutputDir
+    from dsconv.io.writer import OutputDir
 
     with OutputDir(output, stage="shard", inputs=[src.root], force=force, options=options,
                    input_identity=src.identity()) as out:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from dsconv.errors import UserError
-from dsconv.parts import Region
+from dsconv.io.parts import Region
 from dsconv.tensors import DTYPE_SIZES
 
 FOLDER_KINDS = ("moe", "dense", "attn", "model", "norm")  # the loader's order (weights.py::Weights.__init__)

@@ -23,7 +23,7 @@ def loader_problems(directory: Path, rank_folders: list[dict[str, str]]) -> list
     """What MindIE's loader checks before reading a tensor (atb/utils/weights.py::Weights.__init__ L76-92,
     ::load_routing L148-165): the metadata file exists; each rank's five folders exist and hold safetensors; no name
     in two of a rank's files."""
-    from dsconv.tensorfile import read_tensor_infos
+    from dsconv.io.tensorfile import read_tensor_infos
 
     problems = []
     if not (directory / METADATA).is_file():
@@ -82,8 +82,8 @@ def verify(directory: Path, manifest: dict[str, Any], doc: dict[str, Any]) -> li
 
 
 def _check_folders(directory: Path, src: Any, plan: Any) -> list[str]:
+    from dsconv.io.tensorfile import TensorReader, read_tensor_infos
     from dsconv.shard.write import same_bytes
-    from dsconv.tensorfile import TensorReader, read_tensor_infos
 
     load = CachedLoader(src)
     held: dict[str, list[Part]] = defaultdict(list)  # source tensor -> the pieces the layout holds of it

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsconv.exec import Executor
-from dsconv.parts import PartLayout, PartWriter
+from dsconv.executor import Executor
+from dsconv.io.parts import PartLayout, PartWriter
 
 from dsconv.errors import UserError
 from dsconv.shard.mindie_planner import Planner
-from dsconv.shard.mindie_sharded import (COPY_MARKS, DESCRIPTION, FOLDER_KINDS, MAX_SHARD, METADATA, Item,
-                                         MindiePlan, Ranks, check_ranks, make, regions)
+from dsconv.shard.mindie_sharded import (COPY_MARKS, DESCRIPTION, FOLDER_KINDS, MAX_SHARD, METADATA, Item, MindiePlan,
+                                         Ranks, check_ranks, make, regions)
 
 TORCH_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 # safetensors' Dtype enum order: its serializer sorts tensors by dtype (descending), then name
@@ -113,13 +113,13 @@ class _PathLoad(CachedLoader):
     """CachedLoader by byte ranges (a task's: no checkpoint object), FP8 dequantized like Checkpoint.load."""
 
     def __init__(self, job: FolderJob) -> None:
-        from dsconv.tensorfile import TensorReader
+        from dsconv.io.tensorfile import TensorReader
 
         self.job, self.reader = job, TensorReader()
         super().__init__(self)
 
     def load(self, name: str, dequantize: bool = True):
-        from dsconv.tensorfile import dequant_fp8_block
+        from dsconv.io.tensorfile import dequant_fp8_block
 
         t = self.reader.read(self.job.infos[name])
         scale = self.job.scales.get(name)
@@ -166,8 +166,8 @@ def write(src: Any, plan: MindiePlan, output: Path, *, head: dict[str, Any], fil
     metadata, description, config and the small files."""
     from tqdm import tqdm
 
+    from dsconv.io.writer import OutputDir
     from dsconv.tensors import TensorSpec
-    from dsconv.writer import OutputDir
 
     load = CachedLoader(src)
     ex = executor or Executor(1)

@@ -44,7 +44,7 @@ class ShardRequest:
     progress: bool | None = None
     engine: str | None = None    # dsconv.engines profile (default: dsconv.toml, else mindie)
     format: str | None = None    # mindie | ranks | plan (default: what the engine loads, engine_formats.py)
-    execution: Any = None        # dsconv.exec.ExecOptions: how rank parts are written (default inline)
+    execution: Any = None        # dsconv.executor.ExecOptions: how rank parts are written (default inline)
 
     def options(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in self.__dict__.items()
@@ -84,11 +84,11 @@ def _check_range(name: str, value: float, lo: float, hi: float | None = None) ->
 def run(req: ShardRequest) -> ShardResult:
     """Plan (and unless --dry-run, write) the shards; a rejected plan comes back with `failure` set (exit 3)."""
     from dsconv.checkpoint import open_input
+    from dsconv.runtime.process import gc_paused
     from dsconv.shard import balance, chart, memory, ranktable
     from dsconv.shard.layout import make_layout
     from dsconv.shard.plan import ShardOptions, find_alternatives, make_plan, plan_json
     from dsconv.shard.table import build_table
-    from dsconv.process import gc_paused
     from dsconv.soc import soc_facts
     from dsconv.tensors import parse_size
 
@@ -212,7 +212,7 @@ def run(req: ShardRequest) -> ShardResult:
             files["expert_map.json"] = balance.expert_map(plan.experts)
     if dry_run:
         return result
-    from dsconv.exec import make_executor
+    from dsconv.executor import make_executor
     from dsconv.shard.write import write_shards
 
     with make_executor(req.execution) as ex:

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 
-from dsconv.exec import Executor
-from dsconv.parts import PartLayout, PartWriter, Region
+from dsconv.executor import Executor
+from dsconv.io.parts import PartLayout, PartWriter, Region
 
 from dsconv.shard.placement import is_first_holder, iter_tensor_ranks, slice_for_rank, tensor_entry
 from dsconv.shard.plan import ShardPlan
@@ -42,8 +42,8 @@ def write_shards(src: Any, plan: ShardPlan, output: Path, *, head: dict[str, Any
     the source copied in the kernel, column slices gathered in large blocks; pickled sources go tensor by tensor."""
     from tqdm import tqdm
 
+    from dsconv.io.writer import OutputDir
     from dsconv.tensors import TensorSpec
-    from dsconv.writer import OutputDir
 
     world = plan.layout.world
     quant = getattr(src, "quant_description", None)
@@ -173,7 +173,7 @@ class _RankReader:
     """The tensors of one rank directory, through the foundation's header validation and tensor reader."""
 
     def __init__(self, directory: Path) -> None:
-        from dsconv.tensorfile import TensorReader, read_tensor_infos
+        from dsconv.io.tensorfile import TensorReader, read_tensor_infos
 
         self.dir = directory
         self.where = {}

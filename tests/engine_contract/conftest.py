@@ -46,7 +46,7 @@ def contract_models(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def produce(contract_models, tmp_path_factory):
     from dsconv.errors import UserError
-    from dsconv.quant.options import QuantOptions
+    from dsconv.quant.plan.options import QuantOptions
     from dsconv.quant.stage import QuantRequest, run
 
     root = tmp_path_factory.mktemp("contract_out")

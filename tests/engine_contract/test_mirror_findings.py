@@ -86,7 +86,7 @@ def test_mla_w4a16_per_group_is_refused_and_the_mirror_catches_it(produce, tmp_p
     """process_mla_linear.py::preprocess_linear_for_rope permutes rope rows on the stored weight: dsconv refuses
     per-group W4A16 (packed along n) there for MindIE; written anyway, the mirror flags it; per channel is fine."""
     from dsconv.engines import profiles
-    from dsconv.quant.options import QuantOptions
+    from dsconv.quant.plan.options import QuantOptions
     from dsconv.quant.stage import QuantRequest, run
     from tests.engine_contract.conftest import FAST, SCHEMES
 

@@ -51,7 +51,7 @@ def test_fp16_deq_scale_per_engine(produce, contract_models):
     """deq_scale: float32 for bf16 models (both), int64 bit pattern for fp16 models (vLLM-Ascend param dtype;
     va/quantization/methods/w8a8_static.py::get_perchannel_param); MindIE takes both for fp16."""
     from dsconv.errors import UserError
-    from dsconv.quant.options import QuantOptions
+    from dsconv.quant.plan.options import QuantOptions
     from dsconv.quant.stage import QuantRequest, run
     from tests.engine_contract.conftest import FAST
 

@@ -159,7 +159,7 @@ def load_and_run(graph_file: Path, cases: list[tuple[str, np.ndarray, np.ndarray
             "peak_rss_bytes": peak_rss_bytes()}
 
 
-from dsconv.process import peak_rss_bytes  # noqa: E402,F401
+from dsconv.runtime.process import peak_rss_bytes  # noqa: E402,F401
 
 
 def main(argv: list[str]) -> int:

@@ -16,8 +16,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from dsconv.errors import UserError
-from dsconv.quant.schemes import (deq_scale_as_int64, deq_scale_from_int64, dequant_weight, pack_int4,
-                                  pack_int4_along_k, unpack_int4_by_shape)
+from dsconv.quant.algorithms.schemes import (deq_scale_as_int64, deq_scale_from_int64, dequant_weight, pack_int4,
+                                             pack_int4_along_k, unpack_int4_by_shape)
 
 LAYOUTS = ("msmodelslim", "mindie")
 FLOAT = "FLOAT"

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dsconv.quant.smoothing import MAX_OUT_ROWS, fake_quant_rows, fake_quant_static
+from dsconv.quant.algorithms.smoothing import MAX_OUT_ROWS, fake_quant_rows, fake_quant_static
 
 METHOD = "search"  # --act-method value: min/max, then the clip ratio with the smallest output error
 CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5, 0.45, 0.4)

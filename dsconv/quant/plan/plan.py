@@ -14,9 +14,9 @@ from typing import Any, Callable, Iterable
 
 from dsconv.errors import UserError
 from dsconv.families.roles import Category, Role
+from dsconv.quant.algorithms.schemes import check_group_size
 from dsconv.quant.formats.msmodelslim import FLOAT, linear_layout
-from dsconv.quant.recipe import RECIPE_FLOAT_REASON, planned_type
-from dsconv.quant.schemes import check_group_size
+from dsconv.quant.plan.recipe import RECIPE_FLOAT_REASON, planned_type
 from dsconv.tensors import TensorSpec
 
 # scheme option -> description type

@@ -1,9 +1,9 @@
 """Planned safetensors parts that tasks fill on their own (layer 1, beside the writer).
 
 Why apart from writer.py: the driver plans a set of parts (`TensorSetWriter`: headers written, files sized) and keeps
-the transaction; a task in another process or on another host (dsconv.exec) gets a `PartLayout` - a path and the byte
-slots of its tensors - and fills it with a `PartWriter`, hashing the whole part on the way when it writes all of it, so
-the driver never reads the bytes back. Nothing here needs the driver's memory.
+the transaction; a task in another process or on another host (dsconv.executor) gets a `PartLayout` - a path and the
+byte slots of its tensors - and fills it with a `PartWriter`, hashing the whole part on the way when it writes all of
+it, so the driver never reads the bytes back. Nothing here needs the driver's memory.
 """
 from __future__ import annotations
 

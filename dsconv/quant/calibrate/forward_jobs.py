@@ -46,15 +46,15 @@ import numpy as np
 import torch
 from torch import nn
 
-import dsconv.exec as dexec
-from dsconv.quant.calib_jobs import JOB_THREADS, Context, job_env, job_threads, open_job_checkpoint
-from dsconv.quant.gptq import HessianAccumulator
-from dsconv.quant.hooks import ExpertRecorder, FlowProbe, LinearHooks, RowMask
-from dsconv.quant.layers import Skeleton, install_forward
-from dsconv.quant.observers import MinMaxObserver
-from dsconv.quant.plan import LinearPlan
-from dsconv.quant.smoothing import SiteProbe, SiteSample
-from dsconv.quant.stats import InputStats
+import dsconv.executor as dexec
+from dsconv.quant.algorithms.gptq import HessianAccumulator
+from dsconv.quant.algorithms.observers import MinMaxObserver
+from dsconv.quant.algorithms.smoothing import SiteProbe, SiteSample
+from dsconv.quant.calibrate.calib_jobs import JOB_THREADS, Context, job_env, job_threads, open_job_checkpoint
+from dsconv.quant.calibrate.hooks import ExpertRecorder, FlowProbe, LinearHooks, RowMask
+from dsconv.quant.calibrate.layers import Skeleton, install_forward
+from dsconv.quant.calibrate.stats import InputStats
+from dsconv.quant.plan.plan import LinearPlan
 
 SPLIT_ENV = "DSCONV_FORWARD_SPLIT"  # 1: split over local processes too; 0: never split; unset: Ray only
 HESSIAN_PARTS_MAX = 4 * 2**30  # bytes of GPTQ's per-batch X^T X parts one forward job may hold

@@ -292,7 +292,7 @@ def iter_quantized_rows(
         _round_clip_into(q, blk, sc, qmin, qmax, local.scratch[: e - s])
         return s, e, q, sc
 
-    from dsconv.process import ordered_map
+    from dsconv.runtime.threads import ordered_map
 
     for out in ordered_map(job, range(0, n, step), threads):
         yield out

@@ -1,8 +1,9 @@
 """GPTQ (Frantar et al., 2022): weight quantization that compensates each column's rounding error on the columns
 not yet quantized, weighted by the inverse Hessian ``H = 2 X^T X / N`` of the layer's calibration inputs.
 
-Output conventions are those of :mod:`dsconv.quant.schemes` (symmetric, ``q int8 [n, k]``, ``scale``/``offset``
-float32 ``[n, 1]`` or ``[n, k / group]``, offsets zeros), so the caller can swap RTN and GPTQ per layer. The linear
+Output conventions are those of :mod:`dsconv.quant.algorithms.schemes` (symmetric, ``q int8 [n, k]``,
+``scale``/``offset`` float32 ``[n, 1]`` or ``[n, k / group]``, offsets zeros), so the caller can swap RTN and GPTQ
+per layer. The linear
 algebra runs in torch float32 (a Cholesky and rank-1 updates, where torch is the faster library).
 """
 from __future__ import annotations
@@ -13,8 +14,8 @@ import numpy as np
 import torch
 
 from dsconv.errors import UserError
-from dsconv.quant.grid import search_scales
-from dsconv.quant.schemes import is_torch, check_group_size, qrange, to_float32, usable_scale
+from dsconv.quant.algorithms.grid import search_scales
+from dsconv.quant.algorithms.schemes import is_torch, check_group_size, qrange, to_float32, usable_scale
 
 
 def _as_torch_f32(x: Any) -> torch.Tensor:
@@ -79,15 +80,16 @@ def gptq_quantize(
     """Quantize ``w [n, k]`` with GPTQ given the Hessian ``H [k, k]`` of its inputs.
 
     Returns ``(q int8 [n, k], scale float32, offset float32 zeros)`` shaped like
-    :func:`dsconv.quant.schemes.quantize_weight_per_group` (``[n, 1]`` when ``group_size`` is 0).
+    :func:`dsconv.quant.algorithms.schemes.quantize_weight_per_group` (``[n, 1]`` when ``group_size`` is 0).
 
     * Per channel: scales come from the original weight, as in the reference implementation.
     * Groups: a group's scale is computed from the error-updated weight when the sweep enters the group; with
       ``act_order`` the columns are visited by decreasing Hessian diagonal, so groups are no longer visited as
       contiguous runs and their scales are fixed up front from the original weight ("static groups"), which keeps
       the contiguous-group layout the format needs (no g_idx); ``static_groups`` does the same without act order.
-    * ``search``: every scale (per channel, static or on group entry) is the clip ratio of :mod:`dsconv.quant.grid`
-      that minimises the group's rounding error weighted by the Hessian diagonal, instead of max |w| / qmax.
+    * ``search``: every scale (per channel, static or on group entry) is the clip ratio of
+      :mod:`dsconv.quant.algorithms.grid` that minimises the group's rounding error weighted by the Hessian diagonal,
+      instead of max |w| / qmax.
     * Dead columns (``H[j, j] == 0``: the input channel was always zero in calibration) are not zeroed: they are
       rounded to nearest and, being decoupled in H, pass no error on. Weights stay usable for inputs calibration
       never produced (an expert that saw few tokens); an all-zero H is plain round-to-nearest.

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsconv.quant.plan import STATIC, QuantPlan, model_quant_type
-from dsconv.quant.recipe import RECIPE_FLOAT_REASON
+from dsconv.quant.plan.plan import STATIC, QuantPlan, model_quant_type
+from dsconv.quant.plan.recipe import RECIPE_FLOAT_REASON
 
 REPORT_FILE = "quant_report.json"
 EXPERT_LOAD_FILE = "expert_load.json"
@@ -243,7 +243,7 @@ def decisions_summary(report: dict[str, Any]) -> dict[str, Any]:
     if report.get("gptq"):
         out["gptq_damp"] = report["gptq"]["damp"]
     if report.get("awq"):
-        from dsconv.quant.awq import summary
+        from dsconv.quant.calibrate.awq import summary
 
         out["awq"] = summary(report["awq"])
     choice = report.get("gptq_or_rtn") or {}
@@ -283,7 +283,7 @@ def decisions_lines(d: dict[str, Any]) -> list[str]:
 def plan_summary(ck: Any, plan: QuantPlan, opts: Any, policy: tuple[str, float] | None,
                  calibrate: bool) -> dict[str, Any]:
     """--dry-run: the plan from headers (types, sizes), nothing computed or written."""
-    from dsconv.quant.output import final_specs
+    from dsconv.quant.formats.output import final_specs
 
     types = {m: lp.qtype for m, lp in plan.linears.items()}
     specs = final_specs(ck, plan, types)

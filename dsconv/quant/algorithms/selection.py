@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dsconv.quant.schemes import dequant_weight
+from dsconv.quant.algorithms.schemes import dequant_weight
 
 HOLD_EVERY = 4          # prompt j is held out when j % HOLD_EVERY == HOLD_EVERY - 1
 MIN_PROMPTS = 8         # below this, nothing is held out (GPTQ on everything, unchecked)

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from dsconv.quant.gptq import HessianAccumulator
-from dsconv.quant.observers import MinMaxObserver, make_observer
-from dsconv.quant.schemes import dequant_weight, fake_quant_activation
+from dsconv.quant.algorithms.gptq import HessianAccumulator
+from dsconv.quant.algorithms.observers import MinMaxObserver, make_observer
+from dsconv.quant.algorithms.schemes import dequant_weight, fake_quant_activation
 
 HESSIAN_F64_MAX_K = 8192  # wider inputs accumulate in float32 (k^2 x 8 bytes would be 2.7 GB for k = 18432)
 

@@ -26,8 +26,8 @@ from typing import Any, Callable
 import torch
 
 from dsconv.errors import UserError
-from dsconv.quant.schemes import activation_qparams, smooth_scales
-from dsconv.quant.stats import RowSampler
+from dsconv.quant.algorithms.schemes import activation_qparams, smooth_scales
+from dsconv.quant.calibrate.stats import RowSampler
 
 ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)   # candidates besides "off" (s = 1)
 SEARCH_CLIPS = (1.0, 0.85, 0.7)                 # clip ratios tried with each alpha for static sites

@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from dsconv import tensorfile
 from dsconv.errors import UserError
+from dsconv.io import tensorfile
 from dsconv.tensors import DTYPE_SIZES, torch_dtype
 
 WriteChunks = Callable[[str, Iterable[Any]], None]

@@ -25,7 +25,7 @@ import numpy as np
 
 from dsconv import __version__, schemas
 from dsconv.errors import UserError
-from dsconv.parts import DURABLE, Known, PartLayout, Slot, put
+from dsconv.io.parts import DURABLE, Known, PartLayout, Slot, put
 from dsconv.tensors import TensorSpec, is_within, safetensors_dtype
 
 MANIFEST = "dsconv_manifest.json"

@@ -8,8 +8,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from dsconv.quant.plan import LinearPlan
-from dsconv.quant.stats import InputStats
+from dsconv.quant.calibrate.stats import InputStats
+from dsconv.quant.plan.plan import LinearPlan
 
 
 def storage_key(x: torch.Tensor) -> tuple[int, int, int]:

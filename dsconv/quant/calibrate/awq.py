@@ -32,12 +32,12 @@ import torch
 from torch import nn
 
 from dsconv.families.roles import Role
-from dsconv.quant import grid, selection
-from dsconv.quant import smoothing as sm
-from dsconv.quant.hooks import FlowProbe, LinearHooks
-from dsconv.quant.layers import install_forward
-from dsconv.quant.plan import BITS, LinearPlan
-from dsconv.quant.schemes import qrange, usable_scale
+from dsconv.quant.algorithms import grid, selection
+from dsconv.quant.algorithms import smoothing as sm
+from dsconv.quant.algorithms.schemes import qrange, usable_scale
+from dsconv.quant.calibrate.hooks import FlowProbe, LinearHooks
+from dsconv.quant.calibrate.layers import install_forward
+from dsconv.quant.plan.plan import BITS, LinearPlan
 from dsconv.tensors import torch_dtype
 
 ALPHAS = tuple(i / 10 for i in range(11))          # 0.0 = no scaling

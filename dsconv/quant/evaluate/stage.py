@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from dsconv.errors import CheckFailed, UserError
-from dsconv.quant.evaluate import DEFAULT_SEQ_LEN, evaluate, render
-from dsconv.writer import MANIFEST, OutputDir, read_manifest
+from dsconv.io.writer import MANIFEST, OutputDir, read_manifest
+from dsconv.quant.evaluate.fidelity import DEFAULT_SEQ_LEN, evaluate, render
 
 REPORT_FILE = "eval_report.json"
 

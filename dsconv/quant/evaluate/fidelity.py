@@ -21,11 +21,11 @@ from torch import nn
 
 from dsconv.checkpoint import Checkpoint
 from dsconv.errors import UserError
-from dsconv.quant.calib import load_tokenizer, read_texts, read_utf8
+from dsconv.quant.algorithms.schemes import quantize_activation
+from dsconv.quant.calibrate.data import load_tokenizer, read_texts, read_utf8
+from dsconv.quant.calibrate.layers import ExpertLoop, install_forward, load_full_model
+from dsconv.quant.calibrate.stats import dynamic_fake_quant
 from dsconv.quant.formats.msmodelslim import QuantLinear, quantized_modules, read_linear
-from dsconv.quant.layers import ExpertLoop, install_forward, load_full_model
-from dsconv.quant.schemes import quantize_activation
-from dsconv.quant.stats import dynamic_fake_quant
 
 DEFAULT_SEQ_LEN = 512
 
@@ -215,7 +215,7 @@ def compare(original: nn.Module, quantized: nn.Module, chunks: list[list[int]], 
 
 def evaluate(model_dir: Path, quant_dir: Path, text: Path | None = None, seq_len: int = DEFAULT_SEQ_LEN,
              samples: int | None = None, progress: bool = True) -> dict[str, Any]:
-    from dsconv.quant.onnx_lm import OnnxLM, fakequant_path
+    from dsconv.quant.evaluate.onnx_lm import OnnxLM, fakequant_path
 
     ck = Checkpoint.open(model_dir)
     onnx_path = fakequant_path(quant_dir)

@@ -32,7 +32,7 @@ INLINE_BELOW = 64 * 2**20
 # overflows (an OverflowError, not a message)
 MAX_WORKERS = 4096
 # Modules the forkserver imports once, so each worker forks ready to run (torch's import is ~1 s).
-PRELOAD = ("numpy", "torch", "dsconv.exec")
+PRELOAD = ("numpy", "torch", "dsconv.executor")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""The calibrated path's independent work as executor jobs (dsconv.exec): one job per quantized linear of a layer and
-one per routed expert.
+"""The calibrated path's independent work as executor jobs (dsconv.executor): one job per quantized linear of a layer
+and one per routed expert.
 
 Why these cuts: once a layer's calibration forward has run, every linear's statistics (observer, GPTQ Hessian,
 sample rows) are final, and quantizing one linear - GPTQ solve, held-out choice, activation parameters, output-error
@@ -31,12 +31,12 @@ import numpy as np
 import torch
 
 from dsconv.checkpoint import Checkpoint
-from dsconv.exec import Executor
+from dsconv.executor import Executor
+from dsconv.quant.calibrate.layers import SLOTS, Skeleton, expert_forward
+from dsconv.quant.calibrate.stats import LinearRecord
 from dsconv.quant.formats.msmodelslim import LinearResult
-from dsconv.quant.layers import SLOTS, Skeleton, expert_forward
-from dsconv.quant.options import QuantOptions
-from dsconv.quant.plan import LinearPlan, QuantPlan
-from dsconv.quant.stats import LinearRecord
+from dsconv.quant.plan.options import QuantOptions
+from dsconv.quant.plan.plan import LinearPlan, QuantPlan
 
 JOBS_DIR = ".dsconv-calib-jobs"
 JOB_THREADS = 1
@@ -249,9 +249,9 @@ def _result(env: Any, **kw: Any) -> JobResult:
 def _load_stats(path: str) -> Any:
     """The InputStats the driver saved: torch's weights-only unpickler with only dsconv's statistics classes allowed,
     so a file swapped into the shared temporary directory cannot run code (never a plain unpickle)."""
-    from dsconv.quant.gptq import HessianAccumulator
-    from dsconv.quant.observers import HistogramObserver, MinMaxObserver
-    from dsconv.quant.stats import InputStats, RowSampler
+    from dsconv.quant.algorithms.gptq import HessianAccumulator
+    from dsconv.quant.algorithms.observers import HistogramObserver, MinMaxObserver
+    from dsconv.quant.calibrate.stats import InputStats, RowSampler
 
     numpy_arrays = [np.core.multiarray._reconstruct, np.ndarray, np.dtype,
                     *(type(np.dtype(t)) for t in (np.float32, np.float64, np.int64, np.int32, np.bool_))]

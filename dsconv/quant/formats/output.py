@@ -1,4 +1,4 @@
-"""Putting quantized tensors into the output (through dsconv.writer): straight into the final parts, or staged until
+"""Putting quantized tensors into the output (through dsconv.io.writer): straight into the final parts, or staged until
 fallbacks are decided.
 
 The final safetensors parts are planned before their first byte (their headers list every tensor), so a linear's type
@@ -16,12 +16,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from dsconv.quant.formats.msmodelslim import (DESCRIPTION_VERSION, FLOAT, STAGED, LinearResult, emit_linear,
-                                              layout_names)
-from dsconv.quant.plan import STATIC, LinearPlan, QuantPlan, float_spec, linear_specs, model_quant_type
-from dsconv.passthrough import copy_tensor
+from dsconv.io.passthrough import copy_tensor
+from dsconv.io.writer import OutputDir, TensorSetWriter
+from dsconv.quant.formats.msmodelslim import DESCRIPTION_VERSION, FLOAT, STAGED, LinearResult, emit_linear, layout_names
+from dsconv.quant.plan.plan import STATIC, LinearPlan, QuantPlan, float_spec, linear_specs, model_quant_type
 from dsconv.tensors import TensorSpec, torch_dtype
-from dsconv.writer import OutputDir, TensorSetWriter
 
 STAGING = ".dsconv-staging"
 

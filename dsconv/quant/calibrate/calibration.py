@@ -27,20 +27,21 @@ from torch import nn
 
 from dsconv.checkpoint import Checkpoint
 from dsconv.errors import UserError
+from dsconv.executor import Executor
 from dsconv.families.roles import Role
-from dsconv.exec import Executor
-from dsconv.quant import awq, calib_jobs, clipping, forward_jobs, selection
-from dsconv.quant import smoothing as sm
-from dsconv.quant.calib import CalibSet
+from dsconv.quant.algorithms import clipping, selection
+from dsconv.quant.algorithms import smoothing as sm
+from dsconv.quant.algorithms.schemes import (activation_qparams, dequant_weight, relative_error, smooth_scales,
+                                             w8a8_static_params)
+from dsconv.quant.calibrate import awq, calib_jobs, forward_jobs
+from dsconv.quant.calibrate.data import CalibSet
+from dsconv.quant.calibrate.hooks import ExpertRecorder, FlowProbe, LinearHooks, RowMask
+from dsconv.quant.calibrate.layers import Skeleton, install_forward
+from dsconv.quant.calibrate.stats import InputStats, LinearRecord, output_errors
 from dsconv.quant.formats.msmodelslim import LinearResult
-from dsconv.quant.hooks import ExpertRecorder, FlowProbe, LinearHooks, RowMask
-from dsconv.quant.layers import Skeleton, install_forward
-from dsconv.quant.options import QuantOptions, smoothing_of
-from dsconv.quant.output import QuantWriter
-from dsconv.quant.plan import ACT_QUANT, STATIC, LinearPlan, QuantPlan
-from dsconv.quant.schemes import (activation_qparams, dequant_weight, relative_error, smooth_scales,
-                                  w8a8_static_params)
-from dsconv.quant.stats import InputStats, LinearRecord, output_errors
+from dsconv.quant.formats.output import QuantWriter
+from dsconv.quant.plan.options import QuantOptions, smoothing_of
+from dsconv.quant.plan.plan import ACT_QUANT, STATIC, LinearPlan, QuantPlan
 from dsconv.quant.weights import quantize_weight
 from dsconv.tensors import torch_dtype
 

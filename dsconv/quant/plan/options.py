@@ -6,13 +6,13 @@ from pathlib import Path
 from typing import Any
 
 from dsconv.errors import UserError
-from dsconv.quant import report as rep
-from dsconv.quant import clipping
-from dsconv.quant.observers import ACT_METHODS
-from dsconv.quant.plan import ACT_QUANT, FALLBACK_TARGETS, STATIC, QuantPlan
-from dsconv.quant.methods import METHODS
-from dsconv.quant.smoothing import smoothing_mode
-from dsconv.writer import DEFAULT_MAX_SHARD_SIZE
+from dsconv.io.writer import DEFAULT_MAX_SHARD_SIZE
+from dsconv.quant.algorithms import clipping
+from dsconv.quant.algorithms.methods import METHODS
+from dsconv.quant.algorithms.observers import ACT_METHODS
+from dsconv.quant.algorithms.smoothing import smoothing_mode
+from dsconv.quant.plan import report as rep
+from dsconv.quant.plan.plan import ACT_QUANT, FALLBACK_TARGETS, STATIC, QuantPlan
 
 
 @dataclass

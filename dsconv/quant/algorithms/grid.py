@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from dsconv.quant.schemes import usable_scale
+from dsconv.quant.algorithms.schemes import usable_scale
 
 # 1.0 first (ties keep max|w|), then down to 0.5 in steps of 1/40 (0.875 = 7/8 is on it)
 RATIOS = tuple(1.0 - i / 40 for i in range(21))
@@ -23,7 +23,7 @@ def search_scales(w: torch.Tensor, qmin: int, qmax: int, importance: torch.Tenso
                   ratios: tuple[float, ...] = RATIOS) -> torch.Tensor:
     """Per-group scales of ``w [n, groups, g]`` (float32): ``max|w| / qmax * r`` with ``r`` minimising
     ``sum_j importance[group, j] * (w_j - q_j * scale)^2`` per group; ``importance [groups, g]`` (>= 0) or None
-    (plain squared error). All-zero groups get 1.0, as in :func:`dsconv.quant.schemes.symmetric_scale`."""
+    (plain squared error). All-zero groups get 1.0, as in :func:`dsconv.quant.algorithms.schemes.symmetric_scale`."""
     return search(w, qmin, qmax, importance, ratios=ratios)[0]
 
 

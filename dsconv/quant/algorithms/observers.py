@@ -2,7 +2,7 @@
 
 Each observer sees the input of one linear layer batch by batch (``update(x)``, x of shape ``[..., channels]``,
 numpy or torch of any float dtype) and ends with ``qparams() -> (input_scale, input_offset)``, the per-tensor
-asymmetric int8 parameters of :func:`dsconv.quant.schemes.activation_qparams`. Every observer also keeps the
+asymmetric int8 parameters of :func:`dsconv.quant.algorithms.schemes.activation_qparams`. Every observer also keeps the
 per-channel min/max/absmax that SmoothQuant (``smooth_scales``) and shift-style outlier suppression need, and a
 token count, so the caller can report layers (experts) that calibration never reached.
 
@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from dsconv.errors import UserError
-from dsconv.quant.schemes import is_torch, activation_qparams
+from dsconv.quant.algorithms.schemes import is_torch, activation_qparams
 
 ACT_METHODS = ("minmax", "percentile", "mse")
 DEFAULT_ACT_METHOD = "minmax"

@@ -110,7 +110,7 @@ class _StaticFakeQuant(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, scale: float, offset: float) -> torch.Tensor:  # type: ignore[override]
-        from dsconv.quant.schemes import fake_quant_activation
+        from dsconv.quant.algorithms.schemes import fake_quant_activation
 
         return fake_quant_activation(x, scale, offset)
 
@@ -122,7 +122,7 @@ class _StaticFakeQuant(torch.autograd.Function):
 
 
 def dynamic_fake_quant(x: torch.Tensor) -> torch.Tensor:
-    from dsconv.quant.stats import dynamic_fake_quant as dfq
+    from dsconv.quant.calibrate.stats import dynamic_fake_quant as dfq
 
     return dfq(x)
 
@@ -145,7 +145,7 @@ class QuantLinearForward:
 def build(qck: Any, layers: dict[str, QLayer]) -> tuple[nn.Module, dict[str, FusedExperts], dict[str, Any]]:
     """(the fake-quantized torch model, fused expert int8 parameters by graph name, a report)."""
     from dsconv.model import torch_builder
-    from dsconv.quant.layers import install_forward
+    from dsconv.quant.calibrate.layers import install_forward
 
     def load(name: str, dtype: torch.dtype) -> torch.Tensor:
         module, _, param = name.rpartition(".")
@@ -246,7 +246,7 @@ def load_source(qck: Any) -> Source:
     model, fused, report = build(qck, layers)
 
     def simulation() -> nn.Module:
-        from dsconv.quant.evaluate import load_quantized_model
+        from dsconv.quant.evaluate.fidelity import load_quantized_model
 
         with quiet_transformers():
             return load_quantized_model(qck)[0].eval()

@@ -1,0 +1,6 @@
+"""`dsconv eval` and the quantized model as others see it: the eval stage (stage), the perplexity / logit comparison
+against the original (fidelity), an exported ONNX model as a language model (onnx_lm), and the quantize output as a
+fake-quantized torch model for the ONNX export (fakequant).
+
+Inside quant/ rather than a stage of its own: it reads the quantize output through quant's own modules (formats,
+calibrate.layers, calibrate.stats, algorithms.schemes), and a stage never imports another stage."""
