@@ -237,8 +237,8 @@ class _Buffers:
         if isinstance(base, np.ndarray) and base.dtype == np.uint8 and base.ndim == 1:
             with self.lock:
                 self.idle.append(base)
-                if len(self.idle) > self.keep:
-                    self.idle.remove(min(self.idle, key=len))
+                if len(self.idle) > self.keep:  # by index: list.remove compares arrays with ==
+                    del self.idle[min(range(len(self.idle)), key=lambda i: len(self.idle[i]))]
 
 
 _STRIPES = _Buffers()
