@@ -69,7 +69,15 @@ def run(req: QuantRequest) -> QuantResult:
     family = ck.family
     ktypes = engines.kind_types(prof, family, SCHEMES[opts.scheme], opts.bits_default,
                                 SCHEMES[opts.moe_scheme] if opts.moe_scheme else None)
-    engines.check_plan(prof, family, engines.preview(ck, ktypes, SCHEMES[opts.scheme]))  # before any work
+    preview = engines.preview(ck, ktypes, SCHEMES[opts.scheme])
+    if engines.W4A8 in (SCHEMES[opts.scheme], SCHEMES.get(opts.moe_scheme or "")) and \
+            not any(lp.qtype == engines.W4A8 for lp in preview):
+        raise UserError(f"{model_dir}: W4A8_DYNAMIC is written for routed experts, and {family.name} has none "
+                        f"(no engine loads a per-channel W4A8 linear: {prof.label}: "
+                        f"{prof.why_not[(engines.W4A8, 'linear')].text}; "
+                        f"{prof.why_not[(engines.W4A8, 'linear')].source})",
+                        hint="use --scheme w8a8_dynamic, or --bits 4 (W4A16)")
+    engines.check_plan(prof, family, preview)  # before any work
     plan = make_plan(ck, opts.scheme, opts.group_size, opts.method, opts.ignore, assign=engines.assigner(prof, ktypes),
                      recipe=opts.recipe, mix_ok=prof.fallback_ok)
     engines.check_plan(prof, family, plan.linears.values())

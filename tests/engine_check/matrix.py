@@ -32,6 +32,7 @@ SCHEMES = {
     "w8a16": ["--scheme", "w8a16"],
     "w4a16": ["--scheme", "w4a16", "--group-size", "16"],
     "w4a16_pc": ["--scheme", "w4a16", "--group-size", "0"],
+    "w4a8": ["--bits", "4", "--scheme", "w4a8_dynamic"],
 }
 FAST = ["--calib-samples", "4", "--seq-len", "32"]
 
