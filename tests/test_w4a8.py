@@ -122,3 +122,57 @@ def test_inspect_sizes_deepseek_r1_w4a8_on_one_node(run_cli):
     assert experts / 2 < w4["weight_bytes"] < experts / 2 + 60e9
     text = run_cli(["inspect", "--config", str(DATA / "deepseek_v3_config.json")]).out
     assert "fits one 8-card node" in text
+
+
+@pytest.mark.slow
+def test_shard_plans_deepseek_r1_w4a8_on_one_node_from_its_config(run_cli):
+    """Bytes per card from the W4A8 output's own tensors (quantize's layout, from config.json alone): EP 8 x TP 8
+    on one 8-card 910B node fits with a 32k context; the BF16 model does not."""
+    cfg = str(DATA / "deepseek_v3_config.json")
+    args = ["shard", "--config", cfg, "--engine", "vllm-ascend", "--ep", "8", "--tp", "8", "--world", "8",
+            "--max-context", "32768", "--json"]
+    r = run_cli([*args, "--scheme", "w4a8_dynamic"])
+    assert r.code == 0, r.err
+    plan = json.loads(r.out)
+    assert plan["ok"] and plan["memory"]["ok"] and plan["memory"]["min_kv_tokens"] >= 32768
+    assert plan["source"]["dtypes"]["I8"] > 40000 and plan["source"]["quant_type"] == "W8A8_DYNAMIC"
+    inspect = json.loads(run_cli(["inspect", "--config", cfg, "--json"]).out)
+    per_card = plan["total_bytes"] / 8
+    assert abs(per_card - inspect["w4a8"]["weight_bytes"] / 8) / per_card < 0.01, "inspect and shard agree"
+    text = run_cli([*args[:-1], "--scheme", "w4a8_dynamic"]).out
+    assert "plan OK" in text
+    bf16 = run_cli(args)
+    assert bf16.code == 3, "the BF16 model needs more than one node"
+
+
+def test_shard_slices_packed_experts_and_scale_bias_under_expert_tp(tiny_model, run_cli, tmp_path):
+    """moe_tp 2: gate/up packed rows split on dim 0 with their scales, down's k (packed columns) and its 16
+    scale_bias chunks split on dim 1 (vLLM _load_w13 / _load_w2 and MindIE's row W4A8 branch do the same)."""
+    from safetensors import safe_open
+
+    q = tmp_path / "q"
+    assert run_cli(["quantize", "-m", str(tiny_model("qwen3_moe")), "-o", str(q), *W4, "--engine",
+                    "vllm-ascend"]).code == 0
+    r = run_cli(["shard", "-m", str(q), "--ep", "1", "--tp", "2", "--world", "2", "--engine", "vllm-ascend",
+                 "--format", "ranks", "-o", str(tmp_path / "s")])
+    assert r.code == 0, r.err
+
+    def load(d: Path) -> dict[str, torch.Tensor]:
+        out = {}
+        for f in d.glob("*.safetensors"):
+            with safe_open(str(f), "pt") as sf:
+                out.update({k: sf.get_tensor(k) for k in sf.keys() if ".experts.0." in k})
+        return out
+
+    full = load(q)
+    P = next(k for k in full if k.endswith("experts.0.down_proj.weight"))[:-len(".weight")]
+    G = P.replace("down_proj", "gate_proj")
+    for rank in (0, 1):
+        part = load(tmp_path / "s" / f"rank_{rank:02d}")
+        half = full[P + ".weight"].shape[1] // 2
+        assert torch.equal(part[P + ".weight"], full[P + ".weight"][:, rank * half:(rank + 1) * half])
+        assert torch.equal(part[P + ".scale_bias"], full[P + ".scale_bias"][:, rank * 8:(rank + 1) * 8])
+        assert torch.equal(part[P + ".weight_scale"], full[P + ".weight_scale"])
+        rows = full[G + ".weight"].shape[0] // 2
+        assert torch.equal(part[G + ".weight"], full[G + ".weight"][rank * rows:(rank + 1) * rows])
+        assert torch.equal(part[G + ".scale_bias"], full[G + ".scale_bias"][rank * 2 * rows:(rank + 1) * 2 * rows])

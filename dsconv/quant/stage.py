@@ -20,7 +20,7 @@ from dsconv.quant import report as rep
 from dsconv.quant.calib import load_calib, load_tokenizer, min_tokens_warning
 from dsconv.quant.calibration import Calibrator
 from dsconv.quant.options import QuantOptions, check_options, fallback_policy, needs_calibration
-from dsconv.quant.output import QuantWriter
+from dsconv.quant.output import QuantWriter, description, final_specs
 from dsconv.quant.plan import SCHEMES, STATIC, make_plan
 from dsconv.quant.selection import HOLD_EVERY, MIN_PROMPTS, held_out_prompts
 from dsconv.quant.streaming import weight_only
@@ -50,6 +50,20 @@ class QuantResult:
 
     def render(self) -> str:
         return rep.render_plan(self.summary) if self.dry_run else rep.render(self.summary)
+
+
+def planned_output(ck: Any, scheme: str, engine: str | None = None) -> tuple[list[Any], dict[str, Any]]:
+    """The tensors (TensorSpec) and description `dsconv quantize --scheme SCHEME` would write for `ck` (a
+    Checkpoint or a config's ConfigOnly), from headers alone: what `shard --config --scheme` plans."""
+    if scheme not in SCHEMES:
+        raise UserError(f"unknown scheme {scheme}", hint=f"choose one of {', '.join(SCHEMES)}")
+    prof = engines.get(engine)
+    ktypes = engines.kind_types(prof, ck.family, SCHEMES[scheme], bits_default=False)
+    plan = make_plan(ck, scheme, None, "rtn", (), assign=engines.assigner(prof, ktypes), mix_ok=prof.fallback_ok)
+    engines.check_plan(prof, ck.family, plan.linears.values())
+    types = {m: lp.qtype for m, lp in plan.linears.items()}
+    specs = final_specs(ck, plan, types)
+    return specs, description(plan, types, specs)
 
 
 def run(req: QuantRequest) -> QuantResult:
