@@ -176,3 +176,15 @@ def test_shard_slices_packed_experts_and_scale_bias_under_expert_tp(tiny_model, 
         rows = full[G + ".weight"].shape[0] // 2
         assert torch.equal(part[G + ".weight"], full[G + ".weight"][rank * rows:(rank + 1) * rows])
         assert torch.equal(part[G + ".scale_bias"], full[G + ".scale_bias"][rank * 2 * rows:(rank + 1) * 2 * rows])
+
+
+def test_exports_of_a_w4a8_output_are_refused_with_exit_2(tiny_model, run_cli, tmp_path):
+    """int4 weights have no ONNX (opset <= 18) or AscendQuant form, and MindIR export takes weight-only models."""
+    src = tiny_model("qwen3_moe")
+    q = tmp_path / "q"
+    assert run_cli(["quantize", "-m", str(src), "-o", str(q), *W4, "--engine", "vllm-ascend"]).code == 0
+    onnx = run_cli(["export", "-m", str(src), "--quantized", str(q), "--format", "onnx", "-o", str(tmp_path / "o")])
+    assert onnx.code == 2 and "W4A8_DYNAMIC" in onnx.err and "Traceback" not in onnx.err
+    ms = run_cli(["export", "-m", str(q), "--format", "mindir", "-o", str(tmp_path / "m")])
+    assert ms.code == 2 and "Traceback" not in ms.err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "m").exists()

@@ -86,8 +86,8 @@ def run(req: QuantRequest) -> QuantResult:
     preview = engines.preview(ck, ktypes, SCHEMES[opts.scheme])
     if engines.W4A8 in (SCHEMES[opts.scheme], SCHEMES.get(opts.moe_scheme or "")) and \
             not any(lp.qtype == engines.W4A8 for lp in preview):
-        raise UserError(f"{model_dir}: W4A8_DYNAMIC is written for routed experts, and {family.name} has none "
-                        f"(no engine loads a per-channel W4A8 linear: {prof.label}: "
+        raise UserError(f"--engine {prof.name}: W4A8_DYNAMIC is written for routed-expert layers, and "
+                        f"{family.name} ({model_dir}) has none (no engine loads a per-channel W4A8 linear: {prof.label}: "
                         f"{prof.why_not[(engines.W4A8, 'linear')].text}; "
                         f"{prof.why_not[(engines.W4A8, 'linear')].source})",
                         hint="use --scheme w8a8_dynamic, or --bits 4 (W4A16)")

@@ -154,7 +154,8 @@ def _table(produce) -> str:
             got = [e for e in ENGINES if produce(*key, e).out is not None
                    and (e != "vllm-ascend" or real.get(key, False))]
             cells.append(" + ".join({"mindie": "MindIE", "vllm-ascend": "vLLM"}[e] for e in got) or "-")
-        label = {"bits8": "`--bits 8` (engine recipe)", "w4a16_pc": "w4a16 `--group-size 0`"}.get(s, s)
+        label = {"bits8": "`--bits 8` (engine recipe)", "w4a16_pc": "w4a16 `--group-size 0`",
+                 "w4a8": "w4a8_dynamic (MoE recipe)"}.get(s, s)
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
