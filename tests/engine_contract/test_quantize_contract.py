@@ -110,7 +110,7 @@ def test_w4a16_nibble_order(scheme, produce):
 def test_refusals_name_kind_and_alternative(produce):
     """The exit-2 message names the layer kind, an example layer, the engine rule's source and the way out."""
     r = produce("qwen3_moe", "w8a16", "vllm-ascend")
-    assert r.out is None and "routed_experts layers" in r.refusal and "--moe-scheme w8a8_dynamic" in r.refusal
+    assert r.out is None and "routed_experts layers" in r.refusal and "--moe-scheme w4a8_dynamic | w8a8_dynamic" in r.refusal
     r = produce("llama", "w4a16", "vllm-ascend")
     assert r.out is None and "attention layers" in r.refusal and "registry.py" in r.refusal
     r = produce("mixtral", "w8a8", "vllm-ascend")
