@@ -36,7 +36,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 # --model names -> fixture directories built by benchmarks/real_models.py
-FIXTURES = {"qwen": "qwen2.5-coder-0.5b", "gemma": "gemma-3-270m"}
+FIXTURES = {"qwen": "qwen2.5-coder-0.5b", "gemma": "gemma-3-270m",
+            # the same Qwen restated as a one-expert qwen2_moe (benchmarks/moe_restatement.py): W4A8's routed path
+            "qwen-moe": "qwen2.5-coder-0.5b-moe1"}
 FIXTURE = FIXTURES["qwen"]
 SEQ = 512
 # name -> (CLI arguments, target increase in %, or a rule against the RTN row)
@@ -53,6 +55,13 @@ SCHEMES: dict[str, tuple[list[str], float | str | None]] = {
     "W4A16 g64 AWQ": (["--scheme", "w4a16", "--group-size", "64", "--method", "awq"], VS_RTN),
     "W8A16 AWQ": (["--scheme", "w8a16", "--method", "awq"], 0.2),
     "W8A16 GPTQ": (["--scheme", "w8a16", "--method", "gptq"], 0.2),
+    # MoE fixture only: routed experts int4 per channel + per-token int8 activations, other linears W8A8_DYNAMIC
+    "W4A8_DYNAMIC MoE recipe RTN": (["--bits", "4", "--scheme", "w4a8_dynamic", "--engine", "vllm-ascend",
+                                     "--method", "rtn"], None),
+    "W4A8_DYNAMIC MoE recipe GPTQ": (["--bits", "4", "--scheme", "w4a8_dynamic", "--engine", "vllm-ascend",
+                                      "--method", "gptq"], VS_RTN),
+    "W4A8_DYNAMIC MoE recipe MSE": (["--bits", "4", "--scheme", "w4a8_dynamic", "--engine", "vllm-ascend",
+                                     "--method", "mse"], VS_RTN),
     # not in the default table: static everywhere (what an engine that reads one type per model gets)
     "W8A8 static, uniform recipe": (["--bits", "8", "--recipe", "uniform"], 2.0),
 }
@@ -60,7 +69,9 @@ KEYS = {"w8a16": "W8A16", "w8a8": "W8A8 static (--bits 8)", "w8a8_vllm": "W8A8 s
         "w8a8_dynamic": "W8A8_DYNAMIC", "rtn": "W4A16 g64 RTN", "w4": "W4A16 g64 (default method)",
         "mse": "W4A16 g64 MSE (searched scales)", "gptq": "W4A16 g64 GPTQ",
         "awq": "W4A16 g64 AWQ", "w8a16_awq": "W8A16 AWQ",
-        "w8a16_gptq": "W8A16 GPTQ", "uniform": "W8A8 static, uniform recipe"}
+        "w8a16_gptq": "W8A16 GPTQ", "uniform": "W8A8 static, uniform recipe",
+        "w4a8": "W4A8_DYNAMIC MoE recipe RTN", "w4a8_gptq": "W4A8_DYNAMIC MoE recipe GPTQ",
+        "w4a8_mse": "W4A8_DYNAMIC MoE recipe MSE"}
 DEFAULT_KEYS = ("w8a16", "w8a16_gptq", "w8a8", "w8a8_vllm", "w8a8_dynamic", "rtn", "mse", "gptq", "w4")
 RESULT_NAME = "fidelity"
 
@@ -181,18 +192,64 @@ def load_quantized(out: Path) -> tuple[Any, dict[str, int]]:
         eng = EngineLinear(qtype, parts, (lin.out_features, lin.in_features))
         lin.forward = eng  # instance attribute: nn.Module.__call__ picks it up
         counts[qtype] = counts.get(qtype, 0) + 1
+    handled = _install_expert_loops(modules, desc, tensors, counts)
     # decoder linears kept in float (the mixed recipe's down_proj under MindIE) count in the static ratio's total
     counts["FLOAT"] = sum(1 for n, m in modules.items() if isinstance(m, torch.nn.Linear) and ".layers." in n
                           and desc.get(n + ".weight") == "FLOAT")
     if not counts["FLOAT"]:
         del counts["FLOAT"]
-    left = [m for m in missing if not any(m.startswith(p + ".") for p in quantized)]
+    left = [m for m in missing if not any(m.startswith(p + ".") for p in quantized) and m not in handled]
     if "lm_head.weight" in left and getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
         left.remove("lm_head.weight")
     if left:
         raise RuntimeError(f"{out}: tensors missing from the output: {left[:5]}")
     return model.eval(), counts
+
+
+def _install_expert_loops(modules: dict[str, Any], desc: dict[str, Any], tensors: dict[str, Any],
+                          counts: dict[str, int]) -> set[str]:
+    """transformers' fused 3-D experts (`<moe>.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) computed
+    per expert from the stored per-expert linears `<moe>.experts.<e>.{gate,up,down}_proj`, each as its engine type
+    (the same token loop as transformers' own forward). Returns the fused parameter names it fills."""
+    import torch
+
+    filled: set[str] = set()
+    for name, mod in modules.items():
+        if not name.endswith(".experts") or not isinstance(getattr(mod, "gate_up_proj", None), torch.nn.Parameter):
+            continue
+        E, I2, H = mod.gate_up_proj.shape
+        I = I2 // 2
+        lin = []
+        for e in range(E):
+            per = {}
+            for slot, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+                P = f"{name}.{e}.{slot}"
+                qtype = desc.get(P + ".weight")
+                parts = {k[len(P) + 1:]: v for k, v in tensors.items() if k.startswith(P + ".")}
+                if qtype in (None, "FLOAT"):
+                    w = parts["weight"].float()
+                    per[slot] = lambda x, w=w: x.float() @ w.T
+                else:
+                    per[slot] = EngineLinear(qtype, parts, shape)
+                    counts[qtype] = counts.get(qtype, 0) + 1
+            lin.append(per)
+
+        def forward(hidden_states, top_k_index, top_k_weights, mod=mod, lin=lin, E=E):
+            out = torch.zeros_like(hidden_states)
+            for e in range(E):
+                tok, pos = torch.where(top_k_index == e)
+                if tok.numel() == 0:
+                    continue
+                x = hidden_states[tok]
+                h = mod.act_fn(lin[e]["gate_proj"](x)) * lin[e]["up_proj"](x)
+                y = lin[e]["down_proj"](h) * top_k_weights[tok, pos, None]
+                out.index_add_(0, tok, y.to(out.dtype))
+            return out
+
+        mod.forward = forward
+        filled |= {f"{name}.gate_up_proj", f"{name}.down_proj"}
+    return filled
 
 
 # ------------------------------------------------------------------------------------------- runs
@@ -258,11 +315,12 @@ def run_model(name: str, model_dir: Path, keys: list[str], a: argparse.Namespace
         ppl = perplexity(model, chunks)
         del model
         total = sum(counts.values())
+        size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
         row = {"args": args + extra, "ppl": ppl, "increase_pct": 100.0 * (ppl / ppl_float - 1.0), "quantize_s": secs,
                "quantize_cpu_s": cpu, "load_after": round(os.getloadavg()[0], 2),
                "load_before": round(load0, 2), "types": counts,
                "static_ratio": counts.get("W8A8", 0) / total if total else 0.0, "target_pct": target,
-               "method": summary.get("method"), "decisions": summary.get("decisions"),
+               "method": summary.get("method"), "output_bytes": size, "decisions": summary.get("decisions"),
                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         rows[label] = row
         print(f"{name} {label:40s} ppl {ppl:9.4f}  {row['increase_pct']:+7.2f}%  {secs:6.0f}s (cpu {cpu:.0f}s)  "
@@ -347,7 +405,7 @@ def print_table(models: dict[str, Any]) -> None:
             if r is None:
                 cells.append("")
                 continue
-            rtn = models[n]["schemes"].get(KEYS["rtn"])
+            rtn = models[n]["schemes"].get(KEYS["w4a8" if "W4A8" in label else "rtn"])
             txt, met = judge(r, rtn)
             target_txt = target_txt or txt.split(" (got")[0]
             extra = []
@@ -363,6 +421,8 @@ def print_table(models: dict[str, Any]) -> None:
                 extra.append(", ".join(f"{k} {v}" for k, v in r["decisions"]["gptq_or_rtn"].items()))
             if r.get("same_as"):
                 extra.append(f"method {r['method']}: the {r['same_as']} row")
+            if r.get("output_bytes"):
+                extra.append(f"{r['output_bytes'] / 2**20:.0f} MiB")
             extra.append(f"{r['quantize_cpu_s']:.0f} s CPU, load {r.get('load_before', '?')}")
             cells.append(f"{r['increase_pct']:+.2f}% ({'; '.join(extra)})")
         print(f"| {label} | {target_txt} | " + " | ".join(cells) + " |")

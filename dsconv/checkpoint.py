@@ -421,7 +421,20 @@ class ConfigOnly:
 
     @property
     def is_quantized(self) -> bool:
-        return False
+        return self.quant_description is not None
+
+    def quantized_view(self, specs: list[Any], description: dict[str, Any]) -> "ConfigOnly":
+        """The same model as a quantize output would store it: `specs` (TensorSpec, the output's tensors) and its
+        description, for plans of an output not yet written (`shard --config --scheme`)."""
+        import copy
+
+        view = copy.copy(self)
+        path = next(iter(self.tensors.values())).file
+        view.tensors = {s.name: TensorInfo(s.name, s.dtype, s.shape, path, 0, s.nbytes, s.name) for s in specs}
+        view.roles = {s.name: self.family.classify(s.name, self.facts) for s in specs}
+        view.quant_description = description
+        view.fp8_scales = {}
+        return view
 
 
 def _read_json(path: Path, hint: str = "pass a HF config.json") -> dict[str, Any]:

@@ -11,13 +11,15 @@ import math
 from collections import defaultdict
 from typing import Any
 
-from dsconv.families.roles import Category
+from dsconv.families.roles import Category, Role
+from dsconv.qformat import SCALE_BIAS_CHUNKS
 from dsconv.soc import soc_facts
 from dsconv.tensors import human_bytes
 
 # Bytes per parameter of a quantized linear at each precision, scales included (INT4: group 128, fp32 scale+offset).
 PRECISIONS = {"bf16": None, "int8": 1.0 + 0.0, "int4": 0.5 + 8 / 128}
 OVERHEADS = (1.2, 1.3)
+NODE_SOC, NODE_CARDS = "Ascend910B", 8  # one Atlas 800I A2 server
 SIZING_SOCS = ("Ascend910B", "Ascend910B4", "Ascend310P3")
 
 
@@ -28,6 +30,8 @@ def inspect_model(ck: Any) -> dict[str, Any]:
     dtypes: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "bytes": 0})
     total_bytes = elements = parameters = main_parameters = 0
     quantizable = other = 0  # parameters by whether the default quantization touches them
+    w4a8 = 0  # bytes under `quantize --scheme w4a8_dynamic` (routed experts int4, other linears int8)
+    experts = False
     head, embed = ck.family.tensor("lm_head"), ck.family.tensor("embed")
     tied_dup = facts.tie_word_embeddings and head in ck.tensors and embed in ck.tensors
     for name, info in ck.tensors.items():
@@ -53,6 +57,9 @@ def inspect_model(ck: Any) -> dict[str, Any]:
             quantizable += numel
         else:
             other += numel
+        b = _w4a8_bytes(r, tuple(info.shape), numel)
+        experts = experts or (b < numel and r.role in (Role.EXPERT_IN, Role.EXPERT_OUT))
+        w4a8 += b
     report: dict[str, Any] = {
         "model_type": facts.model_type,
         "family": ck.family.name,
@@ -69,12 +76,32 @@ def inspect_model(ck: Any) -> dict[str, Any]:
         "kv_cache_bytes_per_token": {"bf16": facts.kv_bytes_per_token(2), "int8": facts.kv_bytes_per_token(1)},
         "quantized": bool(ck.is_quantized),
     }
-    report["cards"] = cards_needed(quantizable, other)
+    report["cards"] = cards_needed(quantizable, other, {"w4a8": w4a8} if experts and not ck.is_quantized else None)
     if not ck.is_quantized:
-        from dsconv.engines import recipes
+        from dsconv.engines import recipes, w4a8_recipe
 
         report["engine_recipes"] = recipes(ck)
+        if experts:
+            report["w4a8"] = {"layer_types": w4a8_recipe(ck), "weight_bytes": w4a8,
+                              "node_cards": NODE_CARDS, "node_soc": NODE_SOC}
     return report
+
+
+def _w4a8_bytes(r: Any, shape: tuple[int, ...], numel: int) -> int:
+    """One tensor's bytes in the W4A8 recipe's output (quant.plan, engines.W4A8_RECIPE): a routed expert's weight
+    int4 + fp32 scale, offset and scale_bias (16 chunks for down) per row; other linears int8 + scale and offset;
+    DeepSeek kv_b_proj, MTP layers and everything else in 16 bits."""
+    from dsconv.engines import layer_kind
+
+    if r.param != "weight" or not r.role.quantized_by_default or len(shape) != 2:
+        return 2 * numel
+    kind = layer_kind(r)
+    n = shape[0]
+    if kind == "routed_experts":
+        return numel // 2 + n * (8 + 4 * (SCALE_BIAS_CHUNKS if r.role.tp_dim == 1 else 1))
+    if kind in (None, "kv_b"):
+        return 2 * numel
+    return numel + 8 * n
 
 
 def _packed_int4(ck: Any, name: str) -> bool:
@@ -90,14 +117,15 @@ def weight_bytes(quantizable: int, other: int, precision: str) -> int:
     return int(quantizable * per) + 2 * other
 
 
-def cards_needed(quantizable: int, other: int) -> dict[str, Any]:
+def cards_needed(quantizable: int, other: int, recipes: dict[str, int] | None = None) -> dict[str, Any]:
+    """Cards per SoC for the weights at each precision, and for `recipes` given as total bytes (W4A8)."""
     out: dict[str, Any] = {}
     for soc in SIZING_SOCS:
         facts = soc_facts(soc)
         mem = facts.device_memory_mb * 2**20
         per_soc: dict[str, Any] = {"memory_bytes": mem}
-        for precision in PRECISIONS:
-            b = weight_bytes(quantizable, other, precision)
+        sizes = {p: weight_bytes(quantizable, other, p) for p in PRECISIONS} | (recipes or {})
+        for precision, b in sizes.items():
             label = "fp16" if not facts.bf16 and precision == "bf16" else precision  # no BF16: cast to FP16
             per_soc[label] = {"weight_bytes": b, "cards": max(1, math.ceil(b / mem)),
                               **{f"cards_x{o}": max(1, math.ceil(b * o / mem)) for o in OVERHEADS}}
@@ -141,6 +169,14 @@ def render(report: dict[str, Any]) -> str:
     lines.append("")
     for eng, kinds in report.get("engine_recipes", {}).items():
         lines.append(f"quantize --bits 8 --engine {eng}: " + ", ".join(f"{k} {t}" for k, t in kinds.items()))
+    w4 = report.get("w4a8")
+    if w4:
+        cards = report["cards"][w4["node_soc"]]["w4a8"]
+        fits = "fits" if cards["cards_x1.3"] <= w4["node_cards"] else "does not fit"
+        lines.append("quantize --bits 4 --scheme w4a8_dynamic: " +
+                     ", ".join(f"{k} {t}" for k, t in w4["layer_types"].items()))
+        lines.append(f"  W4A8 weights {human_bytes(w4['weight_bytes'])}: {cards['cards']} x {w4['node_soc']} "
+                     f"({cards['cards_x1.3']} with x1.3): {fits} one {w4['node_cards']}-card node")
     lines.append("")
     lines.append("cards for the weights (plain / x1.2 / x1.3 for KV cache and workspace):")
     for soc, per in report["cards"].items():

@@ -90,6 +90,30 @@ def unpack_int4_by_shape(packed: np.ndarray, shape: tuple[int, int], name: str =
     )
 
 
+# W4A8_DYNAMIC's scale_bias
+SCALE_BIAS_CHUNKS = 16  # a row layer's k range cut in 16 contiguous chunks: TP degrees 1..16 each sum their own
+
+
+def scale_bias_sums(q: np.ndarray, chunks: int) -> np.ndarray:
+    """int64 ``[n, chunks]``: the sum of each output row's int4 values over ``chunks`` contiguous k ranges (1 for a
+    column layer). Per row, so row blocks of a weight give the rows of the whole."""
+    n, k = q.shape
+    if k % chunks:
+        raise UserError(f"scale_bias: input width {k} is not divisible by {chunks} chunks")
+    return q.reshape(n, chunks, k // chunks).sum(axis=-1, dtype=np.int64)
+
+
+def scale_bias(sums: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """float32 ``[n, chunks]`` = 8 * scale * (sum of the int4 values), per chunk (scale_bias_sums).
+
+    Why: the engines' A8W4 kernel splits each int8 activation x into two int4 halves, x = 16*hi + lo + 8, and
+    multiplies both by the signed int4 weights; the ``+8`` term, 8 * s * sum_k q, comes from this tensor (summed over
+    the chunks a rank holds). Computed in float64 from the exact integer sums, rounded once."""
+    sums = np.asarray(sums, np.int64)
+    s = np.asarray(scale, np.float32).reshape(sums.shape[0], 1).astype(np.float64)
+    return (8.0 * s * sums.astype(np.float64)).astype(np.float32)
+
+
 # deq_scale as stored
 def deq_scale_as_int64(deq_scale: np.ndarray) -> np.ndarray:
     """fp16 models store deq_scale as int64 holding the float32 bit pattern (1.0 -> 1065353216)."""

@@ -6,6 +6,7 @@ from pathlib import Path
 import click
 
 from dsconv import workspace
+from dsconv.commands.quantize import SCHEME_NAMES
 from dsconv.shard.layout import MAX_WORLD
 from dsconv.commands.options import (PATH, SIZE, emit_json, exec_options, force_option, json_option, output_option,
                                      resolve_exec, warn)
@@ -62,6 +63,9 @@ RANKS = click.IntRange(1, MAX_WORLD)
               help="mindie: MindIE's offline-sharded folders (DeepSeek-V3/R1, the default there with --engine mindie); "
                    "ranks: generic rank_XX/ copies for inspection; plan: plan.json + cluster files only (the default "
                    "where the engine shards at load time).")
+@click.option("--scheme", type=click.Choice(SCHEME_NAMES), default=None,
+              help="With --config: plan the output `dsconv quantize --scheme SCHEME` would write (its tensors' real "
+                   "sizes), e.g. w4a8_dynamic for DeepSeek-R1 on one node.")
 @click.option("--dry-run", is_flag=True, help="Print the plan; write nothing.")
 @click.option("--plot", type=PATH, default=None, help="Also draw the per-card chart into this PNG.")
 @output_option
@@ -70,7 +74,7 @@ RANKS = click.IntRange(1, MAX_WORLD)
 @json_option
 def shard(model: Path | None, config: Path | None, ep, tp, world, nodes, cards_per_node, expert_tp, dp_attention, soc,
           placement, expert_load, redundant, tolerance, max_context, batch, kv_bits, memory_fraction, workspace_gb,
-          hosts, max_shard_size, engine, fmt, dry_run, plot, output, workers, executor, ray_address, force,
+          hosts, max_shard_size, engine, fmt, scheme, dry_run, plot, output, workers, executor, ray_address, force,
           as_json) -> None:
     """Place every tensor on every rank (EP/TP), check balance and HBM fit, write rank_XX/ dirs and cluster files.
 
@@ -78,6 +82,16 @@ def shard(model: Path | None, config: Path | None, ep, tp, world, nodes, cards_p
     """
     from dsconv.shard.stage import ShardRequest, render, run
 
+    source = None
+    if scheme is not None:
+        if config is None:
+            raise UserError("--scheme plans a quantize output from --config", hint="add --config config.json, or "
+                            "shard the written output with --model")
+        from dsconv.checkpoint import ConfigOnly
+        from dsconv.quant.stage import planned_output
+
+        src = ConfigOnly.open(config)
+        source = src.quantized_view(*planned_output(src, scheme, engine))
     if config is None and model is None:
         model = workspace.previous_output("quantize") or workspace.resolve_model(None)
     req = ShardRequest(model=model, config=config, ep=ep, tp=tp, world=world, nodes=nodes,
@@ -86,7 +100,7 @@ def shard(model: Path | None, config: Path | None, ep, tp, world, nodes, cards_p
                        max_context=max_context, batch=batch, kv_bits=int(kv_bits), memory_fraction=memory_fraction,
                        workspace_gb=workspace_gb, hosts=hosts, output=output, force=force,
                        max_shard_size=max_shard_size, dry_run=dry_run, plot=plot, engine=engine, format=fmt,
-                       execution=resolve_exec(workers, executor, ray_address))
+                       execution=resolve_exec(workers, executor, ray_address), source=source)
     result = run(req)
     for w in result.warnings:
         warn(w)

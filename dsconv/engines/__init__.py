@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Callable, Iterable
 
-from dsconv.engines.profiles import DEFAULT_ENGINE, ENGINES, FLOAT, KINDS, EngineProfile
+from dsconv.engines.profiles import DEFAULT_ENGINE, ENGINES, FLOAT, KINDS, VLLM_ASCEND, EngineProfile
 from dsconv.errors import UserError
 from dsconv.families.roles import Category, Role
 
@@ -24,6 +24,14 @@ DEFAULT_BITS8: dict[str, dict[str, str]] = {
     "vllm-ascend": {"attention": "W8A8", "dense_mlp": "W8A8", "shared_experts": "W8A8",
                     "routed_experts": "W8A8_DYNAMIC"},
 }
+
+
+# `--scheme w4a8_dynamic`: msModelSlim's W4A8 practice (lab_practice/deepseek_v3/deepseek_w4a8_per_channel.yaml):
+# routed experts int4 per channel, every other quantized linear W8A8_DYNAMIC (neither engine loads a per-channel
+# W4A8 linear; vLLM-Ascend's W4A8 MoE needs W8A8_DYNAMIC shared experts), the engine's float-only kinds float
+W4A8 = "W4A8_DYNAMIC"
+W4A8_RECIPE = {"attention": "W8A8_DYNAMIC", "dense_mlp": "W8A8_DYNAMIC", "shared_experts": "W8A8_DYNAMIC",
+               "routed_experts": W4A8}
 
 
 def _family(family: Any) -> Any:
@@ -77,6 +85,8 @@ def kind_types(prof: EngineProfile, family: Any, qtype: str, bits_default: bool,
     engine's float-only kinds (DeepSeek kv_b_proj) FLOAT."""
     if bits_default and qtype == "W8A8":
         out = dict(_family(family).bits8_recipe or DEFAULT_BITS8[prof.name])
+    elif qtype == W4A8:
+        out = dict(W4A8_RECIPE)
     else:
         out = {k: qtype for k in KINDS}
     if moe_qtype is not None:
@@ -128,6 +138,14 @@ def check_plan(prof: EngineProfile, family: Any, linears: Iterable[Any]) -> None
             reason = f"{why.text} ({why.source})" if why else f"it has no {qtype} {prof.layer_type(kind)} scheme"
             raise UserError(f"--engine {prof.name}: {kind} layers (e.g. {example}) cannot be {qtype}: "
                             f"{prof.label}: {reason}", hint=_alternatives(prof, kind, qtype))
+    shared = by_kind.get("shared_experts", {})
+    if prof.w4a8_shared_types is not None and W4A8 in by_kind.get("routed_experts", {}):
+        for qtype, example in shared.items():
+            if qtype not in prof.w4a8_shared_types:
+                rule = prof.rules["w4a8"]
+                raise UserError(f"--engine {prof.name}: shared experts (e.g. {example}) cannot be {qtype} beside "
+                                f"W4A8 routed experts: {prof.label}: {rule.text} ({rule.source})",
+                                hint="use --scheme w4a8_dynamic (its recipe), or --scheme w8a8_dynamic")
     for key, kinds in prof.region_map(_family(family)).items():
         present = {t: k for k in kinds for t in by_kind.get(k, {}) if t != FLOAT}
         if len(present) > 1:
@@ -135,7 +153,8 @@ def check_plan(prof: EngineProfile, family: Any, linears: Iterable[Any]) -> None
             raise UserError(f"--engine {prof.name}: config.json `{key}` governs {', '.join(kinds)}, but {k1} would be "
                             f"{t1} and {k2} {t2}: {prof.label} reads one quantized type per region "
                             f"({prof.rules['regions'].source})",
-                            hint="give them one type (drop --moe-scheme), or use --engine vllm-ascend")
+                            hint="use --engine vllm-ascend (it reads each layer's type)" if W4A8 in present else
+                            "give them one type (drop --moe-scheme), or use --engine vllm-ascend")
 
 
 def preview(ck: Any, types: dict[str, str], default: str) -> list[Any]:
@@ -208,8 +227,9 @@ def config_updates(prof: EngineProfile, family: Any, types: dict[str, str], kind
     if quantize is None:
         return {}
     out = {"quantize": quantize}
+    w4a8 = W4A8.lower() in regions.values()  # msModelSlim names every region then (profiles: rules["w4a8_regions"])
     for key in prof.config_keys:
-        if key != "quantize" and key in regions and regions[key] != quantize:
+        if key != "quantize" and key in regions and (w4a8 or regions[key] != quantize):
             out[key] = regions[key]
     return out
 
@@ -245,6 +265,14 @@ def kind_table(linears: Iterable[Any], ignored: dict[str, str] | None = None,
 
 # every config.json key any engine profile writes (a re-quantized input must not keep stale ones)
 ALL_CONFIG_KEYS = tuple(sorted({k for p in ENGINES.values() for k in p.config_keys}))
+
+
+def w4a8_recipe(ck: Any) -> dict[str, str]:
+    """layer kind -> type `quantize --scheme w4a8_dynamic` gives it (both engines), for the kinds the model has."""
+    present = {layer_kind(ck.role(n)) for n in ck.names()
+               if ck.role(n).param == "weight" and ck.role(n).role.quantized_by_default}
+    t = kind_types(VLLM_ASCEND, ck.family, W4A8, bits_default=False)
+    return {k: t[k] for k in KINDS if k in present}
 
 
 def recipes(ck: Any) -> dict[str, dict[str, str]]:

@@ -43,6 +43,8 @@ class EngineProfile:
     fallback_ok: bool                                # may one region mix quantized types (per-unit fallback)?
     moe_type_key: bool = False                       # description names each MoE layer's type `<moe>.experts.weight`
     rope_rows_packed_ok: bool = True                 # may rows the loader permutes for rope be int4-packed along n?
+    # the types shared experts may have beside W4A8 routed experts (None: any the engine loads)
+    w4a8_shared_types: frozenset[str] | None = None
     rules: Mapping[str, Rule] = field(default_factory=dict)
 
     def layer_type(self, kind: str) -> str:
@@ -64,8 +66,12 @@ MINDIE = EngineProfile(
     name="mindie",
     label="MindIE",
     schemes={"linear": frozenset({"W8A8", "W8A8_DYNAMIC", "W8A16", "W4A16"}),
-             "moe": frozenset({"W8A8", "W8A8_DYNAMIC", "W8A16", "W4A16"})},
-    why_not={},
+             "moe": frozenset({"W8A8", "W8A8_DYNAMIC", "W8A16", "W4A16", "W4A8_DYNAMIC"})},
+    why_not={("W4A8_DYNAMIC", "linear"): Rule(
+        "a W4A8 linear is read only in the per-group form (weight_scale_second); group_size 0 means per channel, "
+        "which only its MoE path takes",
+        "MindIE-LLM atb/utils/weights.py::Weights.get_multi_weights_col (W4A8 branch); "
+        "mindie_llm/runtime/layers/quantization/ms_model_slim/w4a8.py (MoE only)")},
     float_only={"kv_b": Rule(
         "DeepSeek kv_b_proj is kept float: MindIE reshapes only its weight into k_b/v_b (scales are not), and "
         "Ascend's recipe disables it",
@@ -98,6 +104,15 @@ MINDIE = EngineProfile(
                       "version != 0.0.0 means pre-packed",
                       "MindIE-LLM atb/utils/quantize/w4a16.py::W4A16LinearStatic.__init__; "
                       "atb/utils/quantize/low_bit_utils.py::int42int8"),
+        "w4a8": Rule("W4A8 experts: weight int8 packed along n, gate/up rows sharded on dim 0, down on dim 1 with its "
+                     "[H, 16] scale_bias; scale_bias read always, `group_size == 0` selects per channel (a missing "
+                     "key means per group); the MoE bias is scale_bias summed over its chunks",
+                     "MindIE-LLM atb/utils/weights.py::Weights.get_multi_weights_col, get_multi_weights_row (W4A8 "
+                     "branches); atb/utils/quantize/w4a8.py::W4A8LinearDynamic"),
+        "w4a8_regions": Rule("DeepSeek W4A8: routed experts are read with moe_quantize, attention with "
+                             "mla_quantize, dense MLP and shared experts with quantize; msModelSlim writes all three",
+                             "MindIE-LLM atb/models/deepseek/modeling_deepseek.py::DeepseekMoE.init_experts; "
+                             "msmodelslim model/deepseek_v3/model_adapter.py::ascendv1_save_postprocess"),
     },
 )
 
@@ -105,7 +120,7 @@ VLLM_ASCEND = EngineProfile(
     name="vllm-ascend",
     label="vLLM-Ascend",
     schemes={"linear": frozenset({"W8A8", "W8A8_DYNAMIC", "W8A16"}),
-             "moe": frozenset({"W8A8_DYNAMIC"})},
+             "moe": frozenset({"W8A8_DYNAMIC", "W4A8_DYNAMIC"})},
     why_not={
         ("W4A16", "linear"): Rule("no W4A16 linear scheme is registered",
                                   "vllm-ascend vllm_ascend/quantization/methods/registry.py::get_scheme_class"),
@@ -116,6 +131,10 @@ VLLM_ASCEND = EngineProfile(
                                "vllm-ascend vllm_ascend/quantization/methods/registry.py::get_scheme_class"),
         ("W8A8", "moe"): Rule("no static W8A8 MoE scheme since 2025-12-19 (NotImplementedError)",
                               "vllm-ascend vllm_ascend/quantization/modelslim_config.py::create_scheme_for_layer"),
+        ("W4A8_DYNAMIC", "linear"): Rule(
+            "its W4A8 linear divides by group_size (ZeroDivisionError for the per-channel form, group_size 0) and "
+            "runs as W4A16 anyway; group_size is global, so a per-channel W4A8 MoE file holds no W4A8 linear",
+            "vllm-ascend vllm_ascend/quantization/methods/w4a8.py::AscendW4A8DynamicLinearMethod.get_pergroup_param"),
     },
     float_only={"kv_b": Rule(
         "DeepSeek kv_b_proj must be unquantized (assert isinstance(kv_b_proj.quant_method, UnquantizedLinearMethod))",
@@ -126,6 +145,7 @@ VLLM_ASCEND = EngineProfile(
     regions={},
     fallback_ok=True,
     moe_type_key=True,
+    w4a8_shared_types=frozenset({"W8A8_DYNAMIC", FLOAT}),
     rules={
         "description": Rule("only quant_model_description.json; a quantization_config in config.json replaces it",
                             "vllm-ascend vllm_ascend/quantization/modelslim_config.py::AscendModelSlimConfig."
@@ -133,6 +153,11 @@ VLLM_ASCEND = EngineProfile(
         "fused": Rule("fused layers (qkv, gate_up, fused_qkv_a, experts) need one type across shards; MoE type "
                       "from experts.0",
                       "vllm-ascend vllm_ascend/quantization/modelslim_config.py::get_linear_quant_type"),
+        "w4a8": Rule("W4A8 MoE per channel iff version 1.0.0 and group_size 0: w13 [E, I, H] / w2 [E, H/2, I] int8 "
+                     "packed along n, fp32 scales [E, 2I, 1] / [E, H, 1], scale_bias [E, 2I, 1] / [E, H, 16/tp]; "
+                     "quantized shared experts must be W8A8_DYNAMIC (their int8 path reads weight_scale_fp32)",
+                     "vllm-ascend vllm_ascend/quantization/methods/w4a8.py::AscendW4A8DynamicFusedMoEMethod; "
+                     "vllm_ascend/ops/fused_moe/fused_moe.py (shared experts)"),
         "moe_key": Rule("a fused MoE layer's type is looked up as `<prefix>.experts.weight` unless the model type's "
                         "packed_modules_model_mapping lists its experts (qwen2_moe and mixtral are not listed: "
                         "KeyError without the key)",

@@ -20,7 +20,7 @@ from dsconv.io.writer import OutputDir
 from dsconv.quant.algorithms.selection import HOLD_EVERY, MIN_PROMPTS, held_out_prompts
 from dsconv.quant.calibrate.calibration import Calibrator
 from dsconv.quant.calibrate.data import load_calib, load_tokenizer, min_tokens_warning
-from dsconv.quant.formats.output import QuantWriter
+from dsconv.quant.formats.output import QuantWriter, description, final_specs
 from dsconv.quant.plan import report as rep
 from dsconv.quant.plan.options import QuantOptions, check_options, fallback_policy, needs_calibration
 from dsconv.quant.plan.plan import SCHEMES, STATIC, make_plan
@@ -52,6 +52,20 @@ class QuantResult:
         return rep.render_plan(self.summary) if self.dry_run else rep.render(self.summary)
 
 
+def planned_output(ck: Any, scheme: str, engine: str | None = None) -> tuple[list[Any], dict[str, Any]]:
+    """The tensors (TensorSpec) and description `dsconv quantize --scheme SCHEME` would write for `ck` (a
+    Checkpoint or a config's ConfigOnly), from headers alone: what `shard --config --scheme` plans."""
+    if scheme not in SCHEMES:
+        raise UserError(f"unknown scheme {scheme}", hint=f"choose one of {', '.join(SCHEMES)}")
+    prof = engines.get(engine)
+    ktypes = engines.kind_types(prof, ck.family, SCHEMES[scheme], bits_default=False)
+    plan = make_plan(ck, scheme, None, "rtn", (), assign=engines.assigner(prof, ktypes), mix_ok=prof.fallback_ok)
+    engines.check_plan(prof, ck.family, plan.linears.values())
+    types = {m: lp.qtype for m, lp in plan.linears.items()}
+    specs = final_specs(ck, plan, types)
+    return specs, description(plan, types, specs)
+
+
 def run(req: QuantRequest) -> QuantResult:
     """Run `dsconv quantize`."""
     t0 = time.perf_counter()
@@ -69,7 +83,15 @@ def run(req: QuantRequest) -> QuantResult:
     family = ck.family
     ktypes = engines.kind_types(prof, family, SCHEMES[opts.scheme], opts.bits_default,
                                 SCHEMES[opts.moe_scheme] if opts.moe_scheme else None)
-    engines.check_plan(prof, family, engines.preview(ck, ktypes, SCHEMES[opts.scheme]))  # before any work
+    preview = engines.preview(ck, ktypes, SCHEMES[opts.scheme])
+    if engines.W4A8 in (SCHEMES[opts.scheme], SCHEMES.get(opts.moe_scheme or "")) and \
+            not any(lp.qtype == engines.W4A8 for lp in preview):
+        raise UserError(f"--engine {prof.name}: W4A8_DYNAMIC is written for routed-expert layers, and "
+                        f"{family.name} ({model_dir}) has none (no engine loads a per-channel W4A8 linear: {prof.label}: "
+                        f"{prof.why_not[(engines.W4A8, 'linear')].text}; "
+                        f"{prof.why_not[(engines.W4A8, 'linear')].source})",
+                        hint="use --scheme w8a8_dynamic, or --bits 4 (W4A16)")
+    engines.check_plan(prof, family, preview)  # before any work
     plan = make_plan(ck, opts.scheme, opts.group_size, opts.method, opts.ignore, assign=engines.assigner(prof, ktypes),
                      recipe=opts.recipe, mix_ok=prof.fallback_ok)
     engines.check_plan(prof, family, plan.linears.values())

@@ -229,7 +229,8 @@ def _produce(reader: TensorReader, src: Source, params: Params, records: list) -
     q, scale = quantize_weight(lp, t, params, None, 0.0)  # type: ignore[arg-type]  # Params has what it reads
     records.append((lp.module, lp.qtype, _sampled_error(t, q, scale)))
     bias = reader.read(src.bias) if src.bias is not None else None
-    return list(emit_linear(lp.module, lp.qtype, LinearResult(q=q, scale=scale, bias=bias), params.deq_dtype))
+    return list(emit_linear(lp.module, lp.qtype, LinearResult(q=q, scale=scale, bias=bias), params.deq_dtype,
+                            chunks=lp.scale_bias_chunks))
 
 
 def _sampled_error(w: torch.Tensor, q: np.ndarray, scale: np.ndarray) -> float:

@@ -6,11 +6,12 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
+from dsconv.qformat import scale_bias_sums
 from dsconv.quant.algorithms import grid
 from dsconv.quant.algorithms.gptq import gptq_quantize
 from dsconv.quant.algorithms.schemes import (dequant_weight, iter_quantized_rows, qrange, quantize_weight_per_channel,
                                              quantize_weight_per_group, relative_error, to_float32)
-from dsconv.quant.formats.msmodelslim import LinearResult, emit_linear, pack_weight_rows
+from dsconv.quant.formats.msmodelslim import LinearResult, components, emit_linear, pack_weight_rows
 from dsconv.quant.plan.plan import BITS, LinearPlan, QuantPlan
 
 
@@ -57,10 +58,14 @@ def rtn_linear_into(w: Any, lp: LinearPlan, qtype: str, group_size: int, deq_dty
     sampled: list[np.ndarray] = []
     sampled_w: list[np.ndarray] = []
     scale = np.ones((n, groups), np.float32)
+    sb_chunks = lp.scale_bias_chunks
+    sums = np.zeros((n, sb_chunks), np.int64) if any(c[0] == "scale_bias" for c in components(qtype)) else None
 
     def chunks():
         for s, e, q, sc in iter_quantized_rows(w, bits, g, lp.module, done=release):
             scale[s:e] = sc
+            if sums is not None:
+                sums[s:e] = scale_bias_sums(q, sb_chunks)
             first = -(-s // step) * step
             if first < e:
                 # the sampled rows now, while the block's pages are mapped (a strided read of the whole view later
@@ -70,8 +75,8 @@ def rtn_linear_into(w: Any, lp: LinearPlan, qtype: str, group_size: int, deq_dty
             yield pack_weight_rows(lp.module, qtype, q, groups)
 
     write_chunks(f"{lp.module}.weight", chunks())  # the layout's first component, in every type
-    res = LinearResult(q=np.broadcast_to(np.int8(0), (n, k)), scale=scale, bias=bias)
-    for name, arr in emit_linear(lp.module, qtype, res, deq_dtype, skip_weight=True):
+    res = LinearResult(q=np.broadcast_to(np.int8(0), (n, k)), scale=scale, bias=bias, sums=sums)
+    for name, arr in emit_linear(lp.module, qtype, res, deq_dtype, skip_weight=True, chunks=sb_chunks):
         write(name, arr)
     rows = slice(0, n, step)
     q_rows = np.concatenate(sampled) if sampled else np.empty((0, k), np.int8)

@@ -39,6 +39,13 @@ PARAMS = {"FLOAT": ("weight",), "W8A8": ("weight", "input_scale", "input_offset"
 PER_TENSOR = ("input_scale", "input_offset")
 
 
+# Why W4A8 has no offline-sharded form here: MindIE's weight_sharder dumps the loader's buffers after NPU ops
+# (npu_trans_quant_param on the scales, the MoE bias summed from scale_bias), which a CPU host cannot reproduce bit
+# for bit without re-deriving those kernels; the load-time path reads msModelSlim's files as written.
+W4A8_WHY = (": its W4A8 buffers are dumped after NPU transforms (npu_trans_quant_param, scale_bias summed into the MoE "
+            "bias; MindIE-LLM atb/utils/quantize/w4a8.py::W4A8LinearDynamic) that a CPU host does not reproduce")
+
+
 class Planner:
     """The items of one folder kind for one sub-rank (headers only)."""
 
@@ -67,8 +74,10 @@ class Planner:
             return "FLOAT"
         t = self.desc.get(w, "FLOAT")
         if t not in SUPPORTED:
-            raise UserError(f"{module} is {t}: MindIE's sharded layout is written for {', '.join(SUPPORTED)} only",
-                            hint="quantize with --bits 8 (or w8a8_dynamic / w8a16), or shard with --format ranks")
+            why = W4A8_WHY if t == "W4A8_DYNAMIC" else ""
+            raise UserError(f"{module} is {t}: MindIE's sharded layout is written for {', '.join(SUPPORTED)} only"
+                            f"{why}", hint="shard with --format ranks or plan (MindIE shards at load time), or "
+                            "quantize with --bits 8 (or w8a8_dynamic / w8a16)")
         return t
 
     def _src_dtype(self, name: str) -> str:

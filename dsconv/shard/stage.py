@@ -44,6 +44,7 @@ class ShardRequest:
     progress: bool | None = None
     engine: str | None = None    # dsconv.engines profile (default: dsconv.toml, else mindie)
     format: str | None = None    # mindie | ranks | plan (default: what the engine loads, engine_formats.py)
+    source: Any = None           # an opened input instead of model/config (a config's quantized view)
     execution: Any = None        # dsconv.executor.ExecOptions: how rank parts are written (default inline)
 
     def options(self) -> dict[str, Any]:
@@ -104,7 +105,7 @@ def run(req: ShardRequest) -> ShardResult:
         raise UserError(f"--kv-bits {req.kv_bits} is not supported", hint="use 16 (BF16/FP16 cache) or 8 (int8 C8)")
     with gc_paused():  # ~0.5 M small acyclic objects (header listing, plans): no collection walks them
         max_shard = parse_size(req.max_shard_size)
-        src = open_input(req.model, config=req.config)
+        src = req.source if req.source is not None else open_input(req.model, config=req.config)
         from_config = req.config is not None
         dry_run = req.dry_run or from_config
         if from_config and not req.dry_run:

@@ -32,6 +32,7 @@ SCHEMES = {
     "w8a16": ["--scheme", "w8a16"],
     "w4a16": ["--scheme", "w4a16", "--group-size", "16"],
     "w4a16_pc": ["--scheme", "w4a16", "--group-size", "0"],
+    "w4a8": ["--bits", "4", "--scheme", "w4a8_dynamic"],
 }
 FAST = ["--calib-samples", "4", "--seq-len", "32"]
 
@@ -146,27 +147,29 @@ def run_matrix(root: Path, only: str | None) -> tuple[list[dict], list[str]]:
             written.append(out)
         print(f"quantize {case_id(c)}: {c['dsconv']}", flush=True)
     t1 = time.perf_counter()
-    base = root / "out" / CONTROL_OF
-    controls = make_controls(base, root / "out") if base in written else []
+    controls = make_controls({d.name: d for d in written}, root / "out")
     loaded = load_all(engine_python(), written + controls, root / "loads.jsonl")
     for c in todo:
         if c["dsconv"] == "wrote":
             c.update(summarize(loaded.get(case_id(c))))
     print(f"quantize {t1 - t0:.0f} s, engine {time.perf_counter() - t1:.0f} s for {len(written)} checkpoints "
           f"and {len(controls)} broken controls")
-    return todo, check_controls(loaded) if controls else []
+    return todo, check_controls(loaded, {d.name for d in controls}) if controls else []
 
 
 # Controls: copies of one loadable output, each broken in one way the check must catch (else it proves nothing).
 CONTROL_OF = "llama-bits8-bf16-per-expert"
+W4A8_CONTROL_OF = "qwen3_moe-w4a8-bf16-per-expert"
 CONTROLS = {
     "drop-weight-scale": "unfilled",      # a dynamic layer's weight_scale removed: its parameter stays unfilled
     "rename-tensor": "unmapped",          # a weight under a name the model has no parameter for (or a refusal)
     "scale-off-grid": "lossy",            # an input_scale the model dtype cannot hold: the engine would round it
+    "w4a8-drop-scale-bias": "unfilled",   # a W4A8 expert's scale_bias removed: w2_scale_bias keeps the sentinel
 }
 
 
-def make_controls(written: Path, root: Path) -> list[Path]:
+def make_controls(written: dict[str, Path], root: Path) -> list[Path]:
+    """Broken copies of the outputs named CONTROL_OF / W4A8_CONTROL_OF among `written` (case id -> directory)."""
     import shutil
 
     import torch
@@ -174,13 +177,18 @@ def make_controls(written: Path, root: Path) -> list[Path]:
 
     out = []
     for name in CONTROLS:
+        base = written.get(W4A8_CONTROL_OF if name.startswith("w4a8") else CONTROL_OF)
+        if base is None:
+            continue
         d = root / f"control-{name}"
         shutil.rmtree(d, ignore_errors=True)
-        shutil.copytree(written, d)
+        shutil.copytree(base, d)
         (f,) = sorted(d.glob("*.safetensors"))
         t = load_file(str(f))
         if name == "drop-weight-scale":
             del t[next(k for k in sorted(t) if k.endswith("down_proj.weight_scale"))]
+        elif name == "w4a8-drop-scale-bias":
+            del t[next(k for k in sorted(t) if k.endswith("experts.1.down_proj.scale_bias"))]
         elif name == "rename-tensor":
             k = next(k for k in sorted(t) if k.endswith("o_proj.weight"))
             t[k.replace("o_proj", "oo_proj")] = t.pop(k)
@@ -192,9 +200,11 @@ def make_controls(written: Path, root: Path) -> list[Path]:
     return out
 
 
-def check_controls(loaded: dict[str, dict]) -> list[str]:
+def check_controls(loaded: dict[str, dict], made: set[str] | None = None) -> list[str]:
     bad = []
     for name, field in CONTROLS.items():
+        if made is not None and f"control-{name}" not in made:
+            continue
         r = loaded.get(f"control-{name}")
         caught = r is not None and (r.get(field) if r.get("loaded") else field == "unmapped" and r.get("error"))
         if not caught:

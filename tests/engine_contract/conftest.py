@@ -17,6 +17,7 @@ SCHEMES = {
     "w8a16": dict(scheme="w8a16"),
     "w4a16": dict(scheme="w4a16", group_size=16, method="rtn"),  # 16 divides every tiny width (48 included)
     "w4a16_pc": dict(scheme="w4a16", group_size=0, method="rtn"),
+    "w4a8": dict(scheme="w4a8_dynamic", method="rtn"),
 }
 FAST = dict(calib_samples=4, seq_len=32)
 

@@ -19,7 +19,9 @@ FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
 # tensors a region type reads (weights.py::get_multi_weights_col / get_replicated_weights)
 READS = {"w8a8": ("weight", "deq_scale", "quant_bias", "input_scale", "input_offset"),
          "w8a8_dynamic": ("weight", "weight_scale", "weight_offset"), "w8a16": ("weight", "weight_scale", "weight_offset"),
-         "w4a16": ("weight", "weight_scale", "weight_offset")}
+         "w4a16": ("weight", "weight_scale", "weight_offset"),
+         # W4A8 branches of get_multi_weights_col/_row: weight, weight_scale, scale_bias (weight_offset unread)
+         "w4a8_dynamic": ("weight", "weight_scale", "scale_bias")}
 
 
 def config_quantize(cfg: dict, desc_root: Path, p: Problems) -> str | None:
@@ -108,6 +110,10 @@ def linear(route: dict, desc: dict, module: str, rq: str, shape: tuple[int, int]
 def _want(rq, param, n, k, model_dtype, version, group_size, route, module):
     """Shapes and dtypes the quant modules hold (atb/utils/quantize/w8a8.py::W8A8LinearStatic,
     w8a8_dynamic.py::W8A8LinearDynamic, w8a16.py, w4a16.py::W4A16LinearStatic; weights.py::correct_tensor_dtype)."""
+    if rq == "w4a8_dynamic":  # atb/utils/quantize/w4a8.py::W4A8LinearDynamic (packed form, per channel)
+        down = module.rsplit(".", 1)[1] in ("down_proj", "w2")
+        return {"weight": (("I8",), (n // 2, k)), "weight_scale": (FLOAT_DTYPES, (n, 1)),
+                "scale_bias": (("F32",), (n, 16 if down else 1))}.get(param)
     if param == "weight":
         if rq != "w4a16":
             return ("I8",), (n, k)
@@ -146,6 +152,12 @@ def read(d: Path, src_shapes: dict[str, tuple[int, ...]], model_dtype: str, mode
     if desc is None:
         return p
     version = desc.get("version", "0.0.0")  # weights.py::Weights.init_quant_params
+    # weights.py W4A8 branch: `quant_desc.get("group_size") == 0` selects per channel; a missing key is per group
+    # (weight_scale_second then required)
+    if "moe_quantize" in cfg and cfg["moe_quantize"] == "w4a8_dynamic" or quantize == "w4a8_dynamic":
+        if desc.get("group_size") != 0 or version != "1.0.0":
+            p.add("get_multi_weights_col", f"W4A8 with group_size={desc.get('group_size')!r}, version={version!r}: "
+                  "per channel needs group_size 0 written and the packed form 1.0.0")
     group_size = int(desc.get("group_size", 0) or 0)
     modules = linear_modules(route)
     types: dict[str, str | None] = {}

@@ -110,7 +110,7 @@ def test_w4a16_nibble_order(scheme, produce):
 def test_refusals_name_kind_and_alternative(produce):
     """The exit-2 message names the layer kind, an example layer, the engine rule's source and the way out."""
     r = produce("qwen3_moe", "w8a16", "vllm-ascend")
-    assert r.out is None and "routed_experts layers" in r.refusal and "--moe-scheme w8a8_dynamic" in r.refusal
+    assert r.out is None and "routed_experts layers" in r.refusal and "--moe-scheme w4a8_dynamic | w8a8_dynamic" in r.refusal
     r = produce("llama", "w4a16", "vllm-ascend")
     assert r.out is None and "attention layers" in r.refusal and "registry.py" in r.refusal
     r = produce("mixtral", "w8a8", "vllm-ascend")
@@ -154,7 +154,8 @@ def _table(produce) -> str:
             got = [e for e in ENGINES if produce(*key, e).out is not None
                    and (e != "vllm-ascend" or real.get(key, False))]
             cells.append(" + ".join({"mindie": "MindIE", "vllm-ascend": "vLLM"}[e] for e in got) or "-")
-        label = {"bits8": "`--bits 8` (engine recipe)", "w4a16_pc": "w4a16 `--group-size 0`"}.get(s, s)
+        label = {"bits8": "`--bits 8` (engine recipe)", "w4a16_pc": "w4a16 `--group-size 0`",
+                 "w4a8": "w4a8_dynamic (MoE recipe)"}.get(s, s)
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

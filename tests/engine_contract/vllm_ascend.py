@@ -76,6 +76,13 @@ def layer_tensors(route: dict, module: str, qtype: str, n: int, k: int, model_dt
     elif qtype in ("W8A8_DYNAMIC", "W8A16"):
         want = {"weight": (("I8",), (n, k)), "weight_scale": (FLOAT_DTYPES, (n, 1)),
                 "weight_offset": (FLOAT_DTYPES, (n, 1))}
+    elif qtype == "W4A8_DYNAMIC":
+        # methods/w4a8.py::AscendW4A8DynamicFusedMoEMethod, per-channel 1.0.0 path (get_weight_modelslim,
+        # get_dynamic_quant_param_modelslim): w13 [E, I, H] / w2 [E, H/2, I] int8 (packed along n), fp32 scales and
+        # offsets [.., 1], scale_bias [E, 2I, 1] (gate/up) / [E, H, 16/tp] (down, narrowed on dim 1 by _load_w2)
+        down = module.rsplit(".", 1)[1] in ("down_proj", "w2")
+        want = {"weight": (("I8",), (n // 2, k)), "weight_scale": (("F32",), (n, 1)),
+                "weight_offset": (("F32",), (n, 1)), "scale_bias": (("F32",), (n, 16 if down else 1))}
     else:
         p.add("create_scheme_for_layer", f"{module}: no scheme for {qtype}")
         return
@@ -102,6 +109,13 @@ def read(d: Path, src_shapes: dict[str, tuple[int, ...]], model_dtype: str, mode
     if desc is None:
         return p
     global_keys(desc, p)
+    # methods/w4a8.py::AscendW4A8DynamicFusedMoEMethod.__init__: per channel iff group_size == 0 (the default is
+    # 256, per group: its *_second params would stay unfilled), packed iff version "1.0.0"; and
+    # AscendW4A8DynamicLinearMethod.get_pergroup_param divides by group_size: no W4A8 linear in a per-channel file
+    if "W4A8_DYNAMIC" in desc.values():
+        if desc.get("group_size") != 0 or desc.get("version") != "1.0.0":
+            p.add("AscendW4A8DynamicFusedMoEMethod", f"group_size={desc.get('group_size')!r}, "
+                  f"version={desc.get('version')!r}: the per-channel packed path needs 0 and '1.0.0'")
     # va/quantization/modelslim_config.py::get_quant_method (VocabParallelEmbedding / ParallelLMHead lookups)
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         if name in route and desc.get(name) != "FLOAT":

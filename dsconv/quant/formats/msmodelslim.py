@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from dsconv.errors import UserError
+from dsconv.qformat import scale_bias, scale_bias_sums
 from dsconv.quant.algorithms.schemes import (deq_scale_as_int64, deq_scale_from_int64, dequant_weight, pack_int4,
                                              pack_int4_along_k, unpack_int4_by_shape)
 
@@ -26,7 +27,8 @@ GLOBAL_KEYS = ("model_quant_type", "version", "group_size", "kv_quant_type", "kv
 DESCRIPTION_VERSION = "1.0.0"
 
 # ---------------------------------------------------------------------------------------------- the layout table
-# A shape rule's symbols: n output rows, k input columns, groups = k / group_size (1 per channel), int4 packing below
+# A shape rule's symbols: n output rows, k input columns, groups = k / group_size (1 per channel), int4 packing below,
+# chunks = scale_bias columns (W4A8: 1 for a column layer, 16 for a row layer, qformat.SCALE_BIAS_CHUNKS)
 # Dtype DEQ is float32, or int64 bit patterns for fp16 models (QuantPlan.deq_dtype).
 Component = tuple[str, str, tuple[Any, ...]]
 DEQ = "DEQ"
@@ -41,7 +43,10 @@ LAYOUT: dict[str, tuple[Component, ...]] = {
     "W8A8": (("weight", "I8", ("n", "k")), ("input_scale", "F32", (1,)), ("input_offset", "F32", (1,)),
              ("deq_scale", DEQ, ("n",)), ("quant_bias", "I32", ("n",))),
     "W4A16": _W4,
-    "W4A8_DYNAMIC": _W4,  # read and checked, never written
+    # msModelSlim's current per-channel form (docs/formats/w4a8.md): int4 always packed along the output dim, and
+    # scale_bias, 8 * scale * sum of the int4 values (per row, or per 16 k-chunks of a row layer)
+    "W4A8_DYNAMIC": (("weight", "I8", ("n/2", "k")), ("weight_scale", "F32", ("n", 1)),
+                     ("weight_offset", "F32", ("n", 1)), ("scale_bias", "F32", ("n", "chunks"))),
 }
 # appended to every type when the linear has a bias, in the bias's own dtype
 BIAS: Component = ("bias", "BIAS", ("n",))
@@ -64,21 +69,21 @@ def components(qtype: str) -> tuple[Component, ...]:
         raise ValueError(f"unknown type {qtype}") from None
 
 
-def _shape(rule: tuple[Any, ...], n: int, k: int, groups: int) -> tuple[int, ...]:
+def _shape(rule: tuple[Any, ...], n: int, k: int, groups: int, chunks: int = 1) -> tuple[int, ...]:
     # int4 packing (MindIE-LLM atb/utils/quantize/w4a16.py::W4A16LinearStatic): per channel (one group) pairs
     # along k [n, k/2], per group pairs of output rows [n/2, k]; low nibble first
     dims = {"n": n, "k": k, "n/2": n // 2, "groups": groups, "int4 rows": n if groups == 1 else n // 2,
-            "int4 cols": k // 2 if groups == 1 else k}
+            "int4 cols": k // 2 if groups == 1 else k, "chunks": chunks}
     return tuple(dims[d] if isinstance(d, str) else d for d in rule)
 
 
 def linear_layout(module: str, qtype: str, n: int, k: int, groups: int = 1, deq_dtype: str = "F32",
-                  bias_dtype: str | None = None) -> list[tuple[str, str, tuple[int, ...]]]:
+                  bias_dtype: str | None = None, chunks: int = 1) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, dtype, shape) of every tensor a linear of `qtype` has in the output, in order; the bias last when
-    `bias_dtype` is given."""
+    `bias_dtype` is given; `chunks` is the scale_bias width of a W4A8 linear."""
     comps = components(qtype) + ((BIAS,) if bias_dtype is not None else ())
     dtypes = {DEQ: deq_dtype, "BIAS": bias_dtype}
-    return [(f"{module}.{s}", dtypes.get(dt, dt), _shape(rule, n, k, groups)) for s, dt, rule in comps]
+    return [(f"{module}.{s}", dtypes.get(dt, dt), _shape(rule, n, k, groups, chunks)) for s, dt, rule in comps]
 
 
 def layout_names(layout: str, model_quant_type: str) -> tuple[str, str]:
@@ -101,27 +106,34 @@ class LinearResult:
     deq_scale: np.ndarray | None = None  # float32 [n]
     quant_bias: np.ndarray | None = None  # int32 [n]
     bias: Any = None                     # original-dtype bias tensor, or None
+    sums: np.ndarray | None = None       # int64 [n, chunks]: W4A8 scale_bias sums, when q is not kept whole
 
 
 def pack_weight_rows(module: str, qtype: str, q: np.ndarray, groups: int) -> np.ndarray:
     """The stored bytes of a block of whole rows of a linear's int8 values (even row count for int4 per group):
     int8 as is, int4 packed the way `_array` packs the whole weight, so blocks concatenate to the same bytes."""
     rule = components(qtype)[0][2]
+    if rule[0] == "n/2":
+        return pack_int4(q, module)
     if rule[0] != "int4 rows":
         return q
     return pack_int4_along_k(q, module) if groups == 1 else pack_int4(q, module)
 
 
-def _array(module: str, suffix: str, dtype: str, rule: tuple[Any, ...], res: LinearResult) -> Any:
+def _array(module: str, suffix: str, dtype: str, rule: tuple[Any, ...], res: LinearResult, chunks: int) -> Any:
     """One component's array, made from the result in the table's dtype and shape."""
     n, k = res.q.shape
-    shape = _shape(rule, n, k, res.scale.size // n)
+    shape = _shape(rule, n, k, res.scale.size // n, chunks)
     if suffix == "weight":
+        if rule[0] == "n/2":
+            return pack_int4(res.q, module)
         if rule[0] == "int4 rows":
             return pack_int4_along_k(res.q, module) if shape[0] == n else pack_int4(res.q, module)
         return res.q
     if suffix == "weight_offset":
         return np.zeros(shape, np.float32)
+    if suffix == "scale_bias":
+        return scale_bias(res.sums if res.sums is not None else scale_bias_sums(res.q, chunks), res.scale)
     if suffix == "deq_scale":
         if res.deq_scale is None:
             raise ValueError(f"{module}: W8A8 without activation parameters")
@@ -134,13 +146,14 @@ def _array(module: str, suffix: str, dtype: str, rule: tuple[Any, ...], res: Lin
 
 
 def emit_linear(module: str, qtype: str, res: LinearResult, deq_dtype: str = "F32",
-                skip_weight: bool = False) -> Iterator[tuple[str, Any]]:
+                skip_weight: bool = False, chunks: int = 1) -> Iterator[tuple[str, Any]]:
     """(name, array) pairs of one linear in `qtype` (or STAGED), in `linear_layout` order; `skip_weight` leaves
-    out the weight (a row-block writer has streamed it already; `res.q` then only needs the right shape)."""
+    out the weight (a row-block writer has streamed it already; `res.q` then only needs the right shape, and a
+    W4A8 scale_bias comes from `res.sums`)."""
     for suffix, dtype, rule in components(qtype):
         if skip_weight and suffix == "weight":
             continue
-        yield f"{module}.{suffix}", _array(module, suffix, deq_dtype if dtype == DEQ else dtype, rule, res)
+        yield f"{module}.{suffix}", _array(module, suffix, deq_dtype if dtype == DEQ else dtype, rule, res, chunks)
     if res.bias is not None:
         yield f"{module}.bias", res.bias
 
@@ -170,6 +183,7 @@ class QuantLinear:
     deq_scale: np.ndarray | None = None  # float32 [n] (int64 bit patterns decoded)
     quant_bias: np.ndarray | None = None
     bias: np.ndarray | None = None
+    scale_bias: np.ndarray | None = None  # float32 [n, chunks] (W4A8_DYNAMIC)
 
     def dequantized(self) -> np.ndarray:
         """float32 [n, k]: (q - offset) * scale; W8A8 static derives the weight scale from deq_scale / input_scale."""
@@ -210,6 +224,11 @@ def read_linear(ck: Any, module: str, qtype: str) -> QuantLinear:
     ql = QuantLinear(P, qtype, q, scale, offset)
     if have(".bias"):
         ql.bias = _np(ck, P + ".bias").astype(np.float32)
+    if qtype == "W4A8_DYNAMIC":
+        if not have(".scale_bias"):
+            raise UserError(f"{ck.root}: {P}.scale_bias is missing for a W4A8_DYNAMIC layer",
+                            hint="the output is incomplete")
+        ql.scale_bias = _np(ck, P + ".scale_bias").astype(np.float32)
     if qtype == "W8A8":
         for s in (f".{suffix}" for suffix, _, _ in LAYOUT["W8A8"] if suffix != "weight"):
             if not have(s):

@@ -123,10 +123,11 @@ class QuantWriter:
         if self.staged:  # a static candidate stages every component its final type may need; others their own
             ts = self._stage_set(lp.weight)
             for name, arr in emit_linear(lp.module, STAGED if lp.qtype == STATIC else lp.qtype, res,
-                                         self.plan.deq_dtype):
+                                         self.plan.deq_dtype, chunks=lp.scale_bias_chunks):
                 ts.write(name, arr)
             return
-        for name, arr in emit_linear(lp.module, self.types[lp.module], res, self.plan.deq_dtype):
+        for name, arr in emit_linear(lp.module, self.types[lp.module], res, self.plan.deq_dtype,
+                                     chunks=lp.scale_bias_chunks):
             self.ts.write(name, arr)
             self.written.add(name)
 

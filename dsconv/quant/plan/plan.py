@@ -14,18 +14,23 @@ from typing import Any, Callable, Iterable
 
 from dsconv.errors import UserError
 from dsconv.families.roles import Category, Role
+from dsconv.qformat import SCALE_BIAS_CHUNKS
 from dsconv.quant.algorithms.schemes import check_group_size
 from dsconv.quant.formats.msmodelslim import FLOAT, linear_layout
 from dsconv.quant.plan.recipe import RECIPE_FLOAT_REASON, planned_type
 from dsconv.tensors import TensorSpec
 
 # scheme option -> description type
-SCHEMES = {"w8a8": "W8A8", "w8a8_dynamic": "W8A8_DYNAMIC", "w8a16": "W8A16", "w4a16": "W4A16"}
+SCHEMES = {"w8a8": "W8A8", "w8a8_dynamic": "W8A8_DYNAMIC", "w8a16": "W8A16", "w4a16": "W4A16",
+           "w4a8_dynamic": "W4A8_DYNAMIC"}
 DEFAULT_SCHEME = {8: "w8a8", 4: "w4a16"}
-BITS = {"W8A8": 8, "W8A8_DYNAMIC": 8, "W8A16": 8, "W4A16": 4}
+BITS = {"W8A8": 8, "W8A8_DYNAMIC": 8, "W8A16": 8, "W4A16": 4, "W4A8_DYNAMIC": 4}
 STATIC = "W8A8"
-# most aggressive first: fewer weight bits, then static activations, then dynamic, then weight-only
-AGGRESSIVENESS = ("W4A8_DYNAMIC", "W4A16", "W8A8", "W8A8_DYNAMIC", "W8A16", FLOAT)
+W4A8 = "W4A8_DYNAMIC"
+# the description's model_quant_type: most aggressive first (fewer weight bits, then static activations, then
+# dynamic, then weight-only). W4A8_DYNAMIC is not in msModelSlim's list (a mixed DeepSeek file says W8A8_DYNAMIC;
+# ascendv1.py QUANT_TYPE_PRIORITY), and engines read it that way.
+AGGRESSIVENESS = ("W4A16", "W8A8", "W8A8_DYNAMIC", "W8A16", FLOAT)
 FALLBACK_TARGETS = ("w8a8_dynamic", "w8a16")
 ACT_QUANT = ("W8A8", "W8A8_DYNAMIC")  # types whose activations are quantized: smoothing helps them
 
@@ -63,6 +68,11 @@ class LinearPlan:
     @property
     def is_expert(self) -> bool:
         return self.role in (Role.EXPERT_IN, Role.EXPERT_OUT)
+
+    @property
+    def scale_bias_chunks(self) -> int:
+        """A W4A8 scale_bias's columns: 16 k-chunks for a row-parallel layer (input split by TP), else 1."""
+        return SCALE_BIAS_CHUNKS if self.role.tp_dim == 1 else 1
 
 
 @dataclass
@@ -105,6 +115,22 @@ class QuantPlan:
         return out
 
 
+def _check_w4a8(module: str, role: Role, shape: tuple[int, int], group_size: int) -> None:
+    """The per-channel W4A8 form's shape rules (msModelSlim save/utils/pack.py): int4 packed in pairs of output
+    rows, and a row layer's k cut in 16 scale_bias chunks; one group_size (0) for the whole description."""
+    n, k = shape
+    if group_size:
+        raise UserError(f"layer {module}: W4A8_DYNAMIC is written per channel (the description's one group_size is "
+                        f"0), so it cannot share a model with --group-size {group_size}",
+                        hint="drop --group-size, or give the other layers an 8-bit scheme")
+    chunks = SCALE_BIAS_CHUNKS if role.tp_dim == 1 else 1
+    if n % 2 or k % chunks:
+        need = "an even number of output rows" if n % 2 else f"an input width divisible by {chunks}"
+        raise UserError(f"layer {module}: W4A8_DYNAMIC needs {need} (int4 packed in row pairs, scale_bias in "
+                        f"{chunks} chunks), got {list(shape)}", hint=f"add --ignore '{re.escape(module)}$' to keep it "
+                        "in float")
+
+
 def unit_of(role: Role, category: Category, layer: int | None) -> str:
     return f"{'' if layer is None else layer}:{category.value}/{role.value}"
 
@@ -125,7 +151,7 @@ def make_plan(ck: Any, scheme: str, group_size: int | None = None, method: str =
                             hint="8-bit weights are quantized per output channel; drop --group-size")
         group_size = 0
     elif group_size is None:
-        group_size = 128
+        group_size = 0 if qtype == W4A8 else 128
     patterns = []
     for p in ignore:
         try:
@@ -172,7 +198,9 @@ def make_plan(ck: Any, scheme: str, group_size: int | None = None, method: str =
                     reason = RECIPE_FLOAT_REASON
             if reason is None:
                 n, k = info.shape
-                if BITS[layer_type] == 4:
+                if layer_type == W4A8:
+                    _check_w4a8(r.module, r.role, (n, k), group_size)
+                elif BITS[layer_type] == 4:
                     check_group_size(k, group_size, r.module)
                     if (k % 2 if group_size in (0, k) else n % 2):  # per channel packs along k, per group along n
                         raise UserError(f"layer {r.module}: int4 packing needs an even number of "
@@ -208,7 +236,8 @@ def linear_specs(lp: LinearPlan, qtype: str, plan: QuantPlan, bias_dtype: str | 
     n, k = lp.shape
     groups = 1 if plan.group_size == 0 else k // plan.group_size
     bias = (bias_dtype or plan.model_dtype) if lp.bias is not None else None
-    return [TensorSpec(*t) for t in linear_layout(lp.module, qtype, n, k, groups, plan.deq_dtype, bias)]
+    return [TensorSpec(*t) for t in linear_layout(lp.module, qtype, n, k, groups, plan.deq_dtype, bias,
+                                                  lp.scale_bias_chunks)]
 
 
 def float_spec(fp: FloatPlan) -> TensorSpec:
