@@ -188,3 +188,22 @@ def test_exports_of_a_w4a8_output_are_refused_with_exit_2(tiny_model, run_cli, t
     ms = run_cli(["export", "-m", str(q), "--format", "mindir", "-o", str(tmp_path / "m")])
     assert ms.code == 2 and "Traceback" not in ms.err
     assert not (tmp_path / "o").exists() and not (tmp_path / "m").exists()
+
+
+def test_verify_recomputes_scale_bias(tiny_model, run_cli, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from dsconv.quant.formats.msmodelslim import verify_output
+
+    q = tmp_path / "q"
+    assert run_cli(["quantize", "-m", str(tiny_model("qwen3_moe")), "-o", str(q), *W4, "--engine",
+                    "vllm-ascend"]).code == 0
+    assert run_cli(["verify", str(q)]).code == 0
+    (f,) = sorted(q.glob("*.safetensors"))
+    t = load_file(str(f))
+    k = next(k for k in sorted(t) if k.endswith("experts.2.up_proj.scale_bias"))
+    t[k] = t[k] * 1.01
+    save_file(t, str(f), metadata={"format": "pt"})
+    assert run_cli(["verify", str(q)]).code != 0, "the manifest's sha256 catches the edit first"
+    problems = verify_output(q)  # the stage's own check, behind the hashes
+    assert len(problems) == 1 and "up_proj.scale_bias differs" in problems[0], problems

@@ -321,4 +321,20 @@ def verify_output(directory: Any) -> list[str]:
     if "quantization_config" in ck.config:
         return ["config.json still carries quantization_config"]
     tensors = {n: (i.dtype, tuple(i.shape)) for n, i in ck.tensors.items()}
-    return check_description(ck.quant_description, tensors)
+    problems = check_description(ck.quant_description, tensors)
+    return problems or check_scale_bias(ck)
+
+
+def check_scale_bias(ck: Any) -> list[str]:
+    """Every W4A8 scale_bias against 8 * scale * sum(q) recomputed from the stored packed weight and scale: a wrong
+    one loads without complaint and shifts every output of the kernel (the engines add it as the +8 term)."""
+    problems = []
+    for P, t in quantized_modules(ck.quant_description).items():
+        if t != "W4A8_DYNAMIC":
+            continue
+        ql = read_linear(ck, P, t)
+        want = scale_bias(scale_bias_sums(ql.q, ql.scale_bias.shape[1]), ql.weight_scale)
+        if not np.allclose(ql.scale_bias, want, rtol=1e-6, atol=0):
+            problems.append(f"{P}.scale_bias differs from 8 * weight_scale * sum(int4 weights) "
+                            f"(max |diff| {float(np.abs(ql.scale_bias - want).max()):.3g})")
+    return problems
