@@ -1,9 +1,12 @@
 """What a model family is: ONE declarative table of tensor-name templates, and the facts derived from config.json.
 
-Each row of the table (`T`) says, for one tensor of the checkpoint: its name template (gguf-py style: the layer and
-expert numbers replaced by {L} and {E}), its Role and inspect Category, the slot stages know it by, its shape as a
+Each row of the table (`TensorRow`, written with keywords) says, for one tensor of the checkpoint: its name template (gguf-py style: the layer and
+expert numbers replaced by {L} and {E}; per-layer rows start with `LAYER`, which the family binds to its own
+`layer_prefix`), its Role and inspect Category, the slot stages know it by, its shape as a
 formula over ModelFacts, the TP dimension (from the role unless stated), and when it is present. Everything else is
-derived from the table, never restated:
+derived from the table, never restated. The table is checked when the family class is defined (a shape dim that is
+no ModelFacts attribute, an unknown `when`, a parameter outside the family's vocabulary: `TableError` at import), and
+`@register` adds the family to the registry (`family_for`, `supported_model_types`).
 
 * classification of a name (`classify`): one dict lookup per name - 91,991 DeepSeek-V3 names in a blink;
 * the full tensor list of a config with no weights (`synthesize`: inspect/shard from config alone, tests);
@@ -14,26 +17,33 @@ derived from the table, never restated:
 """
 from __future__ import annotations
 
+import difflib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Iterator, Mapping
 
 from dsconv.errors import UserError
 from dsconv.families.facts import ConfigValues, ModelFacts, cfg_get, config_dtype
 from dsconv.schemas.model import REQUIRED, config_fields
-from dsconv.families.roles import ALL_PARAMS, Category, Role, TensorRole
+from dsconv.families.roles import AUX_PARAMS, OTHER_PARAMS, WEIGHT_PARAMS, Category, Role, TensorRole
 from dsconv.tensors import TensorSpec
 
-L = "model.layers.{L}."
+#: the start of every per-layer name template in a table; the family replaces it with `layer_prefix` + "{L}."
+LAYER = "{L}."
 Dim = int | str  # an int, or a ModelFacts attribute (property) name
 
 
-@dataclass(frozen=True)
-class T:
-    """One row of a family's table: one tensor kind.
+class TableError(ValueError):
+    """A family's table is wrong (raised when the family class is defined, so at import, never at first use)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorRow:
+    """One row of a family's table: one tensor kind. Keywords only.
 
     key      unique in the family: what builders ask for ("attn.q", "norm.input", "expert.down", ...)
-    name     full name template with the parameter ("model.layers.{L}.self_attn.q_proj.weight")
+    name     name template with the parameter: `LAYER + "self_attn.q_proj.weight"` in the table, bound by the
+             family to its full form ("model.layers.{L}.self_attn.q_proj.weight")
     shape    formula: ints and ModelFacts attribute names (`("q_size", "hidden_size")`)
     slot     what TensorRole.slot reports (gate/up/down, q/k/v/o, q_a, kv_b, ...)
     when     a PRESENT predicate name (see PRESENT), None = always
@@ -85,20 +95,33 @@ PRESENT: dict[str, Callable[[ModelFacts, int | None], bool]] = {
 }
 
 
-def template_of(name: str) -> tuple[str, str, int | None, int | None]:
-    """`model.layers.3.mlp.experts.7.up_proj.weight` -> ('model.layers.{L}.mlp.experts.{E}.up_proj', 'weight', 3, 7)."""
-    parts = name.split(".")
-    param = parts.pop() if parts and parts[-1] in ALL_PARAMS else ""
-    layer = expert = None
-    for i, p in enumerate(parts):
-        if p.isdigit():
-            if layer is None and i > 0 and parts[i - 1] == "layers":
-                layer = int(p)
-                parts[i] = "{L}"
-            elif expert is None and i > 0 and parts[i - 1] == "experts":
-                expert = int(p)
-                parts[i] = "{E}"
-    return ".".join(parts), param, layer, expert
+#: the names a shape dim may use: ModelFacts fields and properties
+FACTS_DIMS = frozenset({f.name for f in fields(ModelFacts)} |
+                       {n for n, v in vars(ModelFacts).items() if isinstance(v, property)})
+
+
+def registered() -> list["Family"]:
+    """Every family `@register` has seen once, in registration order."""
+    return list({id(f): f for f in REGISTRY.values()}.values())
+
+
+#: model_type -> its Family instance, filled by `@register` (read through dsconv.families.family_for)
+REGISTRY: dict[str, "Family"] = {}
+
+
+def register(cls: type["Family"]) -> type["Family"]:
+    """Class decorator: make `cls` (whose table was checked when the class was defined) the family of each of its
+    `model_types`."""
+    if not cls.model_types:
+        raise TableError(f"{cls.__name__}: a registered family needs model_types")
+    family = cls()
+    for model_type in cls.model_types:
+        other = REGISTRY.get(model_type)
+        if other is not None and (type(other).__module__, type(other).__qualname__) != (cls.__module__,
+                                                                                        cls.__qualname__):
+            raise TableError(f"{cls.__name__}: model_type {model_type!r} is already {type(other).__name__}'s")
+        REGISTRY[model_type] = family
+    return cls
 
 
 class Family:
@@ -106,8 +129,15 @@ class Family:
 
     name: str = ""
     model_types: tuple[str, ...] = ()
-    #: the one model description (see T); row order is checkpoint order
-    table: tuple[T, ...] = ()
+    #: the one model description (see TensorRow); row order is checkpoint order
+    table: tuple[TensorRow, ...] = ()
+    #: what the checkpoint puts before a layer's number: the table's `LAYER` rows become layer_prefix + "{L}." ...
+    layer_prefix: str = "model.layers."
+    #: the parameter vocabulary of this family's tensors: what a table row's name may end with (weights and biases,
+    #: other model parameters), and the quantization auxiliaries that follow a weight (families/roles.py)
+    weight_params: tuple[str, ...] = WEIGHT_PARAMS
+    other_params: tuple[str, ...] = OTHER_PARAMS
+    aux_params: tuple[str, ...] = AUX_PARAMS
     #: config overrides of the seeded tiny model (dsconv.tiny) over its common small widths
     tiny: dict[str, Any] = {}
     # RMSNorm computes x * (norm_offset + weight): Gemma stores weights as offsets from 1. Folding a scale into a norm
@@ -158,23 +188,74 @@ class Family:
             out.setdefault(k, v)
         return out
 
+    @property
+    def params(self) -> frozenset[str]:
+        """Every parameter name a tensor of this family may end with."""
+        return self._params
+
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
+        cls._params = frozenset(cls.weight_params + cls.aux_params + cls.other_params)
+        if not cls.layer_prefix.endswith(".") or "{" in cls.layer_prefix:
+            raise TableError(f"{cls.__name__}.layer_prefix {cls.layer_prefix!r} must end with '.' (model.layers.)")
+        cls.table = tuple(cls._bind(r) for r in cls.table)
+        for r in cls.table:
+            cls._check(r)
         cls._rows = {r.key: r for r in cls.table}
-        modules: dict[str, T] = {}
+        if len(cls._rows) != len(cls.table):
+            raise TableError(f"{cls.__name__}: duplicate keys in its table")
+        modules: dict[str, TensorRow] = {}
         for r in cls.table:
             modules.setdefault(r.module, r)
         cls._modules = modules
+        layer = cls.layer_prefix + LAYER
         #: per-expert module templates relative to the layer, by slot (the on-disk "original" layout)
-        cls.expert_modules = {r.slot: r.module[len(L):] for r in cls.table if r.per_expert and r.param == "weight"}
-        if len(cls._rows) != len(cls.table):
-            raise ValueError(f"{cls.__name__}: duplicate keys in its table")
+        cls.expert_modules = {r.slot: r.module[len(layer):] for r in cls.table if r.per_expert and r.param == "weight"}
+        #: the name parts a layer number and an expert number follow ("layers", "experts")
+        cls._layer_part = cls.layer_prefix[:-1].rsplit(".", 1)[-1]
+        cls._expert_parts = frozenset(r.name.split(".{E}.")[0].rsplit(".", 1)[-1] for r in cls.table if r.per_expert)
+
+    @classmethod
+    def _bind(cls, r: TensorRow) -> TensorRow:
+        """A row of the table with `LAYER` replaced by the family's layer prefix."""
+        if not isinstance(r, TensorRow):
+            raise TableError(f"{cls.__name__}: its table holds {r!r}, not a TensorRow")
+        return replace(r, name=cls.layer_prefix + r.name) if r.name.startswith(LAYER) else r
+
+    @classmethod
+    def _check(cls, r: TensorRow) -> None:
+        """A row's dims are ModelFacts attributes, its `when` a PRESENT predicate, its parameter in the family's
+        vocabulary, its {L}/{E} placeholders where the family can find them."""
+        where = f"{cls.__name__} table row {r.key!r} ({r.name})"
+
+        def close(word: str, known: Any) -> str:
+            near = difflib.get_close_matches(word, sorted(known), n=1)
+            return f" (did you mean {near[0]!r}?)" if near else ""
+
+        if not isinstance(r.role, Role) or not isinstance(r.category, Category):
+            raise TableError(f"{where}: role must be a Role and category a Category, not {r.role!r}, {r.category!r}")
+        if not isinstance(r.shape, tuple) or not r.shape:
+            raise TableError(f"{where}: shape must be a non-empty tuple of ints and ModelFacts attributes")
+        for d in r.shape:
+            if not isinstance(d, int) and d not in FACTS_DIMS:
+                raise TableError(f"{where}: shape dim {d!r} is not a ModelFacts attribute{close(str(d), FACTS_DIMS)}")
+        if r.when is not None and r.when not in PRESENT:
+            raise TableError(f"{where}: when={r.when!r} is not a PRESENT predicate{close(r.when, PRESENT)}; "
+                             f"known: {', '.join(PRESENT)}")
+        if r.param not in cls.weight_params + cls.other_params:
+            raise TableError(f"{where}: parameter {r.param!r} is not in the family's weight_params/other_params")
+        if r.per_expert and not r.per_layer:
+            raise TableError(f"{where}: an {{E}} row must be a per-layer row")
+        if r.per_layer and not r.name.startswith(cls.layer_prefix + LAYER):
+            raise TableError(f"{where}: a per-layer name must start with LAYER ({cls.layer_prefix}{LAYER})")
+        if r.per_expert and ".{E}." not in r.name:
+            raise TableError(f"{where}: {{E}} must be a whole name part")
 
     # ---- the table as builders see it -----------------------------------------------------------------------
     def has(self, key: str) -> bool:
         return key in self._rows
 
-    def row(self, key: str) -> T:
+    def row(self, key: str) -> TensorRow:
         return self._rows[key]
 
     def tensor(self, key: str, layer: int | None = None, expert: int | None = None) -> str:
@@ -188,8 +269,24 @@ class Family:
         return self._rows[key].dims(f)
 
     # ---- classification -------------------------------------------------------------------------------------
+    def template_of(self, name: str) -> tuple[str, str, int | None, int | None]:
+        """`model.layers.3.mlp.experts.7.up_proj.weight` -> ('model.layers.{L}.mlp.experts.{E}.up_proj', 'weight',
+        3, 7): the layer number follows the last part of `layer_prefix`, the expert number its experts' part."""
+        parts = name.split(".")
+        param = parts.pop() if parts and parts[-1] in self._params else ""
+        layer = expert = None
+        for i, p in enumerate(parts):
+            if p.isdigit() and i > 0:
+                if layer is None and parts[i - 1] == self._layer_part:
+                    layer = int(p)
+                    parts[i] = "{L}"
+                elif expert is None and parts[i - 1] in self._expert_parts:
+                    expert = int(p)
+                    parts[i] = "{E}"
+        return ".".join(parts), param, layer, expert
+
     def classify(self, name: str, facts: ModelFacts) -> TensorRole:
-        module, param, layer, expert = template_of(name)
+        module, param, layer, expert = self.template_of(name)
         rule = self._modules.get(module)
         if rule is None or not param:
             raise UserError(f"tensor {name} is not part of the {self.name} layout dsconv knows",
@@ -220,7 +317,7 @@ class Family:
         )
 
     # ---- synthesis from config alone ------------------------------------------------------------------------
-    def iter_shapes(self, f: ModelFacts) -> Iterator[tuple[T, str, tuple[int, ...]]]:
+    def iter_shapes(self, f: ModelFacts) -> Iterator[tuple[TensorRow, str, tuple[int, ...]]]:
         """(row, name, shape) of every tensor a checkpoint of these facts holds, in checkpoint order: the rows
         before the first layer row, every decoder layer (expert rows expanded per expert where they stand), the
         rows after the layers, then the MTP layers (DeepSeek stores them last, as layer num_hidden_layers...)."""
@@ -237,7 +334,7 @@ class Family:
         for layer in range(f.num_layers, f.num_layers + f.num_mtp_layers):
             yield from self._layer_shapes(f, layer, self.table[first:last + 1])
 
-    def _layer_shapes(self, f: ModelFacts, layer: int, rows: tuple[T, ...]) -> Iterator[tuple[T, str, tuple[int, ...]]]:
+    def _layer_shapes(self, f: ModelFacts, layer: int, rows: tuple[TensorRow, ...]) -> Iterator[tuple[TensorRow, str, tuple[int, ...]]]:
         i = 0
         while i < len(rows):
             run = [rows[i]]  # a run of expert rows is expanded expert by expert
@@ -270,65 +367,91 @@ class Family:
 
 
 # ------------------------------------------------------------------------------------------------ row builders
-def linear(key: str, module: str, role: Role, category: Category, out: Dim, inp: Dim, slot: str | None = None,
-           when: str | None = None) -> tuple[T, ...]:
-    return (T(key, module + ".weight", role, category, (out, inp), slot, when),)
+# Keywords only. A module path is the name template without its parameter; per-layer ones start with LAYER.
+Rows = tuple[TensorRow, ...]
+SELF_ATTN = LAYER + "self_attn."
+GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
 
 
-def norm(key: str, module: str, size: Dim = "hidden_size", category: Category = Category.NORMS,
-         when: str | None = None) -> tuple[T, ...]:
-    return (T(key, module + ".weight", Role.NORM, category, (size,), None, when),)
+def linear(*, key: str, module: str, role: Role, category: Category, shape: tuple[Dim, Dim], slot: str | None = None,
+           when: str | None = None) -> Rows:
+    """The weight of one linear layer, shape (out, in)."""
+    return (TensorRow(key=key, name=module + ".weight", role=role, category=category, shape=shape, slot=slot,
+                      when=when),)
 
 
-def gqa_attention(qkv_bias: bool = True) -> tuple[T, ...]:
+def norm(*, key: str, module: str, size: Dim = "hidden_size", category: Category = Category.NORMS,
+         when: str | None = None) -> Rows:
+    return (TensorRow(key=key, name=module + ".weight", role=Role.NORM, category=category, shape=(size,), when=when),)
+
+
+def gqa_attention(*, qkv_bias: bool = True) -> Rows:
     """Llama-style attention: q/k/v (biases where `qkv_bias` facts say so), o."""
-    a, A = L + "self_attn.", Category.ATTENTION
-    rows = (*linear("attn.q", a + "q_proj", Role.ATTN_IN, A, "q_size", "hidden_size", "q"),
-            *linear("attn.k", a + "k_proj", Role.ATTN_IN, A, "kv_size", "hidden_size", "k"),
-            *linear("attn.v", a + "v_proj", Role.ATTN_IN, A, "kv_size", "hidden_size", "v"))
+    attn = {"role": Role.ATTN_IN, "category": Category.ATTENTION}
+    rows = (*linear(key="attn.q", module=SELF_ATTN + "q_proj", **attn, shape=("q_size", "hidden_size"), slot="q"),
+            *linear(key="attn.k", module=SELF_ATTN + "k_proj", **attn, shape=("kv_size", "hidden_size"), slot="k"),
+            *linear(key="attn.v", module=SELF_ATTN + "v_proj", **attn, shape=("kv_size", "hidden_size"), slot="v"))
     if qkv_bias:
-        rows += (T("attn.q_bias", a + "q_proj.bias", Role.ATTN_IN, A, ("q_size",), "q", "qkv_bias"),
-                 T("attn.k_bias", a + "k_proj.bias", Role.ATTN_IN, A, ("kv_size",), "k", "qkv_bias"),
-                 T("attn.v_bias", a + "v_proj.bias", Role.ATTN_IN, A, ("kv_size",), "v", "qkv_bias"))
-    return rows + linear("attn.o", a + "o_proj", Role.ATTN_OUT, A, "hidden_size", "attn_out_size", "o")
+        rows += tuple(TensorRow(key=f"attn.{s}_bias", name=f"{SELF_ATTN}{s}_proj.bias", **attn, shape=(size,), slot=s,
+                                when="qkv_bias") for s, size in (("q", "q_size"), ("k", "kv_size"), ("v", "kv_size")))
+    return rows + linear(key="attn.o", module=SELF_ATTN + "o_proj", role=Role.ATTN_OUT, category=Category.ATTENTION,
+                         shape=("hidden_size", "attn_out_size"), slot="o")
 
 
-def qk_norm() -> tuple[T, ...]:
+def qk_norm() -> Rows:
     """Per-head RMSNorm on q and k before rotary (Qwen3, Gemma 3)."""
-    return (*norm("attn.q_norm", L + "self_attn.q_norm", "head_dim"),
-            *norm("attn.k_norm", L + "self_attn.k_norm", "head_dim"))
+    return (*norm(key="attn.q_norm", module=SELF_ATTN + "q_norm", size="head_dim"),
+            *norm(key="attn.k_norm", module=SELF_ATTN + "k_norm", size="head_dim"))
 
 
-def swiglu(prefix: str, category: Category, inter: Dim, key: str = "mlp", when: str | None = None,
+def swiglu(*, module: str, category: Category, inter: Dim, key: str = "mlp", when: str | None = None,
            role_in: Role = Role.MLP_IN, role_out: Role = Role.MLP_OUT,
-           names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> tuple[T, ...]:
-    """gate/up/down of a gated MLP (dense, shared expert, or one routed expert)."""
+           names: tuple[str, str, str] = GATE_UP_DOWN) -> Rows:
+    """gate/up/down of a gated MLP (dense, shared expert, or one routed expert) under `module`, named `names`."""
     g, u, d = names
-    return (*linear(f"{key}.gate", f"{prefix}.{g}", role_in, category, inter, "hidden_size", "gate", when),
-            *linear(f"{key}.up", f"{prefix}.{u}", role_in, category, inter, "hidden_size", "up", when),
-            *linear(f"{key}.down", f"{prefix}.{d}", role_out, category, "hidden_size", inter, "down", when))
+    return (*linear(key=f"{key}.gate", module=f"{module}.{g}", role=role_in, category=category,
+                    shape=(inter, "hidden_size"), slot="gate", when=when),
+            *linear(key=f"{key}.up", module=f"{module}.{u}", role=role_in, category=category,
+                    shape=(inter, "hidden_size"), slot="up", when=when),
+            *linear(key=f"{key}.down", module=f"{module}.{d}", role=role_out, category=category,
+                    shape=("hidden_size", inter), slot="down", when=when))
 
 
-def experts(prefix: str = L + "mlp.experts.{E}", names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
-            inter: Dim = "moe_intermediate_size") -> tuple[T, ...]:
-    return swiglu(prefix, Category.ROUTED_EXPERTS, inter, "expert", "moe", Role.EXPERT_IN, Role.EXPERT_OUT, names)
+def experts(*, module: str = LAYER + "mlp.experts.{E}", names: tuple[str, str, str] = GATE_UP_DOWN,
+            inter: Dim = "moe_intermediate_size") -> Rows:
+    """One routed expert's gate/up/down (rows keyed expert.gate/up/down, present in MoE layers)."""
+    return swiglu(module=module, category=Category.ROUTED_EXPERTS, inter=inter, key="expert", when="moe",
+                  role_in=Role.EXPERT_IN, role_out=Role.EXPERT_OUT, names=names)
 
 
-def router(module: str = L + "mlp.gate", key: str = "router", out: Dim = "num_experts",
-           when: str | None = "moe") -> tuple[T, ...]:
-    return (T(key, module + ".weight", Role.ROUTER, Category.ROUTER, (out, "hidden_size"), None, when),)
+def router(*, module: str = LAYER + "mlp.gate", key: str = "router", out: Dim = "num_experts",
+           when: str | None = "moe") -> Rows:
+    return (TensorRow(key=key, name=module + ".weight", role=Role.ROUTER, category=Category.ROUTER,
+                      shape=(out, "hidden_size"), when=when),)
 
 
-def decoder(attention: tuple[T, ...], mlp: tuple[T, ...]) -> tuple[T, ...]:
+def embedding() -> Rows:
+    return linear(key="embed", module="model.embed_tokens", role=Role.EMBED, category=Category.EMBEDDING,
+                  shape=("vocab_size", "hidden_size"))
+
+
+def final_norm_and_head() -> Rows:
+    """The final norm and the lm_head (absent when tied)."""
+    return (*norm(key="norm.final", module="model.norm"),
+            *linear(key="lm_head", module="lm_head", role=Role.LM_HEAD, category=Category.LM_HEAD,
+                    shape=("vocab_size", "hidden_size"), when="untied"))
+
+
+def layer_norms() -> Rows:
+    return (*norm(key="norm.input", module=LAYER + "input_layernorm"),
+            *norm(key="norm.post", module=LAYER + "post_attention_layernorm"))
+
+
+def decoder(*, attention: Rows, mlp: Rows) -> Rows:
     """The Llama skeleton every family here shares: embeddings, per layer two norms + attention + MLP, final norm,
     lm_head (absent when tied)."""
-    return (*linear("embed", "model.embed_tokens", Role.EMBED, Category.EMBEDDING, "vocab_size", "hidden_size"),
-            *norm("norm.input", L + "input_layernorm"), *norm("norm.post", L + "post_attention_layernorm"),
-            *attention, *mlp,
-            *norm("norm.final", "model.norm"),
-            *linear("lm_head", "lm_head", Role.LM_HEAD, Category.LM_HEAD, "vocab_size", "hidden_size",
-                    when="untied"))
+    return (*embedding(), *layer_norms(), *attention, *mlp, *final_norm_and_head())
 
 
-def dense_mlp(when: str | None = None) -> tuple[T, ...]:
-    return swiglu(L + "mlp", Category.DENSE_MLP, "intermediate_size", when=when)
+def dense_mlp(*, when: str | None = None) -> Rows:
+    return swiglu(module=LAYER + "mlp", category=Category.DENSE_MLP, inter="intermediate_size", when=when)

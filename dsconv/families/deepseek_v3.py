@@ -1,36 +1,51 @@
 """DeepSeek-V3 / R1: MLA attention, sigmoid noaux_tc routing over 256 experts + 1 shared, MTP stored as layer 61,
 FP8 block-scaled weights (see docs/formats.md)."""
-from dsconv.families.base import (REQUIRED, L, T, Family, dense_mlp, experts, linear, norm, router, swiglu)
+from dsconv.families.base import (LAYER, REQUIRED, SELF_ATTN, Family, TensorRow, dense_mlp, embedding, experts,
+                                  final_norm_and_head, layer_norms, linear, norm, register, router, swiglu)
 from dsconv.families.roles import Category, Role
 
-A, ATT, LAT = L + "self_attn.", Category.ATTENTION, Role.ATTN_LATENT
+ATTENTION, MTP = Category.ATTENTION, Category.MTP
 MLA = (
-    *linear("attn.q_a", A + "q_a_proj", LAT, ATT, "q_lora_rank", "hidden_size", "q_a", "q_lora"),
-    *norm("attn.q_a_norm", A + "q_a_layernorm", "q_lora_rank", when="q_lora"),
-    *linear("attn.q_b", A + "q_b_proj", Role.ATTN_IN, ATT, "q_size", "q_lora_rank", "q_b", "q_lora"),
-    *linear("attn.q", A + "q_proj", Role.ATTN_IN, ATT, "q_size", "hidden_size", "q", "no_q_lora"),  # V2-Lite style
-    *linear("attn.kv_a", A + "kv_a_proj_with_mqa", LAT, ATT, "kv_a_size", "hidden_size", "kv_a"),
-    *norm("attn.kv_a_norm", A + "kv_a_layernorm", "kv_lora_rank"),
-    *linear("attn.kv_b", A + "kv_b_proj", Role.ATTN_IN, ATT, "kv_b_size", "kv_lora_rank", "kv_b"),
-    *linear("attn.o", A + "o_proj", Role.ATTN_OUT, ATT, "hidden_size", "attn_out_size", "o"),
+    *linear(key="attn.q_a", module=SELF_ATTN + "q_a_proj", role=Role.ATTN_LATENT, category=ATTENTION,
+            shape=("q_lora_rank", "hidden_size"), slot="q_a", when="q_lora"),
+    *norm(key="attn.q_a_norm", module=SELF_ATTN + "q_a_layernorm", size="q_lora_rank", when="q_lora"),
+    *linear(key="attn.q_b", module=SELF_ATTN + "q_b_proj", role=Role.ATTN_IN, category=ATTENTION,
+            shape=("q_size", "q_lora_rank"), slot="q_b", when="q_lora"),
+    *linear(key="attn.q", module=SELF_ATTN + "q_proj", role=Role.ATTN_IN, category=ATTENTION,  # V2-Lite style
+            shape=("q_size", "hidden_size"), slot="q", when="no_q_lora"),
+    *linear(key="attn.kv_a", module=SELF_ATTN + "kv_a_proj_with_mqa", role=Role.ATTN_LATENT, category=ATTENTION,
+            shape=("kv_a_size", "hidden_size"), slot="kv_a"),
+    *norm(key="attn.kv_a_norm", module=SELF_ATTN + "kv_a_layernorm", size="kv_lora_rank"),
+    *linear(key="attn.kv_b", module=SELF_ATTN + "kv_b_proj", role=Role.ATTN_IN, category=ATTENTION,
+            shape=("kv_b_size", "kv_lora_rank"), slot="kv_b"),
+    *linear(key="attn.o", module=SELF_ATTN + "o_proj", role=Role.ATTN_OUT, category=ATTENTION,
+            shape=("hidden_size", "attn_out_size"), slot="o"),
 )
 MOE = (
-    *dense_mlp("dense"), *router(),
-    T("router.bias", L + "mlp.gate.e_score_correction_bias", Role.ROUTER, Category.ROUTER, ("num_experts",),
-      when="noaux_tc", dtype="F32"),
+    *dense_mlp(when="dense"), *router(),
+    TensorRow(key="router.bias", name=LAYER + "mlp.gate.e_score_correction_bias", role=Role.ROUTER,
+              category=Category.ROUTER, shape=("num_experts",), when="noaux_tc", dtype="F32"),
     *experts(),
-    *swiglu(L + "mlp.shared_experts", Category.SHARED_EXPERTS, "shared_intermediate_size", "shared", "shared"),
+    *swiglu(module=LAYER + "mlp.shared_experts", category=Category.SHARED_EXPERTS, inter="shared_intermediate_size",
+            key="shared", when="shared"),
 )
-M = Category.MTP  # the multi-token-prediction module's own tensors (layer index >= num_hidden_layers)
+# the multi-token-prediction module's own tensors (layer index >= num_hidden_layers, category MTP)
 MTP_IN = (
-    *linear("mtp.embed", L + "embed_tokens", Role.EMBED, M, "vocab_size", "hidden_size", when="mtp"),
-    *norm("mtp.enorm", L + "enorm", category=M, when="mtp"), *norm("mtp.hnorm", L + "hnorm", category=M, when="mtp"),
-    *linear("mtp.eh_proj", L + "eh_proj", Role.MTP_PROJ, M, "hidden_size", "mtp_in_size", when="mtp"),
+    *linear(key="mtp.embed", module=LAYER + "embed_tokens", role=Role.EMBED, category=MTP,
+            shape=("vocab_size", "hidden_size"), when="mtp"),
+    *norm(key="mtp.enorm", module=LAYER + "enorm", category=MTP, when="mtp"),
+    *norm(key="mtp.hnorm", module=LAYER + "hnorm", category=MTP, when="mtp"),
+    *linear(key="mtp.eh_proj", module=LAYER + "eh_proj", role=Role.MTP_PROJ, category=MTP,
+            shape=("hidden_size", "mtp_in_size"), when="mtp"),
 )
-MTP_OUT = (*norm("mtp.norm", L + "shared_head.norm", category=M, when="mtp"),
-           *linear("mtp.head", L + "shared_head.head", Role.LM_HEAD, M, "vocab_size", "hidden_size", when="mtp"))
+MTP_OUT = (
+    *norm(key="mtp.norm", module=LAYER + "shared_head.norm", category=MTP, when="mtp"),
+    *linear(key="mtp.head", module=LAYER + "shared_head.head", role=Role.LM_HEAD, category=MTP,
+            shape=("vocab_size", "hidden_size"), when="mtp"),
+)
 
 
+@register
 class DeepseekV3(Family):
     name = "deepseek_v3"
     config_keys = {**Family.config_keys, "kv_lora_rank": REQUIRED, "qk_rope_head_dim": REQUIRED,
@@ -62,13 +77,7 @@ class DeepseekV3(Family):
     mindie_ep_section = "deepseekv2"
     # small enough that the sigmoid scores do not saturate at 1.0, where fp16 cannot tell experts apart
     tiny_router_std = 0.15
-    table = (
-        *linear("embed", "model.embed_tokens", Role.EMBED, Category.EMBEDDING, "vocab_size", "hidden_size"),
-        *MTP_IN, *norm("norm.input", L + "input_layernorm"), *norm("norm.post", L + "post_attention_layernorm"),
-        *MLA, *MOE, *MTP_OUT,
-        *norm("norm.final", "model.norm"),
-        *linear("lm_head", "lm_head", Role.LM_HEAD, Category.LM_HEAD, "vocab_size", "hidden_size", when="untied"),
-    )
+    table = (*embedding(), *MTP_IN, *layer_norms(), *MLA, *MOE, *MTP_OUT, *final_norm_and_head())
     tiny = {"num_hidden_layers": 3, "num_key_value_heads": 4, "first_k_dense_replace": 1, "n_routed_experts": 16,
             "n_shared_experts": 1, "num_experts_per_tok": 4, "moe_intermediate_size": 32, "n_group": 4,
             "topk_group": 2, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,

@@ -6,15 +6,16 @@ What else differs is computation, read from transformers' config object by the M
 stored as offsets from 1, embeddings scaled by sqrt(hidden), sliding/full layer types with their own rope bases,
 query_pre_attn_scalar, final-logit softcapping.
 """
-from dsconv.families.base import L, Family, decoder, dense_mlp, gqa_attention, norm, qk_norm
+from dsconv.families.base import LAYER, Family, decoder, dense_mlp, gqa_attention, norm, qk_norm, register
 
 
+@register
 class Gemma3(Family):
     name = "gemma3"
     model_types = ("gemma3_text",)
-    table = decoder((*gqa_attention(), *qk_norm()),
-                    (*norm("norm.pre_ff", L + "pre_feedforward_layernorm"), *dense_mlp(),
-                     *norm("norm.post_ff", L + "post_feedforward_layernorm")))
+    table = decoder(attention=(*gqa_attention(), *qk_norm()),
+                    mlp=(*norm(key="norm.pre_ff", module=LAYER + "pre_feedforward_layernorm"), *dense_mlp(),
+                         *norm(key="norm.post_ff", module=LAYER + "post_feedforward_layernorm")))
     # one sliding layer (window 4, shorter than the check inputs) and one full; scalar != head_dim; softcapped logits
     tiny = {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 4, "final_logit_softcapping": 30.0,
             "layer_types": ["sliding_attention", "full_attention"]}

@@ -1,11 +1,12 @@
 """Llama (and Mistral, a Llama with a sliding window on every layer): GQA attention, SwiGLU MLP."""
-from dsconv.families.base import Family, decoder, dense_mlp, gqa_attention
+from dsconv.families.base import Family, decoder, dense_mlp, gqa_attention, register
 
 
+@register
 class Llama(Family):
     name = "llama"
     model_types = ("llama", "mistral")
-    table = decoder(gqa_attention(), dense_mlp())
+    table = decoder(attention=gqa_attention(), mlp=dense_mlp())
     tiny = {}
 
     def _facts(self, c):

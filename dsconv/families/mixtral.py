@@ -1,14 +1,16 @@
 """Mixtral: every layer MoE (softmax top-k, always renormalised), experts named block_sparse_moe.experts.E.w1/w2/w3 on
 disk (w1 gate, w3 up, w2 down), a sliding window on every layer when set."""
-from dsconv.families.base import L, Family, decoder, experts, gqa_attention, router
+from dsconv.families.base import LAYER, Family, decoder, experts, gqa_attention, register, router
 
 
+@register
 class Mixtral(Family):
     name = "mixtral"
     model_types = ("mixtral",)
-    _experts = experts(L + "block_sparse_moe.experts.{E}", ("w1", "w3", "w2"), "intermediate_size")
-    table = decoder(gqa_attention(), (*router(L + "block_sparse_moe.gate"),
-                                      _experts[0], _experts[2], _experts[1]))  # on disk: w1, w2, w3
+    _gate, _up, _down = experts(module=LAYER + "block_sparse_moe.experts.{E}", names=("w1", "w3", "w2"),
+                                inter="intermediate_size")
+    table = decoder(attention=gqa_attention(),
+                    mlp=(*router(module=LAYER + "block_sparse_moe.gate"), _gate, _down, _up))  # on disk: w1, w2, w3
     tiny = {"num_local_experts": 8, "num_experts_per_tok": 2}
     fused_renames = {"mlp.gate": "block_sparse_moe.gate"}
     config_keys = {**Family.config_keys, "num_local_experts": 8, "num_experts_per_tok": 2}  # MixtralConfig's

@@ -1,11 +1,12 @@
 """Qwen2 / Qwen2.5: Llama with q/k/v biases, sliding windows where `layer_types` says."""
-from dsconv.families.base import Family, decoder, dense_mlp, gqa_attention
+from dsconv.families.base import Family, decoder, dense_mlp, gqa_attention, register
 
 
+@register
 class Qwen2(Family):
     name = "qwen2"
     model_types = ("qwen2",)
-    table = decoder(gqa_attention(), dense_mlp())
+    table = decoder(attention=gqa_attention(), mlp=dense_mlp())
     tiny = {}
 
     def _facts(self, c):

@@ -1,6 +1,6 @@
 """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): softmax top-k experts plus a shared expert behind a sigmoid gate."""
-from dsconv.families.base import (L, Family, cfg_get, decoder, dense_mlp, experts, gqa_attention, router,
-                                  swiglu)
+from dsconv.families.base import (LAYER, Family, cfg_get, decoder, dense_mlp, experts, gqa_attention, register,
+                                  router, swiglu)
 from dsconv.families.roles import Category
 
 MOE_TINY = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
@@ -31,13 +31,15 @@ def moe_facts(f, c):
     return f
 
 
+@register
 class Qwen2Moe(Family):
     name = "qwen2_moe"
     model_types = ("qwen2_moe",)
-    table = decoder(gqa_attention(), (*dense_mlp("dense"), *router(), *experts(),
-                                      *swiglu(L + "mlp.shared_expert", Category.SHARED_EXPERTS,
-                                              "shared_intermediate_size", "shared", "moe"),
-                                      *router(L + "mlp.shared_expert_gate", "shared_gate", 1, "moe")))
+    table = decoder(attention=gqa_attention(), mlp=(
+        *dense_mlp(when="dense"), *router(), *experts(),
+        *swiglu(module=LAYER + "mlp.shared_expert", category=Category.SHARED_EXPERTS, inter="shared_intermediate_size",
+                key="shared", when="moe"),
+        *router(module=LAYER + "mlp.shared_expert_gate", key="shared_gate", out=1, when="moe")))
     tiny = {**MOE_TINY, "shared_expert_intermediate_size": 48}
     config_keys = {**Family.config_keys, **MOE_KEYS, "shared_expert_intermediate_size": 0}
 

@@ -1,9 +1,10 @@
 """Qwen3: Llama with per-head q/k RMSNorm and an explicit head_dim."""
-from dsconv.families.base import Family, decoder, dense_mlp, gqa_attention, qk_norm
+from dsconv.families.base import Family, decoder, dense_mlp, gqa_attention, qk_norm, register
 
 
+@register
 class Qwen3(Family):
     name = "qwen3"
     model_types = ("qwen3",)
-    table = decoder((*gqa_attention(), *qk_norm()), dense_mlp())
+    table = decoder(attention=(*gqa_attention(), *qk_norm()), mlp=dense_mlp())
     tiny = {"head_dim": 16}

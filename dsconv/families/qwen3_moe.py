@@ -1,12 +1,13 @@
 """Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B): Qwen3 attention, softmax top-k experts, no shared expert."""
-from dsconv.families.base import Family, decoder, dense_mlp, experts, gqa_attention, qk_norm, router
+from dsconv.families.base import Family, decoder, dense_mlp, experts, gqa_attention, qk_norm, register, router
 from dsconv.families.qwen2_moe import MOE_KEYS, MOE_TINY, moe_facts
 
 
+@register
 class Qwen3Moe(Family):
     name = "qwen3_moe"
     model_types = ("qwen3_moe",)
-    table = decoder((*gqa_attention(), *qk_norm()), (*dense_mlp("dense"), *router(), *experts()))
+    table = decoder(attention=(*gqa_attention(), *qk_norm()), mlp=(*dense_mlp(when="dense"), *router(), *experts()))
     tiny = {**MOE_TINY, "head_dim": 16}
     config_keys = {**Family.config_keys, **MOE_KEYS}
 
