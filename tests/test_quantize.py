@@ -447,9 +447,11 @@ def test_cli_quantized_input_refused_and_dry_run(models, run, run_cli, tmp_path)
     assert r.code == 0
     plan = json.loads(r.out)
     assert plan["dry_run"] and plan["linears"] == {"W4A16": 111} and plan["output_bytes"] < plan["input_bytes"]
-    # the 4-bit default is the method measured best end to end on the real fixtures (docs/accuracy.md): plain
-    # rounding, which needs no calibration; GPTQ stays available with --method gptq
-    assert plan["method"] == "rtn" and plan["calibration"] is False
+    # the 4-bit default is the method measured best end to end on three real models (docs/accuracy.md): GPTQ, which
+    # calibrates (on the bundled set unless --calib); W4A8's experts keep plain rounding, which needs none
+    assert plan["method"] == "gptq" and plan["calibration"] is True
+    r = run_cli(["quantize", "-m", models["ds"], "--bits", "4", "--scheme", "w4a8_dynamic", "--dry-run", "--json"])
+    assert r.code == 0 and json.loads(r.out)["method"] == "rtn" and json.loads(r.out)["calibration"] is False
     r = run_cli(["quantize", "-m", models["qwen2"], "--scheme", "w8a16", "-o", tmp_path / "z", "--json"])
     assert r.code == 0 and json.loads(r.out)["linears"] == {"W8A16": 14}
     r = run_cli(["verify", tmp_path / "z"])
@@ -462,3 +464,14 @@ def test_weight_only_needs_no_tokenizer(tmp_path):
     m = make_tiny("llama", tmp_path / "m", dtype="bf16")
     s = stage.run(QuantRequest(m, tmp_path / "o", QuantOptions(scheme="w8a16"), progress=False)).summary
     assert s["linears"] == {"W8A16": 14} and math.isfinite(s["layers"]["0"]["weight_error_mean"])
+
+
+def test_calibrating_default_says_so_up_front(models, run_cli, tmp_path):
+    r = run_cli(["quantize", "-m", models["qwen2"], "--bits", "4", "--group-size", "0", "--calib-samples", "4",
+                 "--seq-len", "32", "-o", tmp_path / "g", "--json"])
+    assert r.code == 0, r.err
+    assert "--method gptq is the default for w4a16" in r.err and "bundled qa.jsonl" in r.err
+    assert json.loads(r.out)["method"] == "gptq"
+    r = run_cli(["quantize", "-m", models["qwen2"], "--bits", "4", "--group-size", "0", "--method", "rtn", "-o",
+                 tmp_path / "r"])
+    assert r.code == 0 and "is the default" not in r.err

@@ -9,7 +9,7 @@ from dsconv import workspace
 from dsconv.commands.options import (PATH, SIZE, emit_json, exec_options, force_option, json_option, model_option,
                                      output_option, resolve_exec, warn)
 from dsconv.errors import UserError
-from dsconv.quant.algorithms.methods import DEFAULT_METHOD, METHODS
+from dsconv.quant.algorithms.methods import DEFAULT_METHOD, METHODS, SCHEME_DEFAULT_METHOD, default_method
 
 
 SCHEME_NAMES = ["w8a8", "w8a8_dynamic", "w8a16", "w4a16", "w4a8_dynamic"]  # quant.plan.SCHEMES (kept light)
@@ -38,8 +38,9 @@ SCHEME_NAMES = ["w8a8", "w8a8_dynamic", "w8a16", "w4a16", "w4a8_dynamic"]  # qua
               help="Weight rounding: rtn, round-to-nearest with max|w| scales; mse, each group's scale searched for "
                    "the smallest rounding error (no calibration); gptq, error compensation with the calibration "
                    "Hessian (act order, static groups), kept per linear only where it beats rtn on held-out "
-                   f"calibration prompts; awq (W4A16/W8A16), activation-aware scales folded into the norms and up_proj plus a clip search, both by output error on calibration rows, kept per site only where no linear is worse than rtn on held-out prompts. Default: {DEFAULT_METHOD[4]} for 4 bits, {DEFAULT_METHOD[8]} for 8 (measured "
-                   "best end to end on real models: docs/accuracy.md).")
+                   f"calibration prompts; awq (W4A16/W8A16), activation-aware scales folded into the norms and up_proj plus a clip search, both by output error on calibration rows, kept per site only where no linear is worse than rtn on held-out prompts. Default: {DEFAULT_METHOD[4]} for 4 bits "
+                   f"({', '.join(f'{m} for {s}' for s, m in SCHEME_DEFAULT_METHOD.items())}), {DEFAULT_METHOD[8]} for "
+                   "8 (measured end to end on real models: docs/accuracy.md).")
 @click.option("--act-method", type=click.Choice(["search", "minmax", "percentile", "mse"]), default="search",
               show_default=True,
               help="Static activation ranges. search (default): the min/max range scaled by the clip ratio that "
@@ -110,7 +111,10 @@ def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: 
         raise UserError(f"--scheme {scheme} has {BITS[SCHEMES[scheme]]}-bit weights, not --bits {bits}",
                         hint="drop one of them")
     if method is None:
-        method = DEFAULT_METHOD[BITS[SCHEMES[scheme]]]
+        method = default_method(scheme, BITS[SCHEMES[scheme]])
+        if method in ("gptq", "awq") and not dry_run:
+            warn(f"--method {method} is the default for {scheme} (docs/accuracy.md): calibrating on "
+                 f"{calib or 'the bundled qa.jsonl'}; --method rtn needs no calibration")
     model = workspace.resolve_model(model)
     output = workspace.resolve_output("quantize", output) if not dry_run or output else Path(".")
     opts = QuantOptions(scheme=scheme, group_size=group_size, method=method, act_method=act_method,
