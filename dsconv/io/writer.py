@@ -277,6 +277,9 @@ class OutputDir:
             self.tmp.mkdir()
         except OSError as e:
             raise output_error(e, self.final) from None
+        except BaseException:  # Ctrl-C right after the mkdir: __exit__ will not run, so discard here
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
