@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from dsconv.quant.algorithms import smoothing as sm
+from dsconv.quant.algorithms.error_metrics import output_error
+from dsconv.quant.algorithms.fake_quant import fake_quant_groups
 from dsconv.quant.algorithms.schemes import dequant_weight, quantize_weight_per_group
 from dsconv.quant.calibrate import awq
 
@@ -35,7 +37,7 @@ def test_fake_quant_is_what_rtn_writes():
     w = torch.randn(48, 128, generator=torch.Generator().manual_seed(1))
     for g in (32, 0):
         q, scale, _ = quantize_weight_per_group(w.numpy(), g, 4)
-        assert torch.equal(awq.fake_quant(w, 4, g), torch.from_numpy(dequant_weight(q, scale)))
+        assert torch.equal(fake_quant_groups(w, 4, g), torch.from_numpy(dequant_weight(q, scale)))
 
 
 def test_scaling_beats_rtn_on_outlier_channels():
@@ -49,7 +51,7 @@ def test_scaling_beats_rtn_on_outlier_channels():
     assert set(torch.topk(s, 3).indices.tolist()) == {3, 77, 150}
     # on fresh tokens of the same distribution, too
     x2 = outlier_rows(seed=5)
-    assert awq.rel_error(x2, w, awq.fake_quant(w * s, 4, 64) / s) < awq.rel_error(x2, w, awq.fake_quant(w, 4, 64))
+    assert output_error(x2, w, fake_quant_groups(w * s, 4, 64) / s) < output_error(x2, w, fake_quant_groups(w, 4, 64))
 
 
 def test_no_outliers_keeps_scaling_small_or_off():
@@ -67,12 +69,12 @@ def test_clip_search_never_loses_to_max_scales_on_its_tokens():
     w[:, 5] *= 8  # a few large weights per group: clipping them pays off elsewhere
     st = stats_of(x, 32)
     q, scale, ratio = awq.clip_search(w, st.hblocks, 4, 32)
-    err = awq.rel_error(x, w, awq._dequant(q, scale))
-    assert err <= awq.rel_error(x, w, awq.fake_quant(w, 4, 32)) + 1e-9
+    err = output_error(x, w, awq._dequant(q, scale))
+    assert err <= output_error(x, w, fake_quant_groups(w, 4, 32)) + 1e-9
     assert ratio < 1.0 and q.min() >= -8 and q.max() <= 7
     # without group blocks (per-channel int8): plain rounding, byte for byte
     q8, s8, r8 = awq.clip_search(w, None, 8, 0)
-    assert r8 == 1.0 and torch.equal(awq._dequant(q8, s8), awq.fake_quant(w, 8, 0))
+    assert r8 == 1.0 and torch.equal(awq._dequant(q8, s8), fake_quant_groups(w, 8, 0))
 
 
 def test_hessian_blocks_are_the_groups_of_xtx():
@@ -147,24 +149,28 @@ def _out(y):
 def test_fold_keeps_each_layers_float_output(tiny, fam):
     from torch import nn
 
+    from dsconv.quant.calibrate.context import forward_batch
+
     cal = _calibrator(tiny[fam])
+    sk, acts = cal.ctx.sk, cal.acts
     with torch.no_grad():
-        layer = cal.sk.materialise(0)
+        layer = sk.materialise(0)
         lps = {lp.module: lp for lp in cal.by_layer[0]}
-        targets = {m: lps[cal.sk.ck_name(cal.sk.module_names[m])] for m in layer.modules()
-                   if isinstance(m, nn.Linear) and cal.sk.ck_name(cal.sk.module_names[m]) in lps}
-        samples = cal.batches[0]
-        x, _, mask = cal._batch(samples)
-        before = _out(layer(x, **cal.sk.layer_inputs(x, layer)))[mask]
-        modified, preset, written = awq.run_layer(cal, 0, layer, targets, lps)
-        after = _out(layer(x, **cal.sk.layer_inputs(x, layer)))[mask]
-    folded = [e for e in cal.decisions["awq"] if e.get("applied")]
-    assert folded, cal.decisions["awq"]  # the outlier channel makes scaling pay somewhere
-    assert any(name.endswith("layernorm.weight") for name in modified)
+        targets = {m: lps[sk.ck_name(sk.module_names[m])] for m in layer.modules()
+                   if isinstance(m, nn.Linear) and sk.ck_name(sk.module_names[m]) in lps}
+        samples = acts.batches[0]
+        x, _, mask = acts.batch(samples)
+        before = _out(layer(x, **sk.layer_inputs(x, layer)))[mask]
+        forward = lambda layer, samples, write: forward_batch(sk, acts, layer, samples, write)  # noqa: E731
+        out = awq.run_layer(cal.ctx, acts, forward, 0, layer, targets, lps)
+        after = _out(layer(x, **sk.layer_inputs(x, layer)))[mask]
+    folded = [e for e in out.log if e.get("applied")]
+    assert folded, out.log  # the outlier channel makes scaling pay somewhere
+    assert any(name.endswith("layernorm.weight") for name in out.modified)
     rel = float(torch.linalg.vector_norm(after - before) / torch.linalg.vector_norm(before))
     assert rel < 1e-3, rel
-    assert set(preset) == set(lps)  # every dense linear has its decision
-    assert written  # dense layer: the probe's outputs were propagated (the float function, folds being exact)
+    assert set(out.choices) == set(lps)  # every dense linear has its decision
+    assert out.written  # dense layer: the probe's outputs were propagated (the float function, folds being exact)
 
 
 @pytest.mark.parametrize("fam", ["qwen2", "gemma3"])

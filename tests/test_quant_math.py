@@ -7,6 +7,7 @@ import torch
 
 from dsconv.errors import UserError
 from dsconv.quant.algorithms.gptq import HessianAccumulator, _inverse_cholesky, gptq_quantize
+from dsconv.quant.algorithms.error_metrics import weight_error
 from dsconv.quant.algorithms.observers import (ACT_METHODS, DEFAULT_ACT_METHOD, HistogramObserver, MinMaxObserver,
                                                make_observer)
 from dsconv.quant.algorithms.schemes import (
@@ -20,7 +21,6 @@ from dsconv.quant.algorithms.schemes import (
     quantize_activation,
     quantize_weight_per_channel,
     quantize_weight_per_group,
-    relative_error,
     smooth_scales,
     unpack_int4,
     unpack_int4_along_k,
@@ -115,8 +115,8 @@ def test_dequant_and_relative_error_by_hand():
     np.testing.assert_array_equal(
         dequant_weight(q, np.array([[0.5]], np.float32), np.array([[1.0]], np.float32)), [[0.0, -1.5, 1.0, 1.5]]
     )
-    assert relative_error(np.array([3.0, 4.0]), np.array([3.0, 4.5])) == pytest.approx(0.1)
-    assert relative_error(np.zeros(3), np.zeros(3)) == 0.0
+    assert weight_error(np.array([3.0, 4.0]), np.array([3.0, 4.5])) == pytest.approx(0.1)
+    assert weight_error(np.zeros(3), np.zeros(3)) == 0.0
 
 
 # ------------------------------------------------------------------------------------------ int4 packing
@@ -219,7 +219,7 @@ def test_w8a8_static_reconstruction():
     acc = x_q.astype(np.int32) @ w_q.astype(np.int32).T + p["quant_bias"]
     y = acc.astype(np.float64) * p["deq_scale"]
     y_ref = x.astype(np.float64) @ w.T.astype(np.float64) + bias
-    assert relative_error(y_ref, y) < 0.02
+    assert weight_error(y_ref, y) < 0.02
     y_fake = fake_quant_activation(x, in_scale, in_offset) @ dequant_weight(w_q, w_scale).T + bias
     np.testing.assert_allclose(y, y_fake, atol=float(p["deq_scale"].max()) * 0.51 + 1e-5)
 
@@ -284,25 +284,25 @@ def test_percentile_and_mse_clip_less_than_minmax_on_outliers():
         for o in obs.values():
             o.update(part)
     assert obs["minmax"].clip_range() == (-40.0, 60.0)
-    mm_err = relative_error(x, fake_quant_activation(x, *obs["minmax"].qparams()))
+    mm_err = weight_error(x, fake_quant_activation(x, *obs["minmax"].qparams()))
     # percentile 99.99 drops the six outliers (< 0.01% per tail): the range shrinks to the bulk
     lo, hi = obs["percentile"].clip_range()
     assert -6.0 < lo < -2.0 and 2.0 < hi < 6.0, (lo, hi)
     bulk = x[np.abs(x) < 5]
-    assert relative_error(bulk, fake_quant_activation(bulk, *obs["percentile"].qparams())) < 0.2 * relative_error(
+    assert weight_error(bulk, fake_quant_activation(bulk, *obs["percentile"].qparams())) < 0.2 * weight_error(
         bulk, fake_quant_activation(bulk, *obs["minmax"].qparams())
     )
     # mse trades clipping error for resolution: narrower than minmax, lower total error than minmax
     lo, hi = obs["mse"].clip_range()
     assert -40.0 < lo and hi < 60.0 and (hi - lo) < 0.9 * 100.0, (lo, hi)
-    assert relative_error(x, fake_quant_activation(x, *obs["mse"].qparams())) < mm_err
+    assert weight_error(x, fake_quant_activation(x, *obs["mse"].qparams())) < mm_err
     # on a heavy tail (Student t, 3 dof) mse clips much more and wins clearly
     t = np.random.default_rng(11).standard_t(3, (4000, 32)).astype(np.float32)
     mm, mse = make_observer("minmax"), make_observer("mse")
     mm.update(t)
     mse.update(t)
     assert mse.clip_range()[1] - mse.clip_range()[0] < 0.85 * (t.max() - t.min())
-    assert relative_error(t, fake_quant_activation(t, *mse.qparams())) < 0.92 * relative_error(
+    assert weight_error(t, fake_quant_activation(t, *mse.qparams())) < 0.92 * weight_error(
         t, fake_quant_activation(t, *mm.qparams())
     )
 
@@ -462,3 +462,31 @@ def test_scales_are_values_every_engine_dtype_holds():
     assert usable_scale(np.zeros(2, np.float32)).tolist() == [1.0, 1.0]
     scale, offset = activation_qparams(-0.37, 5.1)
     assert float(torch.tensor(float(scale)).to(torch.bfloat16)) == float(scale) and offset == np.rint(offset)
+
+
+def test_every_method_has_a_rounding_function():
+    """--method names come from the import-free methods.py (the CLI reads it at start-up); each needs its registered
+    rounding, and AWQ without a chosen weight rounds to nearest, byte for byte."""
+    from dsconv.quant.algorithms.methods import METHODS
+    from dsconv.quant.weights import ROUNDING, RoundingInput, round_awq, round_to_nearest
+
+    assert set(ROUNDING) == set(METHODS)
+
+    class LP:
+        module = "m"
+
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(0))
+    for bits, g in ((8, 0), (4, 32)):
+        a, b = round_awq(LP, w, RoundingInput(bits, g)), round_to_nearest(LP, w, RoundingInput(bits, g))
+        assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+
+
+def test_relative_error_keeps_each_zero_reference_rule():
+    from dsconv.quant.algorithms.error_metrics import relative_error
+
+    zero, one = torch.zeros(3), torch.ones(3)
+    assert relative_error(zero, zero, zero_ref="inf") == 0.0
+    assert relative_error(one, zero, zero_ref="inf") == float("inf")
+    assert relative_error(one, zero) == 0.0
+    assert relative_error(one, zero, zero_ref="absolute") == pytest.approx(3 ** 0.5)
+    assert relative_error(2 * one, one, float64=True) == pytest.approx(1.0)

@@ -11,6 +11,7 @@ import torch
 
 from dsconv.quant.algorithms import clipping, selection
 from dsconv.quant.algorithms import smoothing as sm
+from dsconv.quant.algorithms.fake_quant import fake_quant_int8_rows, fake_quant_static
 from dsconv.quant.algorithms.gptq import gptq_quantize
 from dsconv.quant.algorithms.schemes import quantize_weight_per_group
 
@@ -34,7 +35,7 @@ def site_of(x: torch.Tensor) -> sm.SiteSample:
 
 def static_error(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, clip: float = 1.0) -> float:
     xs, ws = (x, w) if s is None else (x / s, w * s)
-    y = sm.fake_quant_static(xs, float(xs.min()) * clip, float(xs.max()) * clip) @ sm.fake_quant_rows(ws).T
+    y = fake_quant_static(xs, float(xs.min()) * clip, float(xs.max()) * clip) @ fake_quant_int8_rows(ws).T
     ref = x @ w.T
     return float(torch.linalg.vector_norm(y - ref) / torch.linalg.vector_norm(ref))
 

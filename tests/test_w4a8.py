@@ -13,7 +13,7 @@ import torch
 from dsconv.qformat import scale_bias, scale_bias_sums, unpack_int4
 from dsconv.quant.formats.msmodelslim import QuantLinear
 from dsconv.quant.evaluate.fidelity import EngineLinear
-from dsconv.quant.calibrate.stats import dynamic_fake_quant
+from dsconv.quant.algorithms.fake_quant import fake_quant_int8_rows
 
 pytestmark = [pytest.mark.cli]
 W4 = ["--bits", "4", "--scheme", "w4a8_dynamic"]
@@ -101,7 +101,7 @@ def test_eval_simulates_the_a8w4_kernel_and_sees_a_wrong_scale_bias():
     sb = scale_bias(scale_bias_sums(q, 16), s)
     ql = QuantLinear("m.down_proj", "W4A8_DYNAMIC", q, s, np.zeros_like(s), scale_bias=sb)
     x = torch.from_numpy(rng.normal(size=(5, k)).astype(np.float32))
-    want = dynamic_fake_quant(x) @ torch.from_numpy(q.astype(np.float32) * s).T  # a8 x w4, exactly
+    want = fake_quant_int8_rows(x) @ torch.from_numpy(q.astype(np.float32) * s).T  # a8 x w4, exactly
     got = EngineLinear(ql)(x)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     bad = QuantLinear("m.down_proj", "W4A8_DYNAMIC", q, s, np.zeros_like(s), scale_bias=np.zeros_like(sb))

@@ -157,7 +157,8 @@ def run(req: QuantRequest) -> QuantResult:
             if f.name != "config.json":
                 out.copy_in(f)
         out.write_text("config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-        report = rep.build_report(ck, plan, opts, records, decision, policy, cal, calib)
+        found = cal.findings() if cal is not None else None
+        report = rep.build_report(ck, plan, opts, records, decision, policy, found, calib)
         out.write_json(rep.REPORT_FILE, report)
         if cal is not None and cal.expert_counts:
             out.write_json(rep.EXPERT_LOAD_FILE, {"layers": {str(k): v for k, v in sorted(cal.expert_counts.items())}})

@@ -22,7 +22,8 @@ from dsconv.checkpoint import Checkpoint
 from dsconv.executor import Executor
 from dsconv.io.parts import PartLayout, PartWriter, Region
 from dsconv.io.tensorfile import TensorInfo, TensorReader, dequant_fp8_block
-from dsconv.quant.algorithms.schemes import dequant_weight, relative_error
+from dsconv.quant.algorithms.error_metrics import weight_error
+from dsconv.quant.algorithms.schemes import dequant_weight
 from dsconv.quant.calibrate.stats import LinearRecord
 from dsconv.quant.formats.msmodelslim import LinearResult, emit_linear
 from dsconv.quant.formats.output import QuantWriter, as_float
@@ -239,4 +240,4 @@ def _sampled_error(w: torch.Tensor, q: np.ndarray, scale: np.ndarray) -> float:
     n = w.shape[0]
     step = max(1, n // ERROR_SAMPLE_ROWS)
     rows = slice(0, n, step)
-    return relative_error(w[rows], dequant_weight(q[rows], scale[rows]))
+    return weight_error(w[rows], dequant_weight(q[rows], scale[rows]))

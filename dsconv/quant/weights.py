@@ -1,6 +1,8 @@
-"""One linear's weight quantized, the same way on both paths (streamed or calibrated)."""
+"""One linear's weight quantized, the same way on both paths (streamed or calibrated): each --method is a rounding
+function registered in ROUNDING, chosen by name, never by branches at the call sites."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -8,34 +10,73 @@ import torch
 
 from dsconv.qformat import scale_bias_sums
 from dsconv.quant.algorithms import grid
+from dsconv.quant.algorithms.error_metrics import weight_error
 from dsconv.quant.algorithms.gptq import gptq_quantize
 from dsconv.quant.algorithms.schemes import (dequant_weight, iter_quantized_rows, qrange, quantize_weight_per_channel,
-                                             quantize_weight_per_group, relative_error, to_float32)
+                                             quantize_weight_per_group, to_float32)
 from dsconv.quant.formats.msmodelslim import LinearResult, components, emit_linear, pack_weight_rows
 from dsconv.quant.plan.plan import BITS, LinearPlan, QuantPlan
 
 
-def quantize_weight(lp: LinearPlan, w: torch.Tensor, plan: QuantPlan, hessian: np.ndarray | None,
-                    damp: float, method: str | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """int8 values [n, k] and float32 scales of one weight by `method` (default the plan's): GPTQ with a Hessian
-    (act order, static groups: the scales are round-to-nearest's), else round-to-nearest with max |w| scales.
+Weight = tuple[np.ndarray, np.ndarray]  # int8 values [n, k] and float32 scales [n, groups]
 
-    Scales searched for the smallest weight error (grid.py, ``mse``) are not used by default: on the real fixture
-    they lowered every group's error yet raised perplexity 2.6x over plain rounding (docs/accuracy.md)."""
+
+@dataclass(frozen=True)
+class RoundingInput:
+    """What a rounding method may use besides the weight: its width and group, GPTQ's Hessian of the input (None
+    without calibration), its damping, and the weight --method awq's layer search already chose (None: none)."""
+
+    bits: int
+    group: int
+    hessian: np.ndarray | None = None
+    damp: float = 0.0
+    chosen: Weight | None = None
+
+
+def round_to_nearest(lp: LinearPlan, w: torch.Tensor, inp: RoundingInput) -> Weight:
+    """max |w| scales, per output channel (8 bits) or per group (4 bits)."""
+    if inp.bits == 8:
+        return quantize_weight_per_channel(w if w.dtype != torch.float32 else w.numpy(), 8, lp.module)
+    q, scale, _ = quantize_weight_per_group(w if w.dtype != torch.float32 else w.numpy(), inp.group, 4, lp.module)
+    return q, scale
+
+
+def round_searched(lp: LinearPlan, w: torch.Tensor, inp: RoundingInput) -> Weight:
+    """Scales searched for the smallest weight error (grid.py). Not a default: on the real fixture they lowered
+    every group's error yet raised perplexity 2.6x over plain rounding (docs/accuracy.md)."""
+    qmin, qmax = qrange(inp.bits)
+    qt, st = grid.quantize_searched(w, inp.group, qmin, qmax)
+    return qt.numpy(), st.numpy()
+
+
+def round_gptq(lp: LinearPlan, w: torch.Tensor, inp: RoundingInput) -> Weight:
+    """GPTQ with the input's Hessian (act order, static groups: the scales are round-to-nearest's); without one
+    (a linear calibration never reached), round-to-nearest."""
+    if inp.hessian is None:
+        return round_to_nearest(lp, w, inp)
+    q, scale, _ = gptq_quantize(w, inp.hessian, bits=inp.bits, group_size=inp.group, damp=inp.damp, act_order=True,
+                                name=lp.module)
+    return q, scale
+
+
+def round_awq(lp: LinearPlan, w: torch.Tensor, inp: RoundingInput) -> Weight:
+    """The weight AWQ's layer search chose (calibrate/awq.py: scaled, clip-searched); round-to-nearest where it chose
+    plain rounding or never ran (activation-quantized linears, routed experts)."""
+    return inp.chosen if inp.chosen is not None else round_to_nearest(lp, w, inp)
+
+
+# --method name -> how a weight is rounded (the names are algorithms/methods.py's METHODS, which the CLI reads
+# without importing this module)
+ROUNDING: dict[str, Callable[[LinearPlan, torch.Tensor, RoundingInput], Weight]] = {
+    "rtn": round_to_nearest, "mse": round_searched, "gptq": round_gptq, "awq": round_awq}
+
+
+def quantize_weight(lp: LinearPlan, w: torch.Tensor, plan: QuantPlan, hessian: np.ndarray | None,
+                    damp: float, method: str | None = None, chosen: Weight | None = None) -> Weight:
+    """int8 values [n, k] and float32 scales of one weight by `method` (default the plan's), through ROUNDING."""
     bits = BITS[lp.qtype]
     g = plan.group_size if bits == 4 else 0
-    method = method or plan.method
-    if method == "gptq" and hessian is not None:
-        q, scale, _ = gptq_quantize(w, hessian, bits=bits, group_size=g, damp=damp, act_order=True, name=lp.module)
-        return q, scale
-    if method == "mse":
-        qmin, qmax = qrange(bits)
-        qt, st = grid.quantize_searched(w, g, qmin, qmax)
-        return qt.numpy(), st.numpy()
-    if bits == 8:
-        return quantize_weight_per_channel(w if w.dtype != torch.float32 else w.numpy(), 8, lp.module)
-    q, scale, _ = quantize_weight_per_group(w if w.dtype != torch.float32 else w.numpy(), g, 4, lp.module)
-    return q, scale
+    return ROUNDING[method or plan.method](lp, w, RoundingInput(bits, g, hessian, damp, chosen))
 
 
 ERROR_SAMPLE_ROWS = 256  # rows used to estimate a big tensor's relative error
@@ -81,5 +122,5 @@ def rtn_linear_into(w: Any, lp: LinearPlan, qtype: str, group_size: int, deq_dty
     rows = slice(0, n, step)
     q_rows = np.concatenate(sampled) if sampled else np.empty((0, k), np.int8)
     w_rows = np.concatenate(sampled_w) if sampled_w else np.empty((0, k), np.float32)
-    return relative_error(w_rows, dequant_weight(q_rows, scale[rows]))
+    return weight_error(w_rows, dequant_weight(q_rows, scale[rows]))
 

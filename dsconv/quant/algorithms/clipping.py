@@ -14,7 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from dsconv.quant.algorithms.smoothing import MAX_OUT_ROWS, fake_quant_rows, fake_quant_static
+from dsconv.quant.algorithms.error_metrics import relative_error
+from dsconv.quant.algorithms.fake_quant import fake_quant_int8_rows, fake_quant_static
+from dsconv.quant.algorithms.smoothing import MAX_OUT_ROWS
 
 METHOD = "search"  # --act-method value: min/max, then the clip ratio with the smallest output error
 CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5, 0.45, 0.4)
@@ -26,10 +28,8 @@ def best_clip(x: torch.Tensor, lo: float, hi: float, weights: list[torch.Tensor]
     w = torch.cat([t.detach().float() for t in weights])
     w = w[:: max(1, w.shape[0] // MAX_OUT_ROWS)]
     ref = x @ w.T
-    wq = fake_quant_rows(w)
-    den = float(torch.linalg.vector_norm(ref)) or 1.0
-    errs = {c: float(torch.linalg.vector_norm(fake_quant_static(x, lo * c, hi * c) @ wq.T - ref)) / den
-            for c in CLIPS}
+    wq = fake_quant_int8_rows(w)
+    errs = {c: relative_error(fake_quant_static(x, lo * c, hi * c) @ wq.T, ref, zero_ref="absolute") for c in CLIPS}
     ratio = min(CLIPS, key=lambda c: errs[c])
     if errs[ratio] >= errs[1.0] * 0.995:
         ratio = 1.0

@@ -366,18 +366,6 @@ def w8a8_static_params(
     return {"deq_scale": deq, "quant_bias": qb.astype(np.int32)}
 
 
-# ----------------------------------------------------------------------------------------------- evaluation
-def relative_error(w: Any, w_hat: Any) -> float:
-    """Relative Frobenius error ``||w - w_hat|| / ||w||`` (float64 accumulation; 0/0 -> 0, x/0 -> inf)."""
-    a, b = to_float32(w).astype(np.float64), to_float32(w_hat).astype(np.float64)
-    # numpy's pairwise sums, not np.linalg.norm's BLAS dot: its result depends on the BLAS thread count, and a
-    # report must not change with the executor's workers
-    num, den = float(np.sqrt(np.square(a - b).sum())), float(np.sqrt(np.square(a).sum()))
-    if den == 0.0:
-        return 0.0 if num == 0.0 else float("inf")
-    return num / den
-
-
 # ----------------------------------------------------------------------------------------------- smoothing
 def smooth_scales(
     act_absmax: np.ndarray,

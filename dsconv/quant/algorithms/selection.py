@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dsconv.quant.algorithms.error_metrics import output_error
 from dsconv.quant.algorithms.schemes import dequant_weight
 
 HOLD_EVERY = 4          # prompt j is held out when j % HOLD_EVERY == HOLD_EVERY - 1
@@ -30,11 +31,7 @@ def held_out_prompts(n: int) -> torch.Tensor | None:
 
 def held_out_error(x: torch.Tensor, w: torch.Tensor, q: np.ndarray, scale: np.ndarray) -> float:
     """Relative output error ||x (W_hat - W)^T|| / ||x W^T|| on held-out rows."""
-    wf = w.float()
-    d = torch.from_numpy(dequant_weight(q, scale)) - wf
-    den = float(torch.linalg.vector_norm(x @ wf.T))
-    num = float(torch.linalg.vector_norm(x @ d.T))
-    return num / den if den else 0.0
+    return output_error(x, w.float(), torch.from_numpy(dequant_weight(q, scale)))
 
 
 def choose(x_held: torch.Tensor, w: torch.Tensor, candidates: dict[str, tuple[np.ndarray, np.ndarray]]

@@ -26,8 +26,10 @@ from typing import Any, Callable
 import torch
 
 from dsconv.errors import UserError
-from dsconv.quant.algorithms.schemes import activation_qparams, smooth_scales
-from dsconv.quant.calibrate.stats import RowSampler
+from dsconv.quant.algorithms.error_metrics import relative_error
+from dsconv.quant.algorithms.fake_quant import fake_quant_int8_rows, fake_quant_static
+from dsconv.quant.algorithms.sampling import RowSampler
+from dsconv.quant.algorithms.schemes import smooth_scales
 
 ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)   # candidates besides "off" (s = 1)
 SEARCH_CLIPS = (1.0, 0.85, 0.7)                 # clip ratios tried with each alpha for static sites
@@ -66,30 +68,6 @@ class SiteSample:
         return torch.cat(self.rows)
 
 
-def fake_quant_rows(w: torch.Tensor) -> torch.Tensor:
-    """Per-output-row symmetric int8 round-to-nearest, dequantized (what 8-bit weights become)."""
-    s = w.abs().amax(dim=1, keepdim=True) / 127.0
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    return torch.round(w / s).clamp_(-128, 127) * s
-
-
-def fake_quant_static(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
-    scale, offset = activation_qparams(lo, hi)
-    sc, off = float(scale), float(offset)
-    return (torch.round(x / sc + off).clamp_(-128, 127) - off) * sc
-
-
-def fake_quant_dynamic(x: torch.Tensor) -> torch.Tensor:
-    s = x.abs().amax(dim=-1, keepdim=True) / 127.0
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    return torch.round(x / s).clamp_(-128, 127) * s
-
-
-def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
-    den = float(torch.linalg.vector_norm(ref))
-    return float(torch.linalg.vector_norm(y - ref)) / den if den else 0.0
-
-
 def search_scales(site: SiteSample, weights: list[torch.Tensor], static: bool,
                   alphas: tuple[float, ...] = ALPHAS) -> tuple[torch.Tensor | None, dict[str, Any]]:
     """The smoothing factors s [k] with the smallest output error of the consumers (None: smoothing off is best),
@@ -104,14 +82,14 @@ def search_scales(site: SiteSample, weights: list[torch.Tensor], static: bool,
 
     def error(s: torch.Tensor | None) -> tuple[float, float]:
         xs = x if s is None else x / s
-        ws = fake_quant_rows(w if s is None else w * s)
+        ws = fake_quant_int8_rows(w if s is None else w * s)
         if not static:
-            return _rel(fake_quant_dynamic(xs) @ ws.T, ref), 1.0
+            return relative_error(fake_quant_int8_rows(xs) @ ws.T, ref), 1.0
         lo = float((site.cmin if s is None else site.cmin / s).min())
         hi = float((site.cmax if s is None else site.cmax / s).max())
         best = (float("inf"), 1.0)
         for c in SEARCH_CLIPS:
-            e = _rel(fake_quant_static(xs, lo * c, hi * c) @ ws.T, ref)
+            e = relative_error(fake_quant_static(xs, lo * c, hi * c) @ ws.T, ref)
             best = min(best, (e, c))
         return best
 

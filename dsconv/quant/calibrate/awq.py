@@ -25,7 +25,8 @@ routed experts and consumers of a norm that a router or a float linear also read
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -34,9 +35,13 @@ from torch import nn
 from dsconv.families.roles import Role
 from dsconv.quant.algorithms import grid, selection
 from dsconv.quant.algorithms import smoothing as sm
-from dsconv.quant.algorithms.schemes import qrange, usable_scale
+from dsconv.quant.algorithms.error_metrics import output_error
+from dsconv.quant.algorithms.fake_quant import fake_quant_groups, groups_of
+from dsconv.quant.algorithms.schemes import qrange
+from dsconv.quant.calibrate.context import CalibContext, LayerActivations
 from dsconv.quant.calibrate.hooks import FlowProbe, LinearHooks
 from dsconv.quant.calibrate.layers import install_forward
+from dsconv.quant.calibrate.linear import WeightChoice
 from dsconv.quant.plan.plan import BITS, LinearPlan
 from dsconv.tensors import torch_dtype
 
@@ -80,20 +85,7 @@ class AwqStats:
         return (self.abs_sum / max(1, self.count)).float()
 
 
-# ---- quantizers (what the written weight dequantizes to) --------------------------------------------------------
-def _groups(k: int, g: int) -> int:
-    return k // g if 0 < g < k else 1
-
-
-def fake_quant(w: torch.Tensor, bits: int, g: int) -> torch.Tensor:
-    """Symmetric round-to-nearest, dequantized: per group of g along k (g 0: per row), max|w| / qmax scales."""
-    qmin, qmax = qrange(bits)
-    n, k = w.shape
-    w3 = w.reshape(n, _groups(k, g), -1)
-    sc = usable_scale(w3.abs().amax(dim=-1, keepdim=True) / qmax)
-    return (torch.round(w3 / sc).clamp_(qmin, qmax) * sc).reshape(n, k)
-
-
+# ---- quantizers (what the written weight dequantizes to: algorithms/fake_quant.py) -----------------------------
 def clip_search(w: torch.Tensor, hblocks: torch.Tensor | None, bits: int, g: int
                 ) -> tuple[np.ndarray, np.ndarray, float]:
     """int8 q [n, k], float32 scales [n, groups] and the mean chosen ratio: each group's scale max|w|/qmax x r with
@@ -101,7 +93,7 @@ def clip_search(w: torch.Tensor, hblocks: torch.Tensor | None, bits: int, g: int
     round-to-nearest."""
     qmin, qmax = qrange(bits)
     n, k = w.shape
-    G = _groups(k, g)
+    G = groups_of(k, g)
     gs = k // G
     q = torch.empty(n, k, dtype=torch.int8)
     scale = torch.empty(n, G, dtype=torch.float32)
@@ -121,12 +113,6 @@ def _dequant(q: np.ndarray, scale: np.ndarray) -> torch.Tensor:
     n, k = q.shape
     G = scale.shape[1]
     return (torch.from_numpy(q).float().reshape(n, G, -1) * torch.from_numpy(scale)[..., None]).reshape(n, k)
-
-
-def rel_error(x: torch.Tensor, w: torch.Tensor, w_hat: torch.Tensor) -> float:
-    """||x (W_hat - W)^T|| / ||x W^T||."""
-    den = float(torch.linalg.vector_norm(x @ w.T))
-    return float(torch.linalg.vector_norm(x @ (w_hat - w).T)) / den if den else 0.0
 
 
 class RowFold:
@@ -178,8 +164,8 @@ def search_alpha(x: torch.Tensor, mean_abs: torch.Tensor, weights: list[torch.Te
     best = (float("inf"), 0.0, None)
     for a in ALPHAS:
         s = None if a == 0.0 else effective(candidate_scales(mean_abs, a))
-        w_hat = fake_quant(w, bits, g) if s is None else fake_quant(w * s, bits, g) / s
-        e = rel_error(x, w, w_hat)
+        w_hat = fake_quant_groups(w, bits, g) if s is None else fake_quant_groups(w * s, bits, g) / s
+        e = output_error(x, w, w_hat)
         tried[str(a)] = round(e, 6)
         if e < best[0]:
             best = (e, a, s)
@@ -187,41 +173,74 @@ def search_alpha(x: torch.Tensor, mean_abs: torch.Tensor, weights: list[torch.Te
 
 
 # ---- one layer ------------------------------------------------------------------------------------------------
-def run_layer(cal: Any, i: int, layer: nn.Module, targets: dict[nn.Module, LinearPlan],
-              lps: dict[str, LinearPlan], experts: nn.Module | None = None
-              ) -> tuple[dict[str, torch.Tensor], dict[str, tuple], bool]:
-    """Probe, search, fold and quantize the dense linears of layer i. Returns (modified float tensors: folded norms,
-    preset (q, scale) or None for round-to-nearest, choice, held-out errors, new bias or None) per linear module
-    name, whether the probe already wrote the layer's outputs); decisions go to cal.decisions["awq"].
+Forward = Callable[[nn.Module, list[int], bool], None]  # (layer, samples, write outputs): one batch in the driver
+
+
+@dataclass
+class AwqLayer:
+    """What the search did to a layer: float tensors it changed (folded norms), the weight chosen per linear module
+    name, whether the probe already wrote the layer's outputs, and the per-site entries of quant_report.json's
+    "awq" (None when the layer has no weight-only dense linear)."""
+
+    modified: dict[str, torch.Tensor] = field(default_factory=dict)
+    choices: dict[str, WeightChoice] = field(default_factory=dict)
+    written: bool = False
+    log: list[dict[str, Any]] | None = None
+
+
+def run_layer(run: CalibContext, acts: LayerActivations, forward: Forward, i: int, layer: nn.Module,
+              targets: dict[nn.Module, LinearPlan], lps: dict[str, LinearPlan], experts: nn.Module | None = None
+              ) -> AwqLayer:
+    """Probe, search, fold and choose the weights of the dense linears of layer i (module docstring).
 
     Without routed experts the probe's outputs are the layer's float outputs (every fold is exact), so they are
     propagated from it and the calibrator needs no second pass over the calibration tokens."""
-    sk, ck, plan = cal.sk, cal.ck, cal.plan
     dense = {m: lp for m, lp in targets.items() if not lp.is_expert and lp.qtype in WEIGHT_ONLY}
     if not dense:
-        return {}, {}, False
+        return AwqLayer()
     if experts is not None:  # the experts run later, one at a time (calibration.py); not needed for this probe
         install_forward(experts, lambda h, idx, wts: torch.zeros_like(h))
-    g = plan.group_size or 0
-    own = sk.own_weights(layer)
-    norms = [m for m, (_, r) in own.items() if r == Role.NORM]
-    readers = [m for m in layer.modules() if isinstance(m, nn.Linear) or (m in own and own[m][1] == Role.ROUTER)]
-    held = cal.held_tokens is not None
-    total = int(cal.h.shape[0])
-    hooks = LinearHooks(dense, lambda lp: AwqStats(lp.k, g if BITS[lp.qtype] == 4 else 0, total, held), cal.rows)
-    flow = FlowProbe(norms, readers, cal.rows)
-    for samples in cal.batches:
-        cal._forward(layer, samples, write=experts is None)
-        hooks.end_batch()
-        flow.end_batch()
-    hooks.remove()
-    flow.remove()
-
+    own = run.sk.own_weights(layer)
+    hooks, flow = _probe(run, acts, forward, layer, dense, own, write=experts is None)
     sites: dict[int, list[nn.Module]] = {}
     stats: dict[int, AwqStats] = {}
     for mod, st in hooks.group.items():
         sites.setdefault(id(st), []).append(mod)
         stats[id(st)] = st
+    producer = _producers(layer, dense, hooks, flow, sites)
+    out = AwqLayer(written=experts is None, log=[])
+    row_folded: set[nn.Module] = set()
+    # up -> down and v -> o first: they rescale up_proj's / v_proj's rows, which a norm's site then quantizes
+    order = sorted(sites, key=lambda key: 0 if producer.get(key, ("",))[0] == "rows" else 1)
+    for key in order:
+        _site(run, i, dense, own, sites[key], stats[key], producer.get(key, ("none", None)), row_folded, out)
+    return out
+
+
+def _probe(run: CalibContext, acts: LayerActivations, forward: Forward, layer: nn.Module,
+           dense: dict[nn.Module, LinearPlan], own: dict[nn.Module, tuple[str, Any]], write: bool
+           ) -> tuple[LinearHooks, FlowProbe]:
+    """Every batch through the layer, gathering each dense input's AwqStats and which modules read each norm."""
+    g = run.plan.group_size or 0
+    norms = [m for m, (_, r) in own.items() if r == Role.NORM]
+    readers = [m for m in layer.modules() if isinstance(m, nn.Linear) or (m in own and own[m][1] == Role.ROUTER)]
+    held = acts.held_tokens is not None
+    total = acts.tokens
+    hooks = LinearHooks(dense, lambda lp: AwqStats(lp.k, g if BITS[lp.qtype] == 4 else 0, total, held), acts.rows)
+    flow = FlowProbe(norms, readers, acts.rows)
+    for samples in acts.batches:
+        forward(layer, samples, write)
+        hooks.end_batch()
+        flow.end_batch()
+    hooks.remove()
+    flow.remove()
+    return hooks, flow
+
+
+def _producers(layer: nn.Module, dense: dict[nn.Module, LinearPlan], hooks: LinearHooks, flow: FlowProbe,
+               sites: dict[int, list[nn.Module]]) -> dict[int, tuple[str, Any]]:
+    """Per site (by its statistics' id), what can absorb its scales: ("norm", the norm), ("rows", RowFold) or
+    ("blocked", why); a site missing here has no producer."""
     producer: dict[int, tuple[str, Any]] = {}
     for norm, cons in flow.consumers.items():
         mods = [c for c in cons if c in dense]
@@ -242,96 +261,85 @@ def run_layer(cal: Any, i: int, layer: nn.Module, targets: dict[nn.Module, Linea
         if v in dense and o in dense and groups and hd and len(sites[id(hooks.group[o])]) == 1 \
                 and v.weight.shape[0] * groups == o.weight.shape[1]:
             producer[id(hooks.group[o])] = ("rows", RowFold(v, int(groups), int(hd)))
+    return producer
 
+
+def _site(run: CalibContext, i: int, dense: dict[nn.Module, LinearPlan], own: dict[nn.Module, tuple[str, Any]],
+          mods: list[nn.Module], st: AwqStats, prod: tuple[str, Any], row_folded: set[nn.Module],
+          out: AwqLayer) -> None:
+    """One site: the scale search, the fold where no consumer is worse on held-out rows, each consumer's weight
+    choice (into `out`)."""
+    ck, g = run.ck, run.plan.group_size or 0
     name = lambda m: dense[m].module  # noqa: E731
-    modified: dict[str, torch.Tensor] = {}
-    preset: dict[str, tuple] = {}
-    log = cal.decisions.setdefault("awq", [])
-    row_folded: set[nn.Module] = set()
-    # up -> down and v -> o first: they rescale up_proj's / v_proj's rows, which a norm's site then quantizes
-    order = sorted(sites, key=lambda key: 0 if producer.get(key, ("",))[0] == "rows" else 1)
-    for key in order:
-        mods, st = sites[key], stats[key]
-        kind, src = producer.get(key, ("none", None))
-        bits = BITS[dense[mods[0]].qtype]
-        entry: dict[str, Any] = {"site": " ".join(name(m) for m in mods), "layer": i}
-        x_search = st.search.x if st.search.rows else None
-        x_held = st.held.x if st.held is not None and st.held.rows else x_search
-        if x_search is None:
-            entry.update(applied=False, reason="no calibration tokens")
-            log.append(entry)
-            continue
-        w_orig = {m: m.weight.detach().float().clone() for m in mods}
-        rtn = {m: fake_quant(w_orig[m], bits, g) for m in mods}
-        err_rtn = {m: rel_error(x_held, w_orig[m], rtn[m]) for m in mods}
-        s = None
-        effective = lambda s_: s_  # noqa: E731
-        if kind == "norm":
-            norm_name = own[src][0]
-            n0 = src.weight.detach().clone()
-            dt = torch_dtype(ck.info(norm_name).dtype)
-            effective = lambda s_: sm.norm_fold(n0, ck.family.norm_offset, dt, s_)[1]  # noqa: E731
-        mean_abs = st.mean_abs
-        if kind == "rows":
-            mean_abs, effective = src.reduce(mean_abs), src.expand
-        if kind in ("norm", "rows"):
-            alpha, s, entry["error_by_alpha"] = search_alpha(x_search, mean_abs, list(w_orig.values()), bits,
-                                                             g, effective)
-            entry["alpha"] = alpha
-        else:
-            entry["alpha"] = None
-            entry["reason"] = f"not foldable ({src if kind == 'blocked' else 'no norm, up_proj or v_proj produces it'})"
-        hb = st.hblocks
-        chosen: dict[nn.Module, tuple] = {}
-        if s is not None:
-            hb_s = None if hb is None else hb / s.reshape(-1, 1, hb.shape[1]) / s.reshape(-1, hb.shape[1], 1)
-            cand = {m: clip_search(w_orig[m] * s, hb_s, bits, g) for m in mods}
-            err_awq = {m: rel_error(x_held, w_orig[m], _dequant(*cand[m][:2]) / s) for m in mods}
-            if all(err_awq[m] <= err_rtn[m] for m in mods):
-                chosen = {m: ("awq", cand[m], err_awq[m]) for m in mods}
-                if kind == "norm":
-                    n_new, s_eff = sm.norm_fold(src.weight.detach().clone(), ck.family.norm_offset, dt, s)
-                    src.weight.copy_(n_new)
-                    modified[own[src][0]] = n_new.to(dt)
-                    for m in mods:
-                        m.weight.mul_(s_eff)
-                else:
-                    src.fold(mods[0], s)
-                    row_folded.add(src.producer)
-                entry.update(applied=True, max_scale=round(float(s.max()), 4), min_scale=round(float(s.min()), 4))
+    kind, src = prod
+    bits = BITS[dense[mods[0]].qtype]
+    entry: dict[str, Any] = {"site": " ".join(name(m) for m in mods), "layer": i}
+    x_search = st.search.x if st.search.rows else None
+    x_held = st.held.x if st.held is not None and st.held.rows else x_search
+    if x_search is None:
+        entry.update(applied=False, reason="no calibration tokens")
+        out.log.append(entry)
+        return
+    w_orig = {m: m.weight.detach().float().clone() for m in mods}
+    rtn = {m: fake_quant_groups(w_orig[m], bits, g) for m in mods}
+    err_rtn = {m: output_error(x_held, w_orig[m], rtn[m]) for m in mods}
+    s = None
+    effective = lambda s_: s_  # noqa: E731
+    if kind == "norm":
+        norm_name = own[src][0]
+        n0 = src.weight.detach().clone()
+        dt = torch_dtype(ck.info(norm_name).dtype)
+        effective = lambda s_: sm.norm_fold(n0, ck.family.norm_offset, dt, s_)[1]  # noqa: E731
+    mean_abs = st.mean_abs
+    if kind == "rows":
+        mean_abs, effective = src.reduce(mean_abs), src.expand
+    if kind in ("norm", "rows"):
+        alpha, s, entry["error_by_alpha"] = search_alpha(x_search, mean_abs, list(w_orig.values()), bits,
+                                                         g, effective)
+        entry["alpha"] = alpha
+    else:
+        entry["alpha"] = None
+        entry["reason"] = f"not foldable ({src if kind == 'blocked' else 'no norm, up_proj or v_proj produces it'})"
+    hb = st.hblocks
+    chosen: dict[nn.Module, tuple] = {}
+    if s is not None:
+        hb_s = None if hb is None else hb / s.reshape(-1, 1, hb.shape[1]) / s.reshape(-1, hb.shape[1], 1)
+        cand = {m: clip_search(w_orig[m] * s, hb_s, bits, g) for m in mods}
+        err_awq = {m: output_error(x_held, w_orig[m], _dequant(*cand[m][:2]) / s) for m in mods}
+        if all(err_awq[m] <= err_rtn[m] for m in mods):
+            chosen = {m: ("awq", cand[m], err_awq[m]) for m in mods}
+            if kind == "norm":
+                n_new, s_eff = sm.norm_fold(src.weight.detach().clone(), ck.family.norm_offset, dt, s)
+                src.weight.copy_(n_new)
+                out.modified[own[src][0]] = n_new.to(dt)
+                for m in mods:
+                    m.weight.mul_(s_eff)
             else:
-                worse = [name(m) for m in mods if err_awq[m] > err_rtn[m]]
-                entry.update(applied=False, reason=f"held-out: scaled worse than rtn on {', '.join(worse)}")
-            entry["held_out_scaled"] = {name(m): round(err_awq[m], 6) for m in mods}
+                src.fold(mods[0], s)
+                row_folded.add(src.producer)
+            entry.update(applied=True, max_scale=round(float(s.max()), 4), min_scale=round(float(s.min()), 4))
         else:
-            entry["applied"] = False
-            entry.setdefault("reason", "alpha 0 (no scaling) has the smallest output error")
-        if not chosen:  # unscaled: per linear, the better of clip-searched and plain rounding on held-out rows
-            for m in mods:
-                q, sc, r = clip_search(w_orig[m], hb, bits, g)
-                e = rel_error(x_held, w_orig[m], _dequant(q, sc))
-                chosen[m] = ("clip", (q, sc, r), e) if e < err_rtn[m] else ("rtn", None, err_rtn[m])
-        entry["held_out_rtn"] = {name(m): round(err_rtn[m], 6) for m in mods}
-        entry["choice"] = {}
+            worse = [name(m) for m in mods if err_awq[m] > err_rtn[m]]
+            entry.update(applied=False, reason=f"held-out: scaled worse than rtn on {', '.join(worse)}")
+        entry["held_out_scaled"] = {name(m): round(err_awq[m], 6) for m in mods}
+    else:
+        entry["applied"] = False
+        entry.setdefault("reason", "alpha 0 (no scaling) has the smallest output error")
+    if not chosen:  # unscaled: per linear, the better of clip-searched and plain rounding on held-out rows
         for m in mods:
-            how, res, e = chosen[m]
-            entry["choice"][name(m)] = how
-            info = {"held_out_awq": e, "held_out_rtn": err_rtn[m]}
-            if res is not None:
-                entry.setdefault("mean_clip", {})[name(m)] = round(res[2], 4)
-            bias = None  # a producer folded above (v_proj's bias / s) writes its new bias, in the original dtype
-            if m in row_folded and m.bias is not None:
-                bias = m.bias.detach().to(torch_dtype(ck.info(dense[m].bias).dtype))
-            preset[name(m)] = (None if res is None else res[:2], how, info, bias)
-        log.append(entry)
-    return modified, preset, experts is None
-
-
-def summary(entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """Counts for the printed summary: sites folded, alphas chosen, per-linear choice."""
-    from collections import Counter
-
-    alphas = Counter(str(e["alpha"]) for e in entries if e.get("applied"))
-    choice = Counter(c for e in entries for c in (e.get("choice") or {}).values())
-    return {"sites": len(entries), "folded": sum(1 for e in entries if e.get("applied")),
-            "alphas": dict(sorted(alphas.items())), "choice": dict(sorted(choice.items()))}
+            q, sc, r = clip_search(w_orig[m], hb, bits, g)
+            e = output_error(x_held, w_orig[m], _dequant(q, sc))
+            chosen[m] = ("clip", (q, sc, r), e) if e < err_rtn[m] else ("rtn", None, err_rtn[m])
+    entry["held_out_rtn"] = {name(m): round(err_rtn[m], 6) for m in mods}
+    entry["choice"] = {}
+    for m in mods:
+        how, res, e = chosen[m]
+        entry["choice"][name(m)] = how
+        info = {"held_out_awq": e, "held_out_rtn": err_rtn[m]}
+        if res is not None:
+            entry.setdefault("mean_clip", {})[name(m)] = round(res[2], 4)
+        bias = None  # a producer folded above (v_proj's bias / s) writes its new bias, in the original dtype
+        if m in row_folded and m.bias is not None:
+            bias = m.bias.detach().to(torch_dtype(ck.info(dense[m].bias).dtype))
+        out.choices[name(m)] = WeightChoice(None if res is None else res[:2], how, info, bias)
+    out.log.append(entry)

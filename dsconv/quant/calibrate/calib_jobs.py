@@ -11,8 +11,8 @@ residual stream in expert order (the same sums, in the same order, as the one-pr
 Transport: inputs are files in the output's temporary directory (`JOBS_DIR`, removed before commit) - weights and
 statistics by `torch.save`, the MoE input as .npy - plus small picklable descriptions; results are returned arrays
 (int8 weights, scales, records). The driver alone writes the output, in job order, so the bytes never depend on the
-executor. A task quantizes with the Calibrator's own `_quantize`/`_prepare` on a stand-in holding only what those
-read, so the two cannot drift apart. Jobs run single-threaded (`JOB_THREADS`) on every executor: MKL's Cholesky
+executor. A task quantizes with the same public functions as the driver (linear.py), so the two cannot drift
+apart. Jobs run single-threaded (`JOB_THREADS`) on every executor: MKL's Cholesky
 gives different last bits with 1 and 2 threads, and the output must not depend on how many jobs share the host.
 """
 from __future__ import annotations
@@ -25,14 +25,17 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 
 from dsconv.checkpoint import Checkpoint
 from dsconv.executor import Executor
+from dsconv.quant.calibrate.context import CalibContext, StatsSpec
 from dsconv.quant.calibrate.layers import SLOTS, Skeleton, expert_forward
+from dsconv.quant.calibrate.linear import (PreparedLinear, QuantizedLinear, WeightChoice, load_bias, prepare_linear,
+                                           quantize_linear)
 from dsconv.quant.calibrate.stats import LinearRecord
 from dsconv.quant.formats.msmodelslim import LinearResult
 from dsconv.quant.plan.options import QuantOptions
@@ -45,16 +48,15 @@ _LOCAL: dict[str, tuple[Checkpoint, Skeleton]] = {}  # the driver's own, so inli
 
 @dataclass(frozen=True)
 class Context:
-    """What every task needs of the driver's Calibrator (small: the plan without its per-tensor tables)."""
+    """What every task needs of the run (small and picklable: the plan without its per-tensor tables)."""
 
-    cls: type            # the Calibrator class, by reference: its _quantize/_prepare/_finish run in the task
     root: str            # the checkpoint, opened by path in a worker
     key: str             # its fingerprint: a long-lived worker (Ray) never reuses a checkpoint that changed
     plan: QuantPlan
     opts: QuantOptions
     staged: bool
-    tokens: int          # calibration tokens (InputStats' sample stride)
-    held: bool           # held-out prompts in use (GPTQ's choice)
+    tokens: int          # calibration tokens (a smoothing site's sample stride)
+    stats: StatsSpec     # how a linear input's statistics are made
     static: bool
     observer_method: str
 
@@ -65,7 +67,7 @@ class LinearJob:
     lp: LinearPlan
     weight: str              # torch.save'd float weight as the layer holds it (smoothed)
     stats: str | None        # torch.save'd InputStats (shared by the linears that read one input)
-    preset: tuple | None = None  # --method awq: the weight the driver chose (Calibrator.preset's entry)
+    choice: WeightChoice | None = None  # --method awq: the weight the driver's layer search chose
 
 
 @dataclass(frozen=True)
@@ -85,42 +87,32 @@ class JobResult:
     written: list[tuple[LinearPlan, LinearResult]] = field(default_factory=list)
     records: dict[str, LinearRecord] = field(default_factory=dict)
     decisions: dict[str, Any] = field(default_factory=dict)
-    pending: list[tuple[str, Any, tuple[float, float] | None]] = field(default_factory=list)  # (slot, Pending, own)
+    pending: list[tuple[str, PreparedLinear, tuple[float, float] | None]] = field(default_factory=list)  # slot, own
     y: torch.Tensor | None = None             # an expert's output on its routed rows
     down_range: tuple[float, float] | None = None
     forward_s: float = 0.0
     quantize_s: float = 0.0
 
 
-class _Collector:
-    """Stands in for QuantWriter in a task: keeps what `_finish` would have written."""
-
-    def __init__(self, staged: bool) -> None:
-        self.staged = staged
-        self.items: list[tuple[LinearPlan, LinearResult]] = []
-
-    def linear(self, lp: LinearPlan, res: LinearResult) -> None:
-        self.items.append((lp, res))
-
-
 # ---- the driver side -------------------------------------------------------------------------------------------
 class Dispatch:
-    """One calibration run's jobs: their workspace, the executor, and how results go back into the Calibrator."""
+    """One calibration run's jobs: their workspace, the executor, and `merge`, which takes each result in job order
+    (the driver writes it)."""
 
-    def __init__(self, cal: Any, executor: Executor | None, workspace: Path) -> None:
-        self.cal = cal
-        ck = cal.ck
-        self.ex = executor if executor is not None and ck.readable_by_path else Executor(1)
-        self.dir = workspace / JOBS_DIR
+    def __init__(self, run: CalibContext, tokens: int, stats: StatsSpec, merge: Callable[[JobResult], None]) -> None:
+        ck = run.ck
+        self.merge = merge
+        self.ex = run.executor if run.executor is not None and ck.readable_by_path else Executor(1)
+        self.dir = Path(run.workspace) / JOBS_DIR
         self.dir.mkdir(parents=True, exist_ok=True)
-        plan = dataclasses.replace(cal.plan, linears={}, floats={}, dropped=[], ignored={})
+        plan = dataclasses.replace(run.plan, linears={}, floats={}, dropped=[], ignored={})
         key = hashlib.sha256(json.dumps([ck.identity(), [p.stat().st_mtime_ns for p in ck.files]],
                                         sort_keys=True).encode()).hexdigest()
-        self.ctx = Context(type(cal), str(ck.root), key, plan, cal.opts, cal.qw.staged, int(cal.h.shape[0]),
-                           cal.held_tokens is not None, cal.static, cal.observer_method)
-        _LOCAL[key] = (ck, cal.sk)
+        self.ctx = Context(str(ck.root), key, plan, run.opts, run.staged, tokens, stats, run.static,
+                           run.observer_method)
+        _LOCAL[key] = (ck, run.sk)
         # one decision for the whole run: fan out only when the quantized weights are worth starting processes for
-        self.work = sum(lp.n * lp.k for lp in cal.plan.linears.values()) * 2
+        self.work = sum(lp.n * lp.k for lp in run.plan.linears.values()) * 2
         self.wall = {"linear_jobs": 0.0, "expert_jobs": 0.0}  # driver seconds from first submit to last result
 
     def close(self) -> None:
@@ -130,29 +122,17 @@ class Dispatch:
     def _map(self, fn: Any, jobs: list, kind: str) -> Iterator[JobResult]:
         t = time.perf_counter()
         for res in self.ex.map(fn, jobs, work_bytes=self.work):
-            self._merge(res)
+            self.merge(res)
             self.wall[kind] += time.perf_counter() - t
             yield res
             t = time.perf_counter()
         self.wall[kind] += time.perf_counter() - t
 
-    def _merge(self, res: JobResult) -> None:
-        cal = self.cal
-        for lp, r in res.written:
-            cal.qw.linear(lp, r)
-        cal.records.update(res.records)
-        for k, v in res.decisions.items():
-            if isinstance(v, dict):
-                cal.decisions.setdefault(k, {}).update(v)
-            else:
-                cal.decisions[k] = v
-        cal.timings["experts"] += res.forward_s
-        cal.timings["quantize"] += res.quantize_s
-
-    def linears(self, i: int, items: list[tuple[Any, LinearPlan]], group: dict[Any, Any]
-                ) -> Iterator[tuple[Any, LinearResult]]:
-        """Quantize and write the layer's linears (in `items` order) as jobs; yield (module, result) in order.
-        The statistics are saved once per distinct input and freed in the driver before the jobs run."""
+    def linears(self, i: int, items: list[tuple[Any, LinearPlan]], group: dict[Any, Any],
+                choices: dict[str, WeightChoice]) -> Iterator[tuple[Any, LinearResult]]:
+        """Quantize the layer's linears (in `items` order, with the weights --method awq chose) as jobs; yield
+        (module, result) in order, each merged first. The statistics are saved once per distinct input and freed in
+        the driver before the jobs run."""
         saved: dict[int, str] = {}
         jobs = []
         for j, (mod, lp) in enumerate(items):
@@ -163,7 +143,7 @@ class Dispatch:
             w = str(self.dir / f"L{i}-w{j}.pt")
             torch.save(mod.weight.detach(), w)
             jobs.append(LinearJob(self.ctx, lp, w, saved.get(id(st)) if st is not None else None,
-                                  self.cal.preset.pop(lp.module, None)))
+                                  choices.get(lp.module)))
         for st in set(group.values()):
             st.free()
         try:
@@ -177,7 +157,8 @@ class Dispatch:
                 names: list[dict[str, str]], plans: list[dict[str, LinearPlan | None]],
                 col_scale: torch.Tensor | None) -> tuple[torch.Tensor, list, list]:
         """Every routed expert of layer i as a job. Returns the MoE output (summed in expert order, as the
-        one-process loop does), the deferred (expert, {slot: (Pending, own range)}) and the down_proj ranges."""
+        one-process loop does), the deferred (expert, {slot: (PreparedLinear, own range)}) and the down_proj
+        ranges."""
         hp = self.dir / f"E{i}-hidden.npy"
         np.save(hp, hidden.float().numpy())
         cs = None
@@ -230,20 +211,15 @@ def open_job_checkpoint(ctx: Context, skeleton: bool = False) -> tuple[Checkpoin
 _OPENED: dict[str, tuple[Checkpoint, Skeleton | None]] = {}
 
 
-def job_env(ctx: Context, ck: Checkpoint) -> Any:
-    """A Calibrator holding only what `_quantize`/`_prepare`/`_finish`/`_stats` read."""
-    env = ctx.cls.__new__(ctx.cls)
-    env.ck, env.plan, env.opts, env.qw = ck, ctx.plan, ctx.opts, _Collector(ctx.staged)
-    env.records, env.decisions, env.preset = {}, {}, {}
-    env.timings = {"forward": 0.0, "experts": 0.0, "quantize": 0.0}
-    env.static, env.observer_method = ctx.static, ctx.observer_method
-    env.h = torch.empty(ctx.tokens, 0)  # _stats reads its row count only
-    env.held_tokens = torch.empty(0) if ctx.held else None
-    return env
-
-
-def _result(env: Any, **kw: Any) -> JobResult:
-    return JobResult(env.qw.items, env.records, env.decisions, quantize_s=env.timings["quantize"], **kw)
+def _result(done: list[QuantizedLinear], decisions: list[dict[str, dict[str, str]]], quantize_s: float,
+            **kw: Any) -> JobResult:
+    """A task's linears and decisions, as the driver merges them."""
+    merged: dict[str, Any] = {}
+    for d in decisions:
+        for k, v in d.items():
+            merged.setdefault(k, {}).update(v)
+    return JobResult([(q.lp, q.result) for q in done], {q.lp.module: q.record for q in done}, merged,
+                     quantize_s=quantize_s, **kw)
 
 
 def _load_stats(path: str) -> Any:
@@ -251,7 +227,8 @@ def _load_stats(path: str) -> Any:
     so a file swapped into the shared temporary directory cannot run code (never a plain unpickle)."""
     from dsconv.quant.algorithms.gptq import HessianAccumulator
     from dsconv.quant.algorithms.observers import HistogramObserver, MinMaxObserver
-    from dsconv.quant.calibrate.stats import InputStats, RowSampler
+    from dsconv.quant.algorithms.sampling import RowSampler
+    from dsconv.quant.calibrate.stats import InputStats
 
     numpy_arrays = [np.core.multiarray._reconstruct, np.ndarray, np.dtype,
                     *(type(np.dtype(t)) for t in (np.float32, np.float64, np.int64, np.int32, np.bool_))]
@@ -262,14 +239,15 @@ def _load_stats(path: str) -> Any:
 
 def run_linear(job: LinearJob) -> JobResult:
     """Task: quantize one linear with its statistics (GPTQ, choice, activation parameters, output errors)."""
+    ctx = job.ctx
     with job_threads(JOB_THREADS):
-        env = job_env(job.ctx, open_job_checkpoint(job.ctx)[0])
+        ck = open_job_checkpoint(ctx)[0]
         w = torch.load(job.weight, weights_only=True)
         st = _load_stats(job.stats) if job.stats else None
-        if job.preset is not None:
-            env.preset[job.lp.module] = job.preset
-        env._quantize(job.lp, w, st)
-        return _result(env)
+        t = time.perf_counter()
+        done, decisions = quantize_linear(ctx.plan, job.lp, w, st, ctx.opts, load_bias(ck, job.lp, job.choice),
+                                          ctx.staged, job.choice)
+        return _result([done], [decisions], time.perf_counter() - t)
 
 
 def run_expert(job: ExpertJob) -> JobResult:
@@ -279,16 +257,18 @@ def run_expert(job: ExpertJob) -> JobResult:
     ctx, opts, e, i = job.ctx, job.ctx.opts, job.expert, job.layer
     with job_threads(JOB_THREADS):
         ck, sk = open_job_checkpoint(ctx, skeleton=True)
-        env = job_env(ctx, ck)
         t = time.perf_counter()
         w = {s: sk.load(job.names[s]) for s in SLOTS}
         if job.col_scale is not None:
             cs = torch.from_numpy(np.load(job.col_scale))
             w["gate"].mul_(cs)
             w["up"].mul_(cs)
+        plans = {s: lp for s, lp in job.plans.items() if lp is not None}
         if job.rows.size == 0 and not opts.all_experts:  # no token: weights only, ranges borrowed later
-            pending = [(s, env._prepare(job.plans[s], w[s], None), None) for s in SLOTS if job.plans[s] is not None]
-            return _result(env, pending=pending)
+            t = time.perf_counter()
+            pending = [(s, prepare_linear(ctx.plan, lp, w[s], None, opts, load_bias(ck, lp)), None)
+                       for s, lp in _in_slot_order(plans)]
+            return _result([], [p.decisions for _, p, _ in pending], time.perf_counter() - t, pending=pending)
         hidden = np.load(job.hidden, mmap_mode="r")
         x = torch.from_numpy(np.array(hidden) if opts.all_experts else hidden[job.rows])
         del hidden
@@ -297,21 +277,28 @@ def run_expert(job: ExpertJob) -> JobResult:
             y = y[torch.from_numpy(job.rows)]
         fwd = time.perf_counter() - t
         routed = int(job.rows.size)
-        st = {"in": env._stats(x.shape[-1], f"layer {i} expert {e} gate/up"),
-              "down": env._stats(act.shape[-1], f"layer {i} expert {e} down")}
+        st = {"in": ctx.stats.new(x.shape[-1], f"layer {i} expert {e} gate/up"),
+              "down": ctx.stats.new(act.shape[-1], f"layer {i} expert {e} down")}
         st["in"].update(x)
         st["down"].update(act)
-        under = env.static and routed < opts.min_expert_tokens and not opts.all_experts
-        down = st["down"].clip_range() if env.static else None
-        pending = []
-        for slot in SLOTS:
-            lp = job.plans[slot]
-            if lp is None:
-                continue
+        under = ctx.static and routed < opts.min_expert_tokens and not opts.all_experts
+        down = st["down"].clip_range() if ctx.static else None
+        t = time.perf_counter()
+        pending, done, decisions = [], [], []
+        for slot, lp in _in_slot_order(plans):
             s = st["in"] if slot != "down" else st["down"]
             if under:
-                pending.append((slot, env._prepare(lp, w[slot], s), s.clip_range()))
+                p = prepare_linear(ctx.plan, lp, w[slot], s, opts, load_bias(ck, lp))
+                pending.append((slot, p, s.clip_range()))
+                decisions.append(p.decisions)
             else:
-                env._quantize(lp, w[slot], s)
-                env.records[lp.module].tokens = routed
-        return _result(env, pending=pending, y=y, down_range=down, forward_s=fwd)
+                q, d = quantize_linear(ctx.plan, lp, w[slot], s, opts, load_bias(ck, lp), ctx.staged)
+                q.record.tokens = routed
+                done.append(q)
+                decisions.append(d)
+        return _result(done, decisions, time.perf_counter() - t, pending=pending, y=y, down_range=down,
+                       forward_s=fwd)
+
+
+def _in_slot_order(plans: dict[str, LinearPlan]) -> list[tuple[str, LinearPlan]]:
+    return [(s, plans[s]) for s in SLOTS if s in plans]

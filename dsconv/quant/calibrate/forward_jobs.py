@@ -1,18 +1,18 @@
 """A layer's calibration forward split over the calibration batches, as executor jobs.
 
 Why this cut: the calibrated path propagates float activations layer by layer, so once layer i's input rows are in
-the driver (`Calibrator.h`), its batches are independent - each job pushes a contiguous run of batches through a copy
-of layer i and returns what the driver's hooks would have gathered, per pass:
+the driver (`LayerActivations.h`), its batches are independent - each job pushes a contiguous run of batches through
+a copy of layer i and returns what the driver's hooks would have gathered, per pass:
 
-* smoothing probe (`Calibrator.smooth`): each norm's per-channel max |output| (`FlowProbe`), which modules read it
+* smoothing probe (`smooth_layer.py`): each norm's per-channel max |output| (`FlowProbe`), which modules read it
   (from the job holding batch 0, as the serial probe records it), and the row samples of every smoothing site
   (`SiteSample`);
 * statistics (`Calibrator.layer`): each distinct linear input's `InputStats` (min/max observer, row sample, GPTQ's
   Hessian and held-out rows), the MoE layer's routed tokens (`ExpertRecorder`) and the layer's output rows;
 * GPTQ's propagation: the layer with its quantized weights over every batch, output rows only.
 
-Exactness: the batches are the Calibrator's (`cal.batches`) whatever the worker count, and the driver merges the
-jobs' partials in batch order. Min/max are order-free; row samples are taken by global token index, so each job
+Exactness: the batches are the driver's (`LayerActivations.batches`) whatever the worker count, and the driver
+merges the jobs' partials in batch order. Min/max are order-free; row samples are taken by global token index, so each job
 starts its samplers at the token count of the batches before it (checked when merging, never assumed silently) and
 the concatenated samples are the serial ones. Float sums are not order-free: a GPTQ Hessian comes back as one X^T X
 per batch (k^2 float32 each: memory a worker pays for exactness) and the driver adds them in batch order, as the
@@ -50,7 +50,8 @@ import dsconv.executor as dexec
 from dsconv.quant.algorithms.gptq import HessianAccumulator
 from dsconv.quant.algorithms.observers import MinMaxObserver
 from dsconv.quant.algorithms.smoothing import SiteProbe, SiteSample
-from dsconv.quant.calibrate.calib_jobs import JOB_THREADS, Context, job_env, job_threads, open_job_checkpoint
+from dsconv.quant.calibrate.calib_jobs import JOB_THREADS, Context, Dispatch, job_threads, open_job_checkpoint
+from dsconv.quant.calibrate.context import CalibContext, LayerActivations, forward_batch, padded_batch
 from dsconv.quant.calibrate.hooks import ExpertRecorder, FlowProbe, LinearHooks, RowMask
 from dsconv.quant.calibrate.layers import Skeleton, install_forward
 from dsconv.quant.calibrate.stats import InputStats
@@ -66,7 +67,7 @@ class ForwardJob:
     layer: int
     kind: str                        # "smooth" (smoothing probe) | "stats" (statistics, outputs) | "plain" (outputs)
     first: int                       # index of its first batch (batch 0 records which modules read each norm)
-    batches: list[list[int]]         # calibration sample indices per batch (Calibrator.batches[first:...])
+    batches: list[list[int]]         # calibration sample indices per batch (LayerActivations.batches[first:...])
     lengths: np.ndarray              # tokens per calibration sample
     starts: np.ndarray               # first token row of each sample in the layer input
     hidden: str                      # .npy of the layer's input rows [tokens, hidden] float32
@@ -92,7 +93,7 @@ class ForwardResult:
     cpu_s: float = 0.0               # the job's CPU seconds (single-threaded: its compute, whatever the load)
 
 
-def serial_reason(cal: Any, executor: Any = None) -> str | None:
+def serial_reason(run: CalibContext | None, executor: Any = None) -> str | None:
     """Why this run's forward stays in the driver (None: it splits)."""
     want = os.environ.get(SPLIT_ENV, "")
     if want == "0":
@@ -100,29 +101,11 @@ def serial_reason(cal: Any, executor: Any = None) -> str | None:
     if executor is not None and executor.workers > 1 and executor.name != "ray" and want != "1":
         return (f"local processes share this host's cores, which the forward's threads already use "
                 f"({SPLIT_ENV}=1 splits it anyway)")
-    if cal.plan.method == "awq":
+    if run.plan.method == "awq":
         return "--method awq: its scale search probes the layer in the driver"
-    if cal.static and cal.observer_method != MinMaxObserver.method:
-        return f"--act-method {cal.opts.act_method}: histogram observers are not merged across jobs"
+    if run.static and run.observer_method != MinMaxObserver.method:
+        return f"--act-method {run.opts.act_method}: histogram observers are not merged across jobs"
     return None
-
-
-def padded_batch(h: torch.Tensor | np.ndarray, samples: list[int], lengths: Any, starts: Any
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Calibration samples `samples` as one zero-padded batch of rows of `h` (the driver's activations, or the layer
-    input a job reads from its file): (x [b, L, hidden], token index [b, L] with -1 on padding, mask). One function
-    for the driver and the jobs, so both push the same rows with the same padding."""
-    L = max(int(lengths[j]) for j in samples)
-    idx = torch.full((len(samples), L), -1, dtype=torch.long)
-    for r, j in enumerate(samples):
-        idx[r, : int(lengths[j])] = torch.arange(int(starts[j]), int(starts[j]) + int(lengths[j]))
-    mask = idx >= 0
-    if isinstance(h, torch.Tensor):
-        x = h[idx.clamp(min=0)]
-    else:
-        x = torch.from_numpy(np.ascontiguousarray(h[idx.clamp(min=0).numpy()]))
-    x[~mask] = 0.0
-    return x, idx, mask
 
 
 class HessianParts(HessianAccumulator):
@@ -164,12 +147,12 @@ def run_forward(job: ForwardJob) -> ForwardResult:
             sk = _SKELETONS[ctx.key] = Skeleton(ck)
         layer = sk.materialise(i)
         try:
-            return _run(job, sk, layer, job_env(ctx, ck))
+            return _run(job, sk, layer)
         finally:
             sk.release(i)
 
 
-def _run(job: ForwardJob, sk: Any, layer: nn.Module, env: Any) -> ForwardResult:
+def _run(job: ForwardJob, sk: Any, layer: nn.Module) -> ForwardResult:
     t, c = time.perf_counter(), time.process_time()
     if job.state is not None:
         params = dict(layer.named_parameters())
@@ -194,7 +177,7 @@ def _run(job: ForwardJob, sk: Any, layer: nn.Module, env: Any) -> ForwardResult:
         targets = {mods[m]: lp for m, lp in n["targets"].items()}
 
         def make(lp: LinearPlan) -> InputStats:
-            st = env._stats(lp.k, lp.module)
+            st = job.ctx.stats.new(lp.k, lp.module)
             st.sampler.start_at(job.offset)
             if st.hessian is not None:
                 st.hessian = HessianParts(st.k, st.hessian.sum.dtype)
@@ -250,12 +233,14 @@ def _run(job: ForwardJob, sk: Any, layer: nn.Module, env: Any) -> ForwardResult:
 
 # ---- the driver side -------------------------------------------------------------------------------------------
 class Forward:
-    """The Calibrator's forward passes: split into jobs where the run allows it (see the module docstring), else
-    the serial loop in the driver."""
+    """A layer's forward passes over the calibration batches: split into jobs where the run allows it (see the
+    module docstring), else the serial loop in the driver. Reads and writes `acts` (the layer's input rows become
+    its output rows); `forward_s` sums the seconds of every forward, the driver's and the jobs'."""
 
-    def __init__(self, cal: Any, dispatch: Any) -> None:
-        self.cal, self.d = cal, dispatch
-        self.reason = serial_reason(cal, dispatch.ex)
+    def __init__(self, run: CalibContext, acts: LayerActivations, dispatch: Dispatch) -> None:
+        self.run, self.acts, self.d = run, acts, dispatch
+        self.forward_s = 0.0
+        self.reason = serial_reason(run, dispatch.ex)
         if self.reason is None and len(self.runs()) > 1:
             self.reason = self._hessian_budget()
         self.layer_i: int | None = None
@@ -268,8 +253,15 @@ class Forward:
     def summary(self) -> dict[str, Any]:
         """How the forward ran (the --json output): jobs per pass, or why it stayed serial."""
         split = max(self.jobs_per_pass, default=1)
-        return {"split": split > 1, "jobs_per_pass": split, "batches": len(self.cal.batches),
+        return {"split": split > 1, "jobs_per_pass": split, "batches": len(self.acts.batches),
                 "serial_reason": self.reason}
+
+    def serial_batch(self, layer: nn.Module, samples: list[int], write: bool,
+                     recorder: ExpertRecorder | None = None) -> None:
+        """One batch through the layer in the driver (context.forward_batch), timed."""
+        t = time.perf_counter()
+        forward_batch(self.run.sk, self.acts, layer, samples, write, recorder)
+        self.forward_s += time.perf_counter() - t
 
     def begin(self, i: int, layer: nn.Module) -> None:
         """Layer i was just materialised: remember its parameters' versions (what the driver changes later ships)."""
@@ -280,11 +272,11 @@ class Forward:
     def _hessian_budget(self) -> str | None:
         """GPTQ's per-batch X^T X parts over a job's batches, at most HESSIAN_PARTS_MAX bytes per job (counted per
         linear, so an upper bound); a run above it keeps the forward serial and says so."""
-        cal = self.cal
-        if cal.plan.method != "gptq":
+        plan = self.run.plan
+        if plan.method != "gptq":
             return None
         per_layer: dict[int | None, int] = {}
-        for lp in cal.plan.linears.values():
+        for lp in plan.linears.values():
             if not lp.is_expert:
                 per_layer[lp.layer] = per_layer.get(lp.layer, 0) + 4 * lp.k * lp.k
         batches = max(b - a for a, b in self.runs())
@@ -302,12 +294,12 @@ class Forward:
     def runs(self) -> list[tuple[int, int]]:
         """The pass's jobs as contiguous runs of batches, about equal in tokens: one per worker (at most one per
         batch) when the executor fans out; a single run means the serial loop in the driver."""
-        ex, cal = self.d.ex, self.cal
-        nb = len(cal.batches)
+        ex, acts = self.d.ex, self.acts
+        nb = len(acts.batches)
         if self.reason or ex.workers <= 1 or self.d.work < dexec.INLINE_BELOW or nb < 2:
             return [(0, nb)]
         n = min(ex.workers, nb)
-        tok = np.cumsum([sum(cal.lengths[j] for j in b) for b in cal.batches])
+        tok = np.cumsum([sum(acts.lengths[j] for j in b) for b in acts.batches])
         cuts = sorted({0, nb, *(min(nb, int(np.searchsorted(tok, tok[-1] * k / n)) + 1) for k in range(1, n))})
         return list(zip(cuts, cuts[1:]))
 
@@ -315,31 +307,31 @@ class Forward:
                 ) -> Iterator[tuple[ForwardJob, ForwardResult]]:
         """Run the pass's jobs; yield (job, result) in batch order as they finish (merged by the caller one at a
         time: the driver never holds every job's partials at once)."""
-        cal, d = self.cal, self.d
+        acts, d = self.acts, self.d
         if self.h_path is None:
             self.h_path = f"F{i}-hidden.npy"
-            np.save(d.dir / self.h_path, cal.h.numpy())
+            np.save(d.dir / self.h_path, acts.h.numpy())
         changed = {n: p.detach().clone() for n, p in layer.named_parameters()
                    if n in self.versions and (id(p), p._version) != self.versions[n]}
         state = None
         if changed:
             state = str(d.dir / f"F{i}-{kind}-state.pt")
             torch.save(changed, state)
-        tokens = [sum(cal.lengths[j] for j in b) for b in cal.batches]
-        held = None if cal.held_tokens is None else cal.held_tokens.numpy()
-        held_tokens = [0 if held is None else sum(cal.lengths[j] * bool(held[cal.starts[j]]) for j in b)
-                       for b in cal.batches]
-        jobs = [ForwardJob(d.ctx, i, kind, a, cal.batches[a:b], np.asarray(cal.lengths), cal.starts,
+        tokens = [sum(acts.lengths[j] for j in b) for b in acts.batches]
+        held = None if acts.held_tokens is None else acts.held_tokens.numpy()
+        held_tokens = [0 if held is None else sum(acts.lengths[j] * bool(held[acts.starts[j]]) for j in b)
+                       for b in acts.batches]
+        jobs = [ForwardJob(d.ctx, i, kind, a, acts.batches[a:b], np.asarray(acts.lengths), acts.starts,
                            str(d.dir / self.h_path), state, int(sum(tokens[:a])), held, int(sum(held_tokens[:a])),
                            names, write)
                 for a, b in self.runs()]
         self.jobs_per_pass.append(len(jobs))
         try:
             for job, r in zip(jobs, d.ex.map(run_forward, jobs, work_bytes=d.work)):
-                cal.timings["forward"] += r.forward_s
+                self.forward_s += r.forward_s
                 self._job_cpu.append(r.cpu_s)
                 if write:  # safe before the other jobs end: they read the layer input from its file
-                    cal.h[r.pos] = r.y
+                    acts.h[r.pos] = r.y
                     r.pos = r.y = None
                 yield job, r
         finally:
@@ -353,11 +345,11 @@ class Forward:
         """The smoothing probe over every batch; fills `probe` (absmax, consumers) and `sites` as the serial loop."""
         with self._pass():
             if len(self.runs()) == 1:
-                for samples in self.cal.batches:
-                    self.cal._forward(layer, samples, write=False)
+                for samples in self.acts.batches:
+                    self.serial_batch(layer, samples, write=False)
                     probe.end_batch()
                 return
-            names = self.cal.sk.module_names
+            names = self.run.sk.module_names
             nm = {"norms": [names[m] for m in norms], "consumers": [names[c] for c in consumers],
                   "site_out": [names[m] for m in sites.sites if m in set(norms)],
                   "site_in": [names[m] for m in sites.sites if m not in set(norms)]}
@@ -373,15 +365,14 @@ class Forward:
 
     def stats_pass(self, i: int, layer: nn.Module, hooks: LinearHooks, recorder: ExpertRecorder | None,
                    write: bool) -> None:
-        """The statistics pass over every batch; fills `hooks.group`, `recorder` and (with `write`) `cal.h`."""
-        cal = self.cal
+        """The statistics pass over every batch; fills `hooks.group`, `recorder` and (with `write`) `acts.h`."""
         with self._pass():
             if len(self.runs()) == 1:
-                for samples in cal.batches:
-                    cal._forward(layer, samples, write=write, recorder=recorder)
+                for samples in self.acts.batches:
+                    self.serial_batch(layer, samples, write=write, recorder=recorder)
                     hooks.end_batch()
                 return
-            names = cal.sk.module_names
+            names = self.run.sk.module_names
             by_name = {names[m]: m for m in hooks.targets}
             targets = {names[m]: lp for m, lp in hooks.targets.items()}
             base: list[InputStats] = []
@@ -404,11 +395,11 @@ class Forward:
 
     def plain_pass(self, i: int, layer: nn.Module) -> None:
         """The layer (its weights as the driver holds them: GPTQ's quantized ones) over every batch, writing
-        `cal.h`: what the next layer calibrates on."""
+        `acts.h`: what the next layer calibrates on."""
         with self._pass():
             if len(self.runs()) == 1:
-                for samples in self.cal.batches:
-                    self.cal._forward(layer, samples, write=True)
+                for samples in self.acts.batches:
+                    self.serial_batch(layer, samples, write=True)
             else:
                 for _ in self._submit(i, layer, "plain", {}, write=True):
                     pass

@@ -7,7 +7,6 @@ not once per consumer. Memory is O(channels) for the observer, k^2 for a Hessian
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,45 +15,12 @@ import torch
 
 from dsconv.quant.algorithms.gptq import HessianAccumulator
 from dsconv.quant.algorithms.observers import MinMaxObserver, make_observer
+from dsconv.quant.algorithms.error_metrics import relative_error
+from dsconv.quant.algorithms.fake_quant import fake_quant_int8_rows
+from dsconv.quant.algorithms.sampling import RowSampler
 from dsconv.quant.algorithms.schemes import dequant_weight, fake_quant_activation
 
 HESSIAN_F64_MAX_K = 8192  # wider inputs accumulate in float32 (k^2 x 8 bytes would be 2.7 GB for k = 18432)
-
-
-class RowSampler:
-    """Every stride-th row by global token index, at most `cap` of them: a sample spread over the whole calibration
-    set, not its first prompt. A forward job's sampler starts at its first token (`start_at`) and the driver appends
-    the jobs' samplers in batch order (`extend`), which gives the serial sample bit for bit."""
-
-    def __init__(self, stride: int, cap: int) -> None:
-        self.stride, self.cap = max(1, int(stride)), cap
-        self.seen = self.kept = 0
-        self.rows: list[torch.Tensor] = []
-
-    def update(self, x: torch.Tensor) -> None:
-        t = x.shape[0]
-        if self.kept < self.cap:
-            first = (-self.seen) % self.stride
-            idx = torch.arange(min(first, t), t, self.stride)[: self.cap - self.kept]  # none: batch < gap
-            if idx.numel():
-                self.rows.append(x[idx].detach().to(torch.float32).clone())
-                self.kept += int(idx.numel())
-        self.seen += t
-
-    def start_at(self, offset: int) -> None:
-        """Placed after `offset` tokens: the multiples of stride below it are already taken (by earlier jobs)."""
-        self.seen, self.kept = offset, min(self.cap, math.ceil(offset / self.stride))
-
-    def extend(self, other: "RowSampler", offset: int, what: str) -> None:
-        """Append the sampler of the job that started at token `offset`; a misplaced job is a bug, never merged."""
-        if self.seen != offset:
-            raise RuntimeError(f"forward jobs: {what} saw {self.seen} tokens before a job starting at {offset}")
-        self.rows += other.rows
-        self.kept, self.seen = other.kept, other.seen
-
-    @property
-    def x(self) -> torch.Tensor | None:
-        return torch.cat(self.rows) if self.rows else None
 
 
 class InputStats:
@@ -134,27 +100,18 @@ class LinearRecord:
         return d
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    den = float(torch.linalg.vector_norm(b, dtype=torch.float64))
-    num = float(torch.linalg.vector_norm(a - b, dtype=torch.float64))
-    return 0.0 if den == 0.0 and num == 0.0 else (num / den if den else float("inf"))
-
-
-def dynamic_fake_quant(x: torch.Tensor) -> torch.Tensor:
-    """Per-token symmetric int8 (W8A8_DYNAMIC's activations): scale = max|x_t| / 127 per row."""
-    s = x.abs().amax(dim=-1, keepdim=True) / 127.0
-    s = torch.where(s > 0, s, torch.ones_like(s))
-    return torch.round(x / s).clamp_(-128, 127) * s
-
-
 def output_errors(x: torch.Tensor, y_ref: torch.Tensor, q: np.ndarray, scale: np.ndarray,
                   bias: torch.Tensor | None, qparams: tuple[float, float] | None) -> dict[str, float]:
     """Relative output error on calibration rows x (float outputs y_ref): weight-only, per-token dynamic
     activations, and - given (input_scale, input_offset) - static per-tensor activations."""
     w_hat = torch.from_numpy(dequant_weight(q, scale))
     b = 0 if bias is None else bias
-    out = {"weight_only": _rel(x @ w_hat.T + b, y_ref), "dynamic": _rel(dynamic_fake_quant(x) @ w_hat.T + b, y_ref)}
+    out = {"weight_only": _rel(x @ w_hat.T + b, y_ref), "dynamic": _rel(fake_quant_int8_rows(x) @ w_hat.T + b, y_ref)}
     if qparams is not None:
         xs = fake_quant_activation(x, float(qparams[0]), float(qparams[1]))
         out["static"] = _rel(xs @ w_hat.T + b, y_ref)
     return out
+
+
+def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return relative_error(y, ref, float64=True, zero_ref="inf")

@@ -33,6 +33,7 @@ from torch import nn
 
 from dsconv.errors import UserError
 from dsconv.model.quiet import quiet_transformers
+from dsconv.quant.algorithms.fake_quant import fake_quant_int8_rows
 
 SUPPORTED = ("W8A8", "W8A8_DYNAMIC", "W8A16")
 ACT_QUANT = ("W8A8", "W8A8_DYNAMIC")
@@ -121,12 +122,6 @@ class _StaticFakeQuant(torch.autograd.Function):
         return g.op("DequantizeLinear", g.op("QuantizeLinear", x, s, z), s, z)
 
 
-def dynamic_fake_quant(x: torch.Tensor) -> torch.Tensor:
-    from dsconv.quant.calibrate.stats import dynamic_fake_quant as dfq
-
-    return dfq(x)
-
-
 class QuantLinearForward:
     """The forward of one quantized nn.Linear: activation fake quant, then the (dequantized) weight."""
 
@@ -138,7 +133,7 @@ class QuantLinearForward:
         if L.qtype == "W8A8":
             x = _StaticFakeQuant.apply(x, L.input_scale, L.input_offset)
         elif L.qtype == "W8A8_DYNAMIC":
-            x = dynamic_fake_quant(x)
+            x = fake_quant_int8_rows(x)
         return nn.functional.linear(x, self.mod.weight, self.mod.bias)
 
 
@@ -220,13 +215,13 @@ def _fused_experts(qck: Any, model: nn.Module, mat: Any, layers: dict[str, QLaye
             mod.register_forward_pre_hook(_quant_experts_input)
         if first.get("down") == "W8A8_DYNAMIC":
             gate = mod._apply_gate
-            mod._apply_gate = lambda x, gate=gate: dynamic_fake_quant(gate(x))  # type: ignore[method-assign]
+            mod._apply_gate = lambda x, gate=gate: fake_quant_int8_rows(gate(x))  # type: ignore[method-assign]
     return out
 
 
 def _quant_experts_input(module: nn.Module, args: tuple) -> tuple:
     """Per-token quantization of the tokens entering the experts (every routed copy of a token is the same row)."""
-    return (dynamic_fake_quant(args[0]), *args[1:])
+    return (fake_quant_int8_rows(args[0]), *args[1:])
 
 
 @dataclass

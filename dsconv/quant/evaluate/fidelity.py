@@ -21,10 +21,10 @@ from torch import nn
 
 from dsconv.checkpoint import Checkpoint
 from dsconv.errors import UserError
+from dsconv.quant.algorithms.fake_quant import fake_quant_int8_rows, int8_rows
 from dsconv.quant.algorithms.schemes import quantize_activation
 from dsconv.quant.calibrate.data import load_tokenizer, read_texts, read_utf8
 from dsconv.quant.calibrate.layers import ExpertLoop, install_forward, load_full_model
-from dsconv.quant.calibrate.stats import dynamic_fake_quant
 from dsconv.quant.formats.msmodelslim import QuantLinear, quantized_modules, read_linear
 
 DEFAULT_SEQ_LEN = 512
@@ -93,7 +93,7 @@ class EngineLinear:
         if self.qtype == "W4A8_DYNAMIC":
             return self._w4a8(x)
         if self.qtype == "W8A8_DYNAMIC":
-            x = dynamic_fake_quant(x)
+            x = fake_quant_int8_rows(x)
         y = x @ self.w.T
         return y if self.bias is None else y + self.bias
 
@@ -102,9 +102,7 @@ class EngineLinear:
         """The engines' A8W4 kernel (grouped_matmul a8w4 "MSD"): per-token int8 x split as 16*hi + lo + 8 (hi, lo
         int4), two int4 x int4 products scaled per channel, plus the stored scale_bias for the +8 term, times the
         token's scale. Equals a8 x w4 exactly when scale_bias is right; a wrong one shows here."""
-        a = x.float().abs().amax(dim=-1, keepdim=True) / 127.0
-        a = torch.where(a > 0, a, torch.ones_like(a))
-        xq = torch.round(x.float() / a).clamp_(-128, 127)
+        xq, a = int8_rows(x.float())
         hi = torch.floor(xq / 16)
         lo = xq - 16 * hi - 8
         y = ((16 * hi) @ self.wq.T + lo @ self.wq.T) * self.s + self.sb

@@ -18,12 +18,6 @@ from dsconv.quant.plan.recipe import RECIPE_FLOAT_REASON
 
 REPORT_FILE = "quant_report.json"
 EXPERT_LOAD_FILE = "expert_load.json"
-# Default --fallback-threshold: static W8A8 units whose relative output error exceeds 10% fall back. Measured on a
-# small Llama trained here (benchmarks/bench_quantize.py): the down_proj units (input SiLU(gate) * up, the outliers
-# the reference describes) are the most sensitive at 1.8-4.6%, every other unit is below 1.8%, and static W8A8 as a
-# whole costs +0.11% perplexity - nothing there needs to fall back. 10% is where per-tensor int8 has lost more than
-# three bits to a few outlier channels (the error grows ~2x per lost bit); such a unit costs far more than its share.
-DEFAULT_FALLBACK_THRESHOLD = 0.10
 
 
 @dataclass
@@ -90,8 +84,18 @@ def _r(x: float | None) -> float | None:
     return x if math.isinf(x) else round(x, 6)
 
 
+@dataclass
+class Findings:
+    """What the calibrated path found beyond each linear's record: the smoothing log, the searches and choices by
+    kind (clipping, awq, gptq_or_rtn) and the tokens routed to each expert per layer."""
+
+    smoothing: list[dict[str, Any]]
+    decisions: dict[str, Any]
+    expert_counts: dict[int, list[int]]
+
+
 def build_report(ck: Any, plan: QuantPlan, opts: Any, records: dict[str, Any], decision: Decision,
-                 policy: tuple[str, float] | None, cal: Any, calib: Any) -> dict[str, Any]:
+                 policy: tuple[str, float] | None, found: Findings | None, calib: Any) -> dict[str, Any]:
     """quant_report.json: deterministic (no timings), so reruns are comparable byte for byte."""
     layers: dict[str, dict[str, Any]] = {}
     for lp in plan.linears.values():
@@ -131,12 +135,12 @@ def build_report(ck: Any, plan: QuantPlan, opts: Any, records: dict[str, Any], d
     }
     if plan.method == "gptq":  # the GPTQ settings (weights.quantize_weight: act order, static groups)
         report["gptq"] = {"damp": opts.damp, "act_order": True, "static_groups": True}
-    if cal is not None:
-        report["smoothing"] = cal.smoothing
-        report.update({k: v for k, v in getattr(cal, "decisions", {}).items() if v})
-        if cal.expert_counts:
-            report["experts"] = expert_coverage(cal.expert_counts, opts.min_expert_tokens, opts.all_experts, records,
-                                                plan)
+    if found is not None:
+        report["smoothing"] = found.smoothing
+        report.update({k: v for k, v in found.decisions.items() if v})
+        if found.expert_counts:
+            report["experts"] = expert_coverage(found.expert_counts, opts.min_expert_tokens, opts.all_experts,
+                                                records, plan)
     return report
 
 
@@ -243,9 +247,7 @@ def decisions_summary(report: dict[str, Any]) -> dict[str, Any]:
     if report.get("gptq"):
         out["gptq_damp"] = report["gptq"]["damp"]
     if report.get("awq"):
-        from dsconv.quant.calibrate.awq import summary
-
-        out["awq"] = summary(report["awq"])
+        out["awq"] = awq_summary(report["awq"])
     choice = report.get("gptq_or_rtn") or {}
     if choice:
         out["gptq_or_rtn"] = dict(sorted(Counter(choice.values()).items()))
@@ -299,3 +301,12 @@ def render_plan(p: dict[str, Any]) -> str:
             f"{len(p['kept_float'])} linear(s) kept in float by option; {p['tensors']} output tensors, "
             f"{p['output_bytes'] / 1e9:.3f} GB (input {p['input_bytes'] / 1e9:.3f} GB); calibration "
             f"{'yes' if p['calibration'] else 'not needed'}; fallback {p['fallback'] or 'none'}")
+
+
+def awq_summary(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Counts for the printed summary of --method awq's sites (quant_report.json's "awq"): sites folded, alphas
+    chosen, per-linear choice."""
+    alphas = Counter(str(e["alpha"]) for e in entries if e.get("applied"))
+    choice = Counter(c for e in entries for c in (e.get("choice") or {}).values())
+    return {"sites": len(entries), "folded": sum(1 for e in entries if e.get("applied")),
+            "alphas": dict(sorted(alphas.items())), "choice": dict(sorted(choice.items()))}

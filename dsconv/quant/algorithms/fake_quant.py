@@ -1,0 +1,51 @@
+"""Quantize-then-dequantize in float: what a tensor becomes once the engine has rounded it, so searches and reports
+can measure the error of a choice without writing it. One function per rounding rule, shared by every caller, so
+the calibration searches, the reported output errors, `dsconv eval` and the INT8 ONNX export all round alike.
+
+Static per-tensor activations with stored (input_scale, input_offset) are `schemes.fake_quant_activation`, next to
+the integer quantizer they dequantize.
+"""
+from __future__ import annotations
+
+import torch
+
+from dsconv.quant.algorithms.schemes import activation_qparams, qrange, usable_scale
+
+
+def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row of the last dimension: (integer values in x's float dtype, in [-128, 127]; scale per
+    row = max|row| / 127, 1 for an all-zero row). Per token for activations (W8A8_DYNAMIC, W4A8_DYNAMIC's a8), per
+    output channel for a weight [n, k]."""
+    s = x.abs().amax(dim=-1, keepdim=True) / 127.0
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.round(x / s).clamp_(-128, 127), s
+
+
+def fake_quant_int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """`int8_rows` dequantized: per-token dynamic activations, or 8-bit per-channel round-to-nearest weights. The
+    ops are traced into the INT8 ONNX export as written (abs, amax, div, where, div, round, clip, mul)."""
+    q, s = int8_rows(x)
+    return q * s
+
+
+def fake_quant_static(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    """Per-tensor asymmetric int8 over the range [lo, hi] (static W8A8 while its range is being searched), in x's
+    dtype with Python-float scale and offset."""
+    scale, offset = activation_qparams(lo, hi)
+    sc, off = float(scale), float(offset)
+    return (torch.round(x / sc + off).clamp_(-128, 127) - off) * sc
+
+
+def fake_quant_groups(w: torch.Tensor, bits: int, g: int) -> torch.Tensor:
+    """Symmetric round-to-nearest of a weight [n, k] at `bits`, per group of g along k (g 0 or k: per row), max|w| /
+    qmax scales: what a weight-only linear dequantizes to."""
+    qmin, qmax = qrange(bits)
+    n, k = w.shape
+    w3 = w.reshape(n, groups_of(k, g), -1)
+    sc = usable_scale(w3.abs().amax(dim=-1, keepdim=True) / qmax)
+    return (torch.round(w3 / sc).clamp_(qmin, qmax) * sc).reshape(n, k)
+
+
+def groups_of(k: int, g: int) -> int:
+    """Groups along k for group size g (0 or k: one group, per row)."""
+    return k // g if 0 < g < k else 1

@@ -1,0 +1,143 @@
+"""What the calibrated path's parts share, passed explicitly rather than read off the layer runner: the run's
+read-only inputs (`CalibContext`), the activations a layer is calibrated on (`LayerActivations`), and how a linear
+input's statistics are made (`StatsSpec`, small and picklable: jobs build the same statistics as the driver)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from dsconv.checkpoint import Checkpoint
+from dsconv.errors import UserError
+from dsconv.executor import Executor
+from dsconv.quant.algorithms import clipping, selection
+from dsconv.quant.calibrate.data import CalibSet
+from dsconv.quant.calibrate.hooks import ExpertRecorder, RowMask
+from dsconv.quant.calibrate.layers import Skeleton
+from dsconv.quant.calibrate.stats import InputStats
+from dsconv.quant.plan.options import QuantOptions
+from dsconv.quant.plan.plan import STATIC, QuantPlan
+
+
+@dataclass(frozen=True)
+class CalibContext:
+    """The run's read-only inputs: the checkpoint and its model skeleton, the plan, the options, where jobs keep
+    their files, whether the writer stages (a static unit that cannot be written then falls back instead of failing)
+    and the executor."""
+
+    ck: Checkpoint
+    sk: Skeleton
+    plan: QuantPlan
+    opts: QuantOptions
+    workspace: Path | None = None
+    staged: bool = False
+    executor: Executor | None = None
+
+    @property
+    def static(self) -> bool:
+        return self.plan.scheme == STATIC
+
+    @property
+    def observer_method(self) -> str:
+        return clipping.observer_method(self.opts.act_method)
+
+
+@dataclass(frozen=True)
+class StatsSpec:
+    """How every linear input's InputStats is made in this run (driver and jobs alike)."""
+
+    observer: str | None   # the activation observer (static W8A8), else None
+    hessian: bool          # GPTQ's X^T X
+    sample_tokens: int     # rows kept to measure output errors
+    stride: int            # every stride-th token is sampled: the sample spreads over the whole calibration set
+    held_out: bool         # held-out prompts are kept apart (GPTQ's choice against rounding)
+
+    def new(self, k: int, name: str) -> InputStats:
+        return InputStats(k, name, self.observer, hessian=self.hessian, sample_tokens=self.sample_tokens,
+                          stride=self.stride, held_out=self.held_out)
+
+
+@dataclass
+class LayerActivations:
+    """The calibration activations: the current layer's input rows `h` [tokens, hidden] float32 (every sample's
+    tokens, concatenated), replaced by the layer's output rows as the layers advance; the samples' lengths and first
+    rows; the forward batches (sample indices, longest first, about `batch_tokens` padded tokens each); per token,
+    whether it belongs to a held-out prompt; and the real rows of the batch being run, which the hooks read."""
+
+    h: torch.Tensor
+    lengths: list[int]
+    starts: np.ndarray
+    batches: list[list[int]]
+    held_tokens: torch.Tensor | None
+    rows: RowMask = field(default_factory=RowMask)
+
+    @classmethod
+    def embedded(cls, sk: Skeleton, calib: CalibSet, vocab_size: int, batch_tokens: int,
+                 hold_out: bool) -> "LayerActivations":
+        """The calibration tokens embedded: the first layer's input."""
+        lengths = [len(s) for s in calib.samples]
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        ids = torch.tensor([t for s in calib.samples for t in s], dtype=torch.long)
+        if int(ids.max()) >= vocab_size or int(ids.min()) < 0:
+            raise UserError(f"calibration token id {int(ids.max())} is outside the model's vocabulary "
+                            f"({vocab_size})", hint="the tokenizer does not belong to this model")
+        h = sk.embed(ids)
+        held = selection.held_out_prompts(len(lengths)) if hold_out else None
+        held_tokens = None if held is None else torch.repeat_interleave(held, torch.tensor(lengths))
+        order = sorted(range(len(lengths)), key=lambda j: (-lengths[j], j))
+        batches: list[list[int]] = []
+        while order:
+            per = max(1, batch_tokens // lengths[order[0]])
+            batches.append(order[:per])
+            order = order[per:]
+        return cls(h, lengths, starts, batches, held_tokens)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.h.shape[0])
+
+    def batch(self, samples: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The samples as one zero-padded batch: (x, token index with -1 on padding, mask)."""
+        return padded_batch(self.h, samples, self.lengths, self.starts)
+
+    def stats_spec(self, plan: QuantPlan, opts: QuantOptions) -> StatsSpec:
+        observer = clipping.observer_method(opts.act_method) if plan.scheme == STATIC else None
+        return StatsSpec(observer, plan.method == "gptq", opts.sample_tokens,
+                         self.tokens // max(1, opts.sample_tokens), self.held_tokens is not None)
+
+
+def forward_batch(sk: Skeleton, acts: LayerActivations, layer: nn.Module, samples: list[int], write: bool,
+                  recorder: ExpertRecorder | None = None) -> None:
+    """One batch through the layer in this process, its real rows set for the hooks; with `write`, its outputs
+    replace its rows of `acts.h` (the next layer's input)."""
+    x, idx, mask = acts.batch(samples)
+    acts.rows.set(mask)
+    acts.rows.held = None if acts.held_tokens is None else acts.held_tokens[idx[mask]]
+    if recorder is not None:
+        recorder.flat_index = idx.reshape(-1)
+    y = layer(x, **sk.layer_inputs(x, layer))
+    y = y[0] if isinstance(y, tuple) else y
+    if write:
+        acts.h[idx[mask]] = y[mask]
+
+
+def padded_batch(h: torch.Tensor | np.ndarray, samples: list[int], lengths: Any, starts: Any
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Calibration samples `samples` as one zero-padded batch of rows of `h` (the driver's activations, or the layer
+    input a job reads from its file): (x [b, L, hidden], token index [b, L] with -1 on padding, mask). One function
+    for the driver and the jobs, so both push the same rows with the same padding."""
+    L = max(int(lengths[j]) for j in samples)
+    idx = torch.full((len(samples), L), -1, dtype=torch.long)
+    for r, j in enumerate(samples):
+        idx[r, : int(lengths[j])] = torch.arange(int(starts[j]), int(starts[j]) + int(lengths[j]))
+    mask = idx >= 0
+    if isinstance(h, torch.Tensor):
+        x = h[idx.clamp(min=0)]
+    else:
+        x = torch.from_numpy(np.ascontiguousarray(h[idx.clamp(min=0).numpy()]))
+    x[~mask] = 0.0
+    return x, idx, mask

@@ -1,0 +1,130 @@
+"""SmoothQuant for one layer, in the driver: the smoothing probe over the calibration batches (forward_jobs.py
+splits it where it can), then per norm the strength (searched per site, or the fixed --smooth-quant alpha) folded
+into the norm and its consumers (algorithms/smoothing.py has the math)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from dsconv.families.roles import Role
+from dsconv.quant.algorithms import smoothing as sm
+from dsconv.quant.algorithms.schemes import smooth_scales
+from dsconv.quant.calibrate.context import CalibContext, LayerActivations
+from dsconv.quant.calibrate.forward_jobs import Forward
+from dsconv.quant.calibrate.hooks import FlowProbe
+from dsconv.quant.calibrate.layers import install_forward
+from dsconv.quant.plan.plan import ACT_QUANT, STATIC, LinearPlan
+from dsconv.tensors import torch_dtype
+
+
+def smooth_layer(run: CalibContext, acts: LayerActivations, fwd: Forward, i: int, layer: nn.Module,
+                 targets: dict[nn.Module, LinearPlan], experts: nn.Module | None, lps: dict[str, LinearPlan]
+                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None, list[dict[str, Any]]]:
+    """SmoothQuant folded into the norms that feed quantized linears: s = act^a / w^(1-a) per input channel;
+    norm weight / s (rounded to its dtype, then s re-derived from the rounded value so norm x weight is exact),
+    consumer weights x s (and router weights, kept in float, x s). A norm with a consumer that stays in float or
+    is weight-only is left alone (reported). Returns the float tensors changed (norms, routers), the scale folded
+    into the routed experts' gate/up columns (None: none) and one entry per norm for quant_report.json."""
+    sk, ck = run.sk, run.ck
+    log: list[dict[str, Any]] = []
+    own = sk.own_weights(layer)  # module -> (ck param name, role) of its direct weight
+    norms = [m for m, (_, r) in own.items() if r == Role.NORM]
+    consumers = [m for m in layer.modules() if isinstance(m, nn.Linear) or
+                 (m in own and own[m][1] == Role.ROUTER)]
+    if experts is not None:
+        consumers.append(experts)
+        install_forward(experts, lambda h, idx, wts: torch.zeros_like(h))
+    probe = FlowProbe(norms, consumers, acts.rows)
+    auto = run.opts.smooth_alpha == "auto"
+    by_name = {lp.module: mod for mod, lp in targets.items()}
+    pairs = [(by_name[u], by_name[d]) for u, d in sm.up_down_pairs(lps) if u in by_name and d in by_name
+             and lps[u].bias is None] if auto else []
+    sites = sm.SiteProbe(norms if auto else [], [d for _, d in pairs], acts.tokens, acts.rows.apply)
+    fwd.smooth_pass(i, layer, probe, sites, norms, consumers)
+    probe.remove()
+    sites.remove()
+    modified: dict[str, torch.Tensor] = {}
+    col_scale = None
+    E = int(experts.gate_up_proj.shape[0]) if experts is not None else 0
+    for norm, cons in probe.consumers.items():
+        if not cons:
+            continue
+        norm_name = own[norm][0]
+        entry: dict[str, Any] = {"norm": norm_name, "consumers": [], "applied": False}
+        linears, routers, with_experts, reason = _consumers(sk, i, cons, own, targets, experts, E, lps,
+                                                            entry["consumers"])
+        if auto and (with_experts or not linears):  # the search judges the linears it can run, not experts
+            reason = "auto: routed experts read it (not searched; give --smooth-quant ALPHA to smooth it)"
+        if reason:
+            entry["reason"] = reason
+            log.append(entry)
+            continue
+        w_absmax = torch.zeros(norm.weight.shape[0])
+        for c in linears:
+            w_absmax = torch.maximum(w_absmax, c.weight.detach().abs().amax(dim=0))
+        if with_experts:
+            for e in range(E):
+                names = sk.expert_weight_names(i, e)
+                for slot in ("gate", "up"):
+                    w_absmax = torch.maximum(w_absmax, sk.load(names[slot]).abs().amax(dim=0))
+        if auto:
+            static = any(targets[c].qtype == STATIC for c in linears)
+            s, entry["search"] = sm.search_scales(sites.sites[norm], [c.weight for c in linears], static)
+            if s is None:
+                entry["reason"] = "search: no smoothing has the smallest output error"
+                log.append(entry)
+                continue
+        else:
+            s = torch.from_numpy(smooth_scales(probe.absmax[norm].numpy(), w_absmax.numpy(),
+                                               run.opts.smooth_alpha))
+        dt = torch_dtype(ck.info(norm_name).dtype)
+        n_new, s_eff = sm.norm_fold(norm.weight.detach().clone(), ck.family.norm_offset, dt, s)
+        norm.weight.copy_(n_new)
+        modified[norm_name] = n_new.to(dt)
+        for c in linears:
+            c.weight.mul_(s_eff)
+        for c in routers:
+            rname = own[c][0]
+            rdt = torch_dtype(ck.info(rname).dtype)
+            new = (c.weight.detach() * s_eff).to(rdt)
+            c.weight.copy_(new.float())
+            modified[rname] = new
+        if with_experts:
+            col_scale = s_eff
+        entry.update(applied=True, max_scale=round(float(s_eff.max()), 4), min_scale=round(float(s_eff.min()), 4))
+        log.append(entry)
+    log += sm.smooth_up_down(pairs, sites, lambda m: targets[m].qtype == STATIC,
+                             lambda m: sk.ck_name(sk.module_names[m]))
+    return modified, col_scale, log
+
+
+def _consumers(sk: Any, i: int, cons: list[nn.Module], own: dict[nn.Module, tuple[str, Role]],
+               targets: dict[nn.Module, LinearPlan], experts: nn.Module | None, E: int, lps: dict[str, LinearPlan],
+               names: list[str]) -> tuple[list[nn.Module], list[nn.Module], bool, str | None]:
+    """A norm's readers sorted out: the quantized linears, the routers, whether the routed experts read it, and
+    the first reason it cannot be smoothed (None: it can); each reader's name is appended to `names`."""
+    reason = None
+    linears, routers, with_experts = [], [], False
+    for c in cons:
+        if c is experts:
+            names.append(f"{sk.module_names[c]} ({E} experts)")
+            for e in range(E):
+                for slot in ("gate", "up"):
+                    lp = lps.get(sk.expert_module_names(i, e)[slot])
+                    if lp is None or lp.qtype not in ACT_QUANT:
+                        reason = reason or f"expert {e} {slot} is not activation-quantized"
+            with_experts = True
+            continue
+        cname = sk.ck_name(sk.module_names[c])
+        names.append(cname)
+        if c in targets:
+            if targets[c].qtype not in ACT_QUANT:
+                reason = reason or f"{cname} is weight-only ({targets[c].qtype})"
+            linears.append(c)
+        elif c in own and own[c][1] == Role.ROUTER:
+            routers.append(c)
+        else:
+            reason = reason or f"{cname} stays in float"
+    return linears, routers, with_experts, reason
