@@ -322,17 +322,18 @@ def _list_safetensors(root: Path) -> tuple[list[Path], dict[str, TensorInfo]]:
 
 
 def _normalise_fused(entries: dict[str, TensorInfo], family: Family, config: dict[str, Any]) -> dict[str, TensorInfo]:
-    """Present transformers' fused experts (the family's `fused_params`: gate+up [E, 2I, H], down [E, H, I]) as the
-    per-expert tensors of the original layout; each is a contiguous byte range of the fused tensor, so no copy."""
-    fused = "." + family.fused_experts + "."
-    params = family.fused_params  # {"gate_up_proj": ("gate", "up"), "down_proj": ("down",)}
-    if not any(map(str.endswith, entries, repeat(tuple(fused + p for p in params)))):
+    """Present 3-D fused experts (transformers' `fused_params`, gate+up [E, 2I, H] and down [E, H, I], or the family's
+    own `disk_fused_params`) as the per-expert tensors of its table; each is a contiguous byte range of the fused
+    tensor, so no copy."""
+    params = family.disk_fused  # {"mlp.experts.gate_up_proj": ("gate", "up"), "mlp.experts.down_proj": ("down",)}
+    ends = tuple("." + p for p in params)
+    if not any(map(str.endswith, entries, repeat(ends))):
         return entries
     out: dict[str, TensorInfo] = {}
     for name, info in entries.items():
-        prefix, _, param = name.rpartition(".")
-        if prefix.endswith(fused[1:-1]) and param in params:
-            layer_prefix = prefix[: -len(family.fused_experts)]
+        param = next((p for p in params if name.endswith("." + p)), None)
+        if param is not None:
+            layer_prefix = name[: -len(param)]
             if len(info.shape) != 3:
                 raise UserError(f"{name} has shape {list(info.shape)}; fused experts are 3-D [experts, out, in]",
                                 hint="the checkpoint is damaged")
@@ -349,7 +350,7 @@ def _normalise_fused(entries: dict[str, TensorInfo], family: Family, config: dic
                                        end=start + (r1 - r0) * cols * item)
             continue
         for old, new in family.fused_renames.items():
-            if f".{old}." in name:
+            if f".{old}." in name and f".{new}." not in name:
                 name = name.replace(f".{old}.", f".{new}.")
                 info = replace(info, name=name)
         out[name] = info

@@ -77,7 +77,7 @@ def inspect_model(ck: Any) -> dict[str, Any]:
         "quantized": bool(ck.is_quantized),
     }
     report["cards"] = cards_needed(quantizable, other, {"w4a8": w4a8} if experts and not ck.is_quantized else None)
-    if not ck.is_quantized:
+    if not ck.is_quantized and not ck.family.quantize_refused:
         from dsconv.engines import recipes, w4a8_recipe
 
         report["engine_recipes"] = recipes(ck)

@@ -20,9 +20,10 @@ from dsconv.convert.onnx import export_onnx
 from dsconv.errors import CheckFailed
 from dsconv.tiny import FAMILIES
 
+# granitemoe (False): Granite's own 3-D input_linear/output_linear experts on disk
 CASES = [("llama", False), ("qwen2", False), ("qwen3", False), ("qwen2_moe", True), ("qwen3_moe", False),
-         ("mixtral", True), ("deepseek_v3", False), ("gemma3", False)]
-MOE = {"qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3"}
+         ("mixtral", True), ("deepseek_v3", False), ("gemma3", False), ("granitemoe", False)]
+MOE = {"qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "granitemoe"}
 
 
 pytestmark = [pytest.mark.cli, pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]

@@ -387,7 +387,10 @@ def export_mindir(model_dir: Path, output: Path, *, dtype: str = "fp32", with_pa
         raise UserError(f"--atol {atol} must be positive",
                         hint="omit it for the default, derived from the reference's own float noise")
     worker.require_mindspore()
-    with Checkpoint.open(model_dir, allow_pickle=allow_pickle) as ck:  # every family has a network (model/ms/build.py)
+    with Checkpoint.open(model_dir, allow_pickle=allow_pickle) as ck:  # a network per family (model/ms/build.py)
+        if ck.family.mindir_refused:
+            raise UserError(f"{model_dir}: --format mindir cannot export {ck.family.name}: "
+                            f"{ck.family.mindir_refused}", hint="export --format onnx instead")
         return _export(ck, model_dir, output, dtype, atol, force, allow_pickle, t0)
 
 

@@ -158,6 +158,18 @@ class Family:
     }
     #: transformers' fused 3-D expert parameters -> the per-expert slots each holds, stacked along dim 1
     fused_params: dict[str, tuple[str, ...]] = {"gate_up_proj": ("gate", "up"), "down_proj": ("down",)}
+    #: 3-D expert tensors a checkpoint may store besides transformers' own (`fused_experts`.`fused_params`),
+    #: relative to the layer -> the per-expert slots each holds
+    disk_fused_params: dict[str, tuple[str, ...]] = {}
+    #: why a stage cannot take this family (None: it can): engines' loaders, the MindSpore builder
+    quantize_refused: str | None = None
+    mindir_refused: str | None = None
+
+    @property
+    def disk_fused(self) -> dict[str, tuple[str, ...]]:
+        """Checkpoint names of 3-D fused experts relative to the layer -> the per-expert slots each holds."""
+        return {**{f"{self.fused_experts}.{p}": slots for p, slots in self.fused_params.items()},
+                **self.disk_fused_params}
     #: config.json keys the engines read with a default that is wrong for this family, and the value this family's
     #: transformers code implies when the key is absent (transformers 5 stops writing some of them)
     engine_config_defaults: dict[str, Any] = {}

@@ -66,7 +66,7 @@ class Materialiser:
     def ck_name(self, mem_name: str) -> str:
         """Checkpoint name of an in-memory parameter/buffer (the family's renames, as Checkpoint applies them)."""
         for old, new in self.family.fused_renames.items():
-            if f".{old}." in mem_name:
+            if f".{old}." in mem_name and f".{new}." not in mem_name:
                 mem_name = mem_name.replace(f".{old}.", f".{new}.")
         return mem_name
 

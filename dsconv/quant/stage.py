@@ -52,11 +52,18 @@ class QuantResult:
         return rep.render_plan(self.summary) if self.dry_run else rep.render(self.summary)
 
 
+def _check_family(ck: Any) -> None:
+    if ck.family.quantize_refused:
+        raise UserError(f"{ck.root}: {ck.family.name} cannot be quantized for an engine: {ck.family.quantize_refused}",
+                        hint="export it (--format onnx or safetensors), or shard the float checkpoint")
+
+
 def planned_output(ck: Any, scheme: str, engine: str | None = None) -> tuple[list[Any], dict[str, Any]]:
     """The tensors (TensorSpec) and description `dsconv quantize --scheme SCHEME` would write for `ck` (a
     Checkpoint or a config's ConfigOnly), from headers alone: what `shard --config --scheme` plans."""
     if scheme not in SCHEMES:
         raise UserError(f"unknown scheme {scheme}", hint=f"choose one of {', '.join(SCHEMES)}")
+    _check_family(ck)
     prof = engines.get(engine)
     ktypes = engines.kind_types(prof, ck.family, SCHEMES[scheme], bits_default=False)
     plan = make_plan(ck, scheme, None, "rtn", (), assign=engines.assigner(prof, ktypes), mix_ok=prof.fallback_ok)
@@ -73,6 +80,7 @@ def run(req: QuantRequest) -> QuantResult:
     if opts.scheme not in SCHEMES:
         raise UserError(f"unknown scheme {opts.scheme}", hint=f"choose one of {', '.join(SCHEMES)}")
     ck = Checkpoint.open(model_dir)
+    _check_family(ck)
     if ck.is_quantized:
         raise UserError(f"{model_dir} is already quantized (it has a quant_model_description)",
                         hint="quantize the original float checkpoint")
