@@ -415,14 +415,8 @@ class ConfigOnly:
     def role(self, name: str) -> TensorRole:
         return self.roles[name]
 
-    @property
-    def readable_by_path(self) -> bool:
-        """Every tensor is a byte range of a safetensors file, so a task elsewhere can read it (not pickled)."""
-        return self._pickled is None
-
-    @property
-    def is_quantized(self) -> bool:
-        return self.quant_description is not None
+    readable_by_path = False  # no weights to read
+    is_quantized = property(lambda self: self.quant_description is not None)
 
     def quantized_view(self, specs: list[Any], description: dict[str, Any]) -> "ConfigOnly":
         """The same model as a quantize output would store it: `specs` (TensorSpec, the output's tensors) and its

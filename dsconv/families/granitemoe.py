@@ -11,6 +11,7 @@ applies; the MindSpore builder has no such block (MindIR export refuses it), and
 per expert (quantize refuses it).
 """
 from dsconv.families.base import LAYER, Family, decoder, experts, gqa_attention, register, router
+from dsconv.families.mixtral import every_layer_moe
 
 
 @register
@@ -34,10 +35,4 @@ class GraniteMoe(Family):
     mindir_refused = "the MindSpore builder has no Granite block (embedding, residual, attention and logits multipliers)"
 
     def _facts(self, c):
-        f = super()._facts(c)
-        f.num_experts = c["num_local_experts"]
-        f.experts_per_tok = c["num_experts_per_tok"]
-        f.moe_intermediate_size = f.intermediate_size
-        f.moe_layers = tuple(range(f.num_layers))
-        f.norm_topk_prob = True
-        return f
+        return every_layer_moe(super()._facts(c), c)

@@ -16,11 +16,16 @@ class Mixtral(Family):
     config_keys = {**Family.config_keys, "num_local_experts": 8, "num_experts_per_tok": 2}  # MixtralConfig's
 
     def _facts(self, c):
-        f = super()._facts(c)
-        f.num_experts = c["num_local_experts"]
-        f.experts_per_tok = c["num_experts_per_tok"]
-        f.moe_intermediate_size = f.intermediate_size
-        f.moe_layers = tuple(range(f.num_layers))
-        f.norm_topk_prob = True
+        f = every_layer_moe(super()._facts(c), c)
         f.sliding = "all"
         return f
+
+
+def every_layer_moe(f, c):
+    """MoE on every layer with `num_local_experts` experts as wide as `intermediate_size`, top-k renormalised."""
+    f.num_experts = c["num_local_experts"]
+    f.experts_per_tok = c["num_experts_per_tok"]
+    f.moe_intermediate_size = f.intermediate_size
+    f.moe_layers = tuple(range(f.num_layers))
+    f.norm_topk_prob = True
+    return f
