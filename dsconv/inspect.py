@@ -89,13 +89,15 @@ def inspect_model(ck: Any) -> dict[str, Any]:
 
 def _w4a8_bytes(r: Any, shape: tuple[int, ...], numel: int) -> int:
     """One tensor's bytes in the W4A8 recipe's output (quant.plan, engines.W4A8_RECIPE): a routed expert's weight
-    int4 + fp32 scale, offset and scale_bias (16 chunks for down) per row; other linears int8 + scale and offset;
-    DeepSeek kv_b_proj, MTP layers and everything else in 16 bits."""
+    int4 + fp32 scale, offset and scale_bias (16 chunks for down) per row; other linears, the MTP layer's included,
+    int8 + scale and offset; DeepSeek kv_b_proj and everything else in 16 bits."""
     from dsconv.engines import layer_kind
 
     if r.param != "weight" or not r.role.quantized_by_default or len(shape) != 2:
         return 2 * numel
     kind = layer_kind(r)
+    if r.category is Category.MTP and r.slot != "kv_b":
+        kind = "mtp"  # the recipe's MTP layer: W8A8_DYNAMIC (engines.W4A8_MTP)
     n = shape[0]
     if kind == "routed_experts":
         return numel // 2 + n * (8 + 4 * (SCALE_BIAS_CHUNKS if r.role.tp_dim == 1 else 1))

@@ -207,3 +207,31 @@ def test_verify_recomputes_scale_bias(tiny_model, run_cli, tmp_path):
     assert run_cli(["verify", str(q)]).code != 0, "the manifest's sha256 catches the edit first"
     problems = verify_output(q)  # the stage's own check, behind the hashes
     assert len(problems) == 1 and "up_proj.scale_bias differs" in problems[0], problems
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_deepseek_mtp_layer_follows_the_recipe(run_cli, tmp_path, method):
+    """msModelSlim's recipe makes the MTP layer W8A8_DYNAMIC (its kv_b_proj float) and writes mtp_quantize, so MindIE
+    reads its experts with `quantize`'s type; both quantize paths round it to nearest (no forward reaches it)."""
+    from dsconv.bundled import calib_texts
+    from dsconv.tiny import add_mtp_layer, make_tiny, train_tokenizer
+    from tests.engine_contract.test_quantize_contract import _read
+
+    src = make_tiny("deepseek_v3", tmp_path / "m", dtype="bf16", tokenizer=train_tokenizer(calib_texts(), 384))
+    add_mtp_layer(src)
+    out = tmp_path / method
+    r = run_cli(["quantize", "-m", src, "-o", out, *W4, "--method", method, "--calib-samples", "8", "--seq-len", "32"])
+    assert r.code == 0, r.err
+    desc = json.loads((out / "quant_model_description.json").read_text())
+    mtp = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    types = {n: t for n, t in desc.items() if n.startswith(f"model.layers.{mtp}.") and n.endswith(".weight")}
+    assert types[f"model.layers.{mtp}.mlp.experts.0.gate_proj.weight"] == "W8A8_DYNAMIC"
+    assert types[f"model.layers.{mtp}.self_attn.q_b_proj.weight"] == "W8A8_DYNAMIC"
+    for float_one in ("self_attn.kv_b_proj", "eh_proj", "mlp.gate"):
+        assert types[f"model.layers.{mtp}.{float_one}.weight"] == "FLOAT"
+    assert json.loads((out / "config.json").read_text())["mtp_quantize"] == "w8a8_dynamic"
+    assert _read("mindie", out, src) == []
+    assert run_cli(["verify", out]).code == 0
+    plain = run_cli(["quantize", "-m", src, "--bits", "8", "--dry-run", "--json"])
+    assert json.loads(plain.out)["config_keys"].get("mtp_quantize") is None, "other schemes keep MTP float"

@@ -32,6 +32,14 @@ DEFAULT_BITS8: dict[str, dict[str, str]] = {
 W4A8 = "W4A8_DYNAMIC"
 W4A8_RECIPE = {"attention": "W8A8_DYNAMIC", "dense_mlp": "W8A8_DYNAMIC", "shared_experts": "W8A8_DYNAMIC",
                "routed_experts": W4A8}
+# ... and the MTP layer's linears (its experts included) W8A8_DYNAMIC, its kv_b_proj float: MindIE reads an MTP layer
+# with `quantize`'s type once config.json has `mtp_quantize` (profiles: MINDIE.rules["mtp"])
+W4A8_MTP = "W8A8_DYNAMIC"
+
+
+def mtp_type(kind_types: dict[str, str]) -> str | None:
+    """The MTP layer's type under a recipe (None: it stays float): W8A8_DYNAMIC beside W4A8 routed experts."""
+    return W4A8_MTP if kind_types.get("routed_experts") == W4A8 else None
 
 
 def _family(family: Any) -> Any:
@@ -99,7 +107,7 @@ def kind_types(prof: EngineProfile, family: Any, qtype: str, bits_default: bool,
 def assigner(prof: EngineProfile, types: dict[str, str]) -> Callable[[Any], tuple[str | None, str | None]]:
     """For quant.plan.make_plan: TensorRole -> (type or None = the scheme's, reason when it must stay float)."""
     def assign(r: Any) -> tuple[str | None, str | None]:
-        kind = layer_kind(r)
+        kind = layer_kind(r) or ("kv_b" if r.category == Category.MTP and r.slot == "kv_b" else None)
         if kind is None:
             return None, None
         t = types.get(kind)
@@ -217,7 +225,8 @@ def region_types(prof: EngineProfile, family: Any, types: dict[str, str], kinds:
     return out
 
 
-def config_updates(prof: EngineProfile, family: Any, types: dict[str, str], kinds: dict[str, str]) -> dict[str, str]:
+def config_updates(prof: EngineProfile, family: Any, types: dict[str, str], kinds: dict[str, str],
+                   mtp_type: str | None = None) -> dict[str, str]:
     """Keys the engine needs in config.json: MindIE `quantize` (+ DeepSeek `mla_quantize` / `moe_quantize` when they
     differ from it). vLLM-Ascend needs none (and must not find quantization_config)."""
     if not prof.config_keys:
@@ -231,6 +240,8 @@ def config_updates(prof: EngineProfile, family: Any, types: dict[str, str], kind
     for key in prof.config_keys:
         if key != "quantize" and key in regions and (w4a8 or regions[key] != quantize):
             out[key] = regions[key]
+    if mtp_type is not None and "mtp_quantize" in prof.config_keys:
+        out["mtp_quantize"] = mtp_type.lower()
     return out
 
 

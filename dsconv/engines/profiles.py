@@ -78,7 +78,7 @@ MINDIE = EngineProfile(
         "MindIE-LLM atb/utils/layers/attention/process_mla_linear.py::preprocess_kv_weights")},
     description_names=("quant_model_description.json",),
     legacy_layout=True,
-    config_keys=("quantize", "mla_quantize", "moe_quantize"),
+    config_keys=("quantize", "mla_quantize", "moe_quantize", "mtp_quantize"),
     regions=_MINDIE_REGIONS,
     fallback_ok=False,
     rope_rows_packed_ok=False,
@@ -109,6 +109,10 @@ MINDIE = EngineProfile(
                      "key means per group); the MoE bias is scale_bias summed over its chunks",
                      "MindIE-LLM atb/utils/weights.py::Weights.get_multi_weights_col, get_multi_weights_row (W4A8 "
                      "branches); atb/utils/quantize/w4a8.py::W4A8LinearDynamic"),
+        "mtp": Rule("an MTP layer is read with `quantize`'s type for its experts when config.json has mtp_quantize "
+                    "(presence only), else with moe_quantize's",
+                    "MindIE-LLM atb/models/deepseekv2/modeling_deepseekv2.py (mtp_quantize); "
+                    "flash_causal_deepseekv2.py"),
         "w4a8_regions": Rule("DeepSeek W4A8: routed experts are read with moe_quantize, attention with "
                              "mla_quantize, dense MLP and shared experts with quantize; msModelSlim writes all three",
                              "MindIE-LLM atb/models/deepseek/modeling_deepseek.py::DeepseekMoE.init_experts; "

@@ -15,6 +15,7 @@ from typing import Any, Callable
 from dsconv import engines
 from dsconv.checkpoint import Checkpoint
 from dsconv.errors import UserError
+from dsconv.families.roles import Category
 from dsconv.executor import ExecOptions, make_executor
 from dsconv.io.writer import OutputDir
 from dsconv.quant.algorithms.selection import HOLD_EVERY, MIN_PROMPTS, held_out_prompts
@@ -66,7 +67,8 @@ def planned_output(ck: Any, scheme: str, engine: str | None = None) -> tuple[lis
     _check_family(ck)
     prof = engines.get(engine)
     ktypes = engines.kind_types(prof, ck.family, SCHEMES[scheme], bits_default=False)
-    plan = make_plan(ck, scheme, None, "rtn", (), assign=engines.assigner(prof, ktypes), mix_ok=prof.fallback_ok)
+    plan = make_plan(ck, scheme, None, "rtn", (), assign=engines.assigner(prof, ktypes), mix_ok=prof.fallback_ok,
+                     mtp_type=engines.mtp_type(ktypes))
     engines.check_plan(prof, ck.family, plan.linears.values())
     types = {m: lp.qtype for m, lp in plan.linears.items()}
     specs = final_specs(ck, plan, types)
@@ -101,7 +103,8 @@ def run(req: QuantRequest) -> QuantResult:
                         hint="use --scheme w8a8_dynamic, or --bits 4 (W4A16)")
     engines.check_plan(prof, family, preview)  # before any work
     plan = make_plan(ck, opts.scheme, opts.group_size, opts.method, opts.ignore, assign=engines.assigner(prof, ktypes),
-                     recipe=opts.recipe, mix_ok=prof.fallback_ok)
+                     recipe=opts.recipe, mix_ok=prof.fallback_ok,
+                     mtp_type=engines.mtp_type(ktypes))
     engines.check_plan(prof, family, plan.linears.values())
     engines.check_packing(prof, ck.family, plan.linears.values(), plan.group_size)
     check_options(opts, plan)
@@ -109,7 +112,8 @@ def run(req: QuantRequest) -> QuantResult:
         else None
     calibrate = needs_calibration(opts, plan)
     kinds = {m: engines.layer_kind(lp) for m, lp in plan.linears.items()}
-    cfg_keys = engines.config_updates(prof, family, {m: lp.qtype for m, lp in plan.linears.items()}, kinds)
+    mtp = engines.mtp_type(ktypes) if any(lp.category == Category.MTP for lp in plan.linears.values()) else None
+    cfg_keys = engines.config_updates(prof, family, {m: lp.qtype for m, lp in plan.linears.items()}, kinds, mtp)
     if req.dry_run:
         dry = rep.plan_summary(ck, plan, opts, policy, calibrate)
         dry.update(engine=prof.name, config_keys=cfg_keys, layer_types=engines.kind_table(
@@ -152,7 +156,7 @@ def run(req: QuantRequest) -> QuantResult:
         decision = rep.decide(plan, records, policy, SCHEMES[opts.fallback_to])
         desc = qw.finish(decision.types)
         desc.update(engines.description_updates(prof, desc))
-        cfg_keys = engines.config_updates(prof, family, decision.types, kinds)
+        cfg_keys = engines.config_updates(prof, family, decision.types, kinds, mtp)
         if cfg_keys:  # MindIE: the description's global type is config's `quantize` (its own exporter's rule)
             desc["model_quant_type"] = cfg_keys["quantize"].upper()
         out.write_json(qw.description_name, desc)

@@ -63,6 +63,10 @@ def region(cfg: dict, quantize: str, module: str, layer: int, model_type: str) -
         if ".self_attn." in module:
             return cfg.get("mla_quantize", quantize)
         if EXPERT_RE.match(module):
+            # the MTP layer's experts: `quantize`'s type once mtp_quantize is present (modeling_deepseekv2.py,
+            # flash_causal_deepseekv2.py: presence only)
+            if layer >= cfg.get("num_hidden_layers", layer + 1) and "mtp_quantize" in cfg:
+                return quantize
             return cfg.get("moe_quantize", quantize)
     return quantize
 

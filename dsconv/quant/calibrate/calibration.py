@@ -41,7 +41,7 @@ from dsconv.quant.calibrate.data import CalibSet
 from dsconv.quant.calibrate.forward_jobs import Forward
 from dsconv.quant.calibrate.hooks import ExpertRecorder, LinearHooks
 from dsconv.quant.calibrate.layers import Skeleton, install_forward
-from dsconv.quant.calibrate.linear import QuantizedLinear, finish_linear
+from dsconv.quant.calibrate.linear import QuantizedLinear, finish_linear, load_bias, quantize_linear
 from dsconv.quant.calibrate.smooth_layer import smooth_layer
 from dsconv.quant.calibrate.stats import InputStats, LinearRecord
 from dsconv.quant.formats.output import QuantWriter
@@ -81,11 +81,23 @@ class Calibrator:
                 for i in tqdm(range(self.ctx.sk.num_layers), desc="quantize", unit="layer",
                               disable=None if self.progress else True, leave=False):
                     self.layer(i)
+                self.beyond_layers()
         finally:
             self.jobs.close()
         self.timings["forward"] += self.fwd.forward_s
         self.timings.update(self.jobs.wall, jobs_wall=sum(self.jobs.wall.values()), forward_wall=self.fwd.wall,
                             forward_cpu=self.fwd.cpu, forward_cpu_critical=self.fwd.cpu_critical)
+
+    def beyond_layers(self) -> None:
+        """Linears past the decoder layers (DeepSeek's MTP layer under the W4A8 recipe): transformers has no module
+        to run them, so they are rounded to nearest from their weights alone, as the recipe's dynamic types allow."""
+        ctx = self.ctx
+        for lp in ctx.plan.linears.values():
+            if lp.layer is None or lp.layer < ctx.sk.num_layers:
+                continue
+            w = ctx.ck.load(lp.weight, dequantize=True)
+            out, _ = quantize_linear(ctx.plan, lp, w, None, ctx.opts, load_bias(ctx.ck, lp), staged=False)
+            self.write(out)
 
     def findings(self) -> Findings:
         """What the run found beyond the records, for quant_report.json."""

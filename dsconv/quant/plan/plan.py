@@ -137,7 +137,7 @@ def unit_of(role: Role, category: Category, layer: int | None) -> str:
 
 def make_plan(ck: Any, scheme: str, group_size: int | None = None, method: str = "rtn",
               ignore: Iterable[str] = (), assign: Callable[[Any], tuple[str | None, str | None]] | None = None,
-              recipe: str = "mixed", mix_ok: bool = True) -> QuantPlan:
+              recipe: str = "mixed", mix_ok: bool = True, mtp_type: str | None = None) -> QuantPlan:
     """Decide every tensor's fate from headers; all user errors (bad group size, odd int4 rows) surface here.
 
     `assign` (from dsconv.engines) gives a layer's type by its kind: (type or None for the scheme's, why FLOAT); where
@@ -181,7 +181,7 @@ def make_plan(ck: Any, scheme: str, group_size: int | None = None, method: str =
                             hint="the input is already quantized; quantize the original float checkpoint")
         if r.param == "weight" and r.role.quantized_by_default and len(info.shape) == 2:
             reason = None
-            if r.category == Category.MTP:
+            if r.category == Category.MTP and mtp_type is None:
                 reason = "MTP layer (kept in float)"
             else:
                 hit = next((p.pattern for p in patterns if p.search(r.module)), None)
@@ -192,6 +192,8 @@ def make_plan(ck: Any, scheme: str, group_size: int | None = None, method: str =
                 t, why = assign(r)
                 reason = why if t == FLOAT else None
                 layer_type = t if t not in (None, FLOAT) else qtype
+            if reason is None and r.category == Category.MTP:
+                layer_type = mtp_type  # the recipe's type for the MTP layer (rounded to nearest, never calibrated)
             if reason is None:  # the recipe refines a static W8A8 layer, whoever chose it
                 layer_type = planned_type(layer_type, r.role, recipe, mix_ok)
                 if layer_type == FLOAT:
