@@ -11,8 +11,8 @@ import math
 from collections import defaultdict
 from typing import Any
 
-from dsconv.families.roles import Category, Role
-from dsconv.qformat import SCALE_BIAS_CHUNKS
+from dsconv.families.roles import Category
+from dsconv.qformat import scale_bias_chunks
 from dsconv.soc import soc_facts
 from dsconv.tensors import human_bytes
 
@@ -58,7 +58,7 @@ def inspect_model(ck: Any) -> dict[str, Any]:
         else:
             other += numel
         b = _w4a8_bytes(r, tuple(info.shape), numel)
-        experts = experts or (b < numel and r.role in (Role.EXPERT_IN, Role.EXPERT_OUT))
+        experts = experts or r.category is Category.ROUTED_EXPERTS
         w4a8 += b
     report: dict[str, Any] = {
         "model_type": facts.model_type,
@@ -100,7 +100,7 @@ def _w4a8_bytes(r: Any, shape: tuple[int, ...], numel: int) -> int:
         kind = "mtp"  # the recipe's MTP layer: W8A8_DYNAMIC (engines.W4A8_MTP)
     n = shape[0]
     if kind == "routed_experts":
-        return numel // 2 + n * (8 + 4 * (SCALE_BIAS_CHUNKS if r.role.tp_dim == 1 else 1))
+        return numel // 2 + n * (8 + 4 * scale_bias_chunks(r.role.tp_dim))
     if kind in (None, "kv_b"):
         return 2 * numel
     return numel + 8 * n

@@ -94,6 +94,12 @@ def unpack_int4_by_shape(packed: np.ndarray, shape: tuple[int, int], name: str =
 SCALE_BIAS_CHUNKS = 16  # a row layer's k range cut in 16 contiguous chunks: TP degrees 1..16 each sum their own
 
 
+def scale_bias_chunks(tp_dim: int | None) -> int:
+    """A W4A8 scale_bias's columns for a linear whose TP split is `tp_dim` (families.roles.Role.tp_dim): 16 k-chunks
+    where TP splits the input dim (row layers: down_proj, o_proj, w2), else 1."""
+    return SCALE_BIAS_CHUNKS if tp_dim == 1 else 1
+
+
 def scale_bias_sums(q: np.ndarray, chunks: int) -> np.ndarray:
     """int64 ``[n, chunks]``: the sum of each output row's int4 values over ``chunks`` contiguous k ranges (1 for a
     column layer). Per row, so row blocks of a weight give the rows of the whole."""

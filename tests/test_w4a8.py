@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from dsconv.checkpoint import Checkpoint
 from dsconv.qformat import scale_bias, scale_bias_sums, unpack_int4
 from dsconv.quant.formats.msmodelslim import QuantLinear
 from dsconv.quant.evaluate.fidelity import EngineLinear
@@ -235,3 +236,32 @@ def test_deepseek_mtp_layer_follows_the_recipe(run_cli, tmp_path, method):
     assert run_cli(["verify", out]).code == 0
     plain = run_cli(["quantize", "-m", src, "--bits", "8", "--dry-run", "--json"])
     assert json.loads(plain.out)["config_keys"].get("mtp_quantize") is None, "other schemes keep MTP float"
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "mixtral"])
+def test_inspect_w4a8_bytes_equal_the_planned_output(tiny_model, family):
+    """inspect sizes the W4A8 recipe per tensor without planning; it must equal the bytes of the tensors quantize's
+    own plan would write (the DeepSeek model with its MTP layer)."""
+    import shutil
+
+    from dsconv.inspect import inspect_model
+    from dsconv.quant.stage import planned_output
+    from dsconv.tiny import add_mtp_layer
+
+    src = tiny_model(family, dtype="bf16")  # inspect counts what stays float at 16 bits, as real checkpoints are
+    if family == "deepseek_v3":
+        d = src.parent / "with-mtp"
+        if not d.exists():
+            shutil.copytree(src, d)
+            add_mtp_layer(d)
+        src = d
+    ck = Checkpoint.open(src)
+    specs, _ = planned_output(ck, "w4a8_dynamic", "vllm-ascend")
+    assert inspect_model(ck)["w4a8"]["weight_bytes"] == sum(s.nbytes for s in specs)
+
+
+def test_cli_scheme_choices_are_the_plans_schemes():
+    from dsconv.commands.quantize import SCHEME_NAMES
+    from dsconv.quant.plan.plan import SCHEMES
+
+    assert SCHEME_NAMES == list(SCHEMES)

@@ -102,9 +102,9 @@ def run(req: QuantRequest) -> QuantResult:
                         f"{prof.why_not[(engines.W4A8, 'linear')].source})",
                         hint="use --scheme w8a8_dynamic, or --bits 4 (W4A16)")
     engines.check_plan(prof, family, preview)  # before any work
+    mtp_type = engines.mtp_type(ktypes)
     plan = make_plan(ck, opts.scheme, opts.group_size, opts.method, opts.ignore, assign=engines.assigner(prof, ktypes),
-                     recipe=opts.recipe, mix_ok=prof.fallback_ok,
-                     mtp_type=engines.mtp_type(ktypes))
+                     recipe=opts.recipe, mix_ok=prof.fallback_ok, mtp_type=mtp_type)
     engines.check_plan(prof, family, plan.linears.values())
     engines.check_packing(prof, ck.family, plan.linears.values(), plan.group_size)
     check_options(opts, plan)
@@ -112,7 +112,7 @@ def run(req: QuantRequest) -> QuantResult:
         else None
     calibrate = needs_calibration(opts, plan)
     kinds = {m: engines.layer_kind(lp) for m, lp in plan.linears.items()}
-    mtp = engines.mtp_type(ktypes) if any(lp.category == Category.MTP for lp in plan.linears.values()) else None
+    mtp = mtp_type if any(lp.category == Category.MTP for lp in plan.linears.values()) else None
     cfg_keys = engines.config_updates(prof, family, {m: lp.qtype for m, lp in plan.linears.items()}, kinds, mtp)
     if req.dry_run:
         dry = rep.plan_summary(ck, plan, opts, policy, calibrate)

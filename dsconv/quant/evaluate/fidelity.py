@@ -3,7 +3,8 @@
 The quantized model is rebuilt from the output directory alone: weights dequantized from int8/int4 + scales, and
 activations quantized the way the engine does - W8A8 static layers compute `(x_q @ w_q^T + quant_bias) * deq_scale`
 from the stored input_scale/input_offset/deq_scale/quant_bias (so a wrong auxiliary shows up here), W8A8_DYNAMIC
-layers quantize each token to int8. Both models then run on the same text: perplexity of each, the change in percent,
+layers quantize each token to int8, W4A8_DYNAMIC layers run the A8W4 kernel's arithmetic with the stored scale_bias
+(`EngineLinear._w4a8`). Both models then run on the same text: perplexity of each, the change in percent,
 mean/max logits error, KL divergence and top-1 agreement.
 
 Evaluation holds both models in memory (float32): it is a tool for small models and for checking the pipeline, not

@@ -14,7 +14,8 @@ from typing import Any, Callable, Iterable
 
 from dsconv.errors import UserError
 from dsconv.families.roles import Category, Role
-from dsconv.qformat import SCALE_BIAS_CHUNKS
+from dsconv.engines import W4A8
+from dsconv.qformat import scale_bias_chunks
 from dsconv.quant.algorithms.schemes import check_group_size
 from dsconv.quant.formats.msmodelslim import FLOAT, linear_layout
 from dsconv.quant.plan.recipe import RECIPE_FLOAT_REASON, planned_type
@@ -26,7 +27,6 @@ SCHEMES = {"w8a8": "W8A8", "w8a8_dynamic": "W8A8_DYNAMIC", "w8a16": "W8A16", "w4
 DEFAULT_SCHEME = {8: "w8a8", 4: "w4a16"}
 BITS = {"W8A8": 8, "W8A8_DYNAMIC": 8, "W8A16": 8, "W4A16": 4, "W4A8_DYNAMIC": 4}
 STATIC = "W8A8"
-W4A8 = "W4A8_DYNAMIC"
 # the description's model_quant_type: most aggressive first (fewer weight bits, then static activations, then
 # dynamic, then weight-only). W4A8_DYNAMIC is not in msModelSlim's list (a mixed DeepSeek file says W8A8_DYNAMIC;
 # ascendv1.py QUANT_TYPE_PRIORITY), and engines read it that way.
@@ -72,7 +72,7 @@ class LinearPlan:
     @property
     def scale_bias_chunks(self) -> int:
         """A W4A8 scale_bias's columns: 16 k-chunks for a row-parallel layer (input split by TP), else 1."""
-        return SCALE_BIAS_CHUNKS if self.role.tp_dim == 1 else 1
+        return scale_bias_chunks(self.role.tp_dim)
 
 
 @dataclass
@@ -123,7 +123,7 @@ def _check_w4a8(module: str, role: Role, shape: tuple[int, int], group_size: int
         raise UserError(f"layer {module}: W4A8_DYNAMIC is written per channel (the description's one group_size is "
                         f"0), so it cannot share a model with --group-size {group_size}",
                         hint="drop --group-size, or give the other layers an 8-bit scheme")
-    chunks = SCALE_BIAS_CHUNKS if role.tp_dim == 1 else 1
+    chunks = scale_bias_chunks(role.tp_dim)
     if n % 2 or k % chunks:
         need = "an even number of output rows" if n % 2 else f"an input width divisible by {chunks}"
         raise UserError(f"layer {module}: W4A8_DYNAMIC needs {need} (int4 packed in row pairs, scale_bias in "
