@@ -62,6 +62,8 @@ SCHEMES: dict[str, tuple[list[str], float | str | None]] = {
                                       "--method", "gptq"], VS_RTN),
     "W4A8_DYNAMIC MoE recipe MSE": (["--bits", "4", "--scheme", "w4a8_dynamic", "--engine", "vllm-ascend",
                                      "--method", "mse"], VS_RTN),
+    # + int8 KV cache (C8): keys and values pass through the int8 cache in every attention
+    "W8A8 static + C8 KV cache (--bits 8 --kv-cache int8)": (["--bits", "8", "--kv-cache", "int8"], 2.0),
     # not in the default table: static everywhere (what an engine that reads one type per model gets)
     "W8A8 static, uniform recipe": (["--bits", "8", "--recipe", "uniform"], 2.0),
 }
@@ -71,8 +73,8 @@ KEYS = {"w8a16": "W8A16", "w8a8": "W8A8 static (--bits 8)", "w8a8_vllm": "W8A8 s
         "awq": "W4A16 g64 AWQ", "w8a16_awq": "W8A16 AWQ",
         "w8a16_gptq": "W8A16 GPTQ", "uniform": "W8A8 static, uniform recipe",
         "w4a8": "W4A8_DYNAMIC MoE recipe RTN", "w4a8_gptq": "W4A8_DYNAMIC MoE recipe GPTQ",
-        "w4a8_mse": "W4A8_DYNAMIC MoE recipe MSE"}
-DEFAULT_KEYS = ("w8a16", "w8a16_gptq", "w8a8", "w8a8_vllm", "w8a8_dynamic", "rtn", "mse", "gptq", "w4",
+        "w4a8_mse": "W4A8_DYNAMIC MoE recipe MSE", "w8a8_c8": "W8A8 static + C8 KV cache (--bits 8 --kv-cache int8)"}
+DEFAULT_KEYS = ("w8a16", "w8a16_gptq", "w8a8", "w8a8_vllm", "w8a8_dynamic", "w8a8_c8", "rtn", "mse", "gptq", "w4",
                 "w4a8", "w4a8_gptq", "w4a8_mse")
 MOE_FIXTURES = ("qwen-moe",)  # run only the W4A8 rows (the others are the dense model's own figures)
 RESULT_NAME = "fidelity"
@@ -206,7 +208,38 @@ def load_quantized(out: Path) -> tuple[Any, dict[str, int]]:
         left.remove("lm_head.weight")
     if left:
         raise RuntimeError(f"{out}: tensors missing from the output: {left[:5]}")
+    if desc.get("kv_cache_type") == "C8":
+        _int8_cache(model, desc, tensors)
     return model.eval(), counts
+
+
+def _int8_cache(model: Any, desc: dict[str, Any], tensors: dict[str, Any]) -> None:
+    """Every key and value the attention stores goes through int8 as the engines store it (vLLM-Ascend
+    attention_v1.py::_quantize_kv: clamp(round(x / scale + offset)), then (q - offset) * scale), per channel of
+    `<attn>.{k,v}_proj.kv_cache_scale` [kv_heads * head_dim]: a DynamicCache whose update rounds first."""
+    import torch
+    from transformers import DynamicCache
+
+    per_layer: dict[int, dict[str, Any]] = {}
+    for name, t in desc.items():
+        if t == "C8" and name.endswith(".kv_cache_scale"):
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            kv = name.rsplit(".", 2)[1][0]  # "k" / "v"
+            per_layer.setdefault(layer, {})[kv] = (tensors[name].float(),
+                                                   tensors[name.replace("_scale", "_offset")].float())
+
+    def through_int8(x: Any, scale: Any, offset: Any) -> Any:
+        h, d = x.shape[1], x.shape[3]
+        s, o = scale.view(1, h, 1, d), offset.view(1, h, 1, d)
+        return (torch.clamp(torch.round(x / s + o), -128, 127) - o) * s
+
+    class Int8Cache(DynamicCache):
+        def update(self, k, v, layer_idx, *args, **kwargs):
+            p = per_layer[layer_idx]
+            return super().update(through_int8(k, *p["k"]), through_int8(v, *p["v"]), layer_idx, *args, **kwargs)
+
+    plain = model.forward
+    model.forward = lambda *a, **kw: plain(*a, **{**kw, "cache": Int8Cache(config=model.config), "use_cache": True})
 
 
 def _install_expert_loops(modules: dict[str, Any], desc: dict[str, Any], tensors: dict[str, Any],
@@ -255,6 +288,10 @@ def _install_expert_loops(modules: dict[str, Any], desc: dict[str, Any], tensors
 
 
 # ------------------------------------------------------------------------------------------- runs
+class Refused(Exception):
+    """dsconv refused the combination for this model (exit 2): the row is left out, with the reason."""
+
+
 def quantize(model_dir: Path, out: Path, args: list[str]) -> tuple[float, float, dict[str, Any]]:
     """(wall seconds, CPU seconds of the child, --json summary). CPU time is the figure to compare on a shared
     machine: wall time there depends on the other jobs."""
@@ -268,6 +305,8 @@ def quantize(model_dir: Path, out: Path, args: list[str]) -> tuple[float, float,
     dt = time.perf_counter() - t
     r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    if p.returncode == 2:
+        raise Refused(p.stderr.strip().splitlines()[-1])
     if p.returncode != 0:
         raise RuntimeError(f"quantize {args} failed ({p.returncode}):\n{p.stderr[-3000:]}")
     return dt, cpu, json.loads(p.stdout)
@@ -312,7 +351,11 @@ def run_model(name: str, model_dir: Path, keys: list[str], a: argparse.Namespace
         out = work / key
         load0 = os.getloadavg()[0]
         extra = ["--calib-samples", str(a.calib_samples)] if a.calib_samples else []
-        secs, cpu, summary = quantize(model_dir, out, args + extra)
+        try:
+            secs, cpu, summary = quantize(model_dir, out, args + extra)
+        except Refused as e:
+            print(f"{name} {label:40s} refused by dsconv: {str(e)[:200]}", flush=True)
+            continue
         model, counts = load_quantized(out)
         ppl = perplexity(model, chunks)
         del model

@@ -75,6 +75,8 @@ def inspect_model(ck: Any) -> dict[str, Any]:
         "architecture": facts.as_dict(),
         "kv_cache_bytes_per_token": {"bf16": facts.kv_bytes_per_token(2), "int8": facts.kv_bytes_per_token(1)},
         "quantized": bool(ck.is_quantized),
+        # the cache this checkpoint runs with: int8 when quantized with --kv-cache int8 (description C8)
+        "kv_cache": "int8" if (getattr(ck, "quant_description", None) or {}).get("kv_cache_type") == "C8" else "bf16",
     }
     report["cards"] = cards_needed(quantizable, other, {"w4a8": w4a8} if experts and not ck.is_quantized else None)
     if not ck.is_quantized and not ck.family.quantize_refused:
@@ -167,7 +169,8 @@ def render(report: dict[str, Any]) -> str:
         geo.append(f"MTP layers {a['num_mtp_layers']}")
     lines.append("architecture: " + ", ".join(geo))
     kv = report["kv_cache_bytes_per_token"]
-    lines.append(f"KV cache per token (all layers): {kv['bf16']:,} B in BF16/FP16, {kv['int8']:,} B in INT8")
+    lines.append(f"KV cache per token (all layers): {kv['bf16']:,} B in BF16/FP16, {kv['int8']:,} B in INT8"
+                 + ("; this checkpoint's cache is INT8 (C8 scales)" if report.get("kv_cache") == "int8" else ""))
     lines.append("")
     for eng, kinds in report.get("engine_recipes", {}).items():
         lines.append(f"quantize --bits 8 --engine {eng}: " + ", ".join(f"{k} {t}" for k, t in kinds.items()))

@@ -26,6 +26,7 @@ CASES = [
     ("gptq-moe", "moe", ["--scheme", "w4a16", "--method", "gptq", "--group-size", "16", *FAST]),
     ("awq-llama", "llama", ["--scheme", "w4a16", "--method", "awq", "--group-size", "16", *FAST]),  # driver's choice
     ("fwd-bits8-llama", "llama", ["--bits", "8", *BATCHES]),
+    ("fwd-c8-llama", "llama", ["--bits", "8", "--kv-cache", "int8", *BATCHES]),  # C8 cache maxima merged from jobs
     # a fixed alpha: norms folded into the router and the experts, so the jobs need the driver's changed weights
     ("fwd-bits8-moe", "moe", ["--bits", "8", "--moe-scheme", "w8a8", "--smooth-quant", "0.5",
                               "--min-expert-tokens", "150", *BATCHES]),

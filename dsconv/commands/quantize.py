@@ -28,6 +28,10 @@ SCHEME_NAMES = ["w8a8", "w8a8_dynamic", "w8a16", "w4a16", "w4a8_dynamic"]  # qua
 @click.option("--moe-scheme", type=click.Choice(SCHEME_NAMES), default=None,
               help="Routed experts' scheme when it differs from the rest (default: --scheme, or the engine's "
                    "recipe with --bits).")
+@click.option("--kv-cache", type=click.Choice(["int8"]), default=None,
+              help="int8: C8 key/value cache, per-channel symmetric scales of the post-rope keys and values "
+                   "measured on the calibration text (GQA models; refused where the engine does not load them: "
+                   "docs/formats/kv_cache_c8.md). Default: the cache stays in the model dtype.")
 @click.option("--engine", type=click.Choice(["mindie", "vllm-ascend"]), default=None,
               help="Serving engine the output must load in (default: `engine` in dsconv.toml, else mindie). "
                    "--bits 8 takes its recipe (DeepSeek: attention static W8A8, MLP and experts W8A8_DYNAMIC, "
@@ -87,7 +91,7 @@ SCHEME_NAMES = ["w8a8", "w8a8_dynamic", "w8a16", "w4a16", "w4a8_dynamic"]  # qua
 @force_option
 @json_option
 def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: str | None, moe_scheme: str | None,
-             engine: str | None, group_size: int | None,
+             kv_cache: str | None, engine: str | None, group_size: int | None,
              method: str | None, act_method: str, smooth_alpha: str | None, fallback: int | None,
              fallback_threshold: float | None, fallback_to: str, recipe: str, ignore: tuple[str, ...],
              calib: Path | None,
@@ -123,7 +127,7 @@ def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: 
                         fallback_to=fallback_to, ignore=tuple(ignore), calib=calib, calib_samples=calib_samples,
                         seq_len=seq_len, min_expert_tokens=min_expert_tokens, all_experts=all_experts, layout=layout,
                         engine=engine, bits_default=bits_default, moe_scheme=moe_scheme,
-                        max_shard_size=max_shard_size)
+                        max_shard_size=max_shard_size, kv_cache=kv_cache)
     result = run(QuantRequest(model, output, opts, force=force, progress=not as_json, dry_run=dry_run, warn=warn,
                               execution=resolve_exec(workers, executor, ray_address)))
     if as_json:

@@ -47,7 +47,8 @@ RANKS = click.IntRange(1, MAX_WORLD)
               help="Largest accepted max/mean - 1 of weight bytes per card.")
 @click.option("--max-context", type=int, default=4096, show_default=True, help="Tokens per sequence in the KV cache.")
 @click.option("--batch", type=int, default=1, show_default=True, help="Concurrent sequences per DP group.")
-@click.option("--kv-bits", type=click.Choice(["16", "8"]), default="16", show_default=True, help="KV cache precision.")
+@click.option("--kv-bits", type=click.Choice(["16", "8"]), default=None,
+              help="KV cache precision (default: 8 for a model quantized with --kv-cache int8, else 16).")
 @click.option("--memory-fraction", type=float, default=0.8, show_default=True,
               help="Share of card memory the engine may use (MindIE NPU_MEMORY_FRACTION).")
 @click.option("--workspace-gb", type=click.FloatRange(0, 2**20), default=None,
@@ -97,7 +98,7 @@ def shard(model: Path | None, config: Path | None, ep, tp, world, nodes, cards_p
     req = ShardRequest(model=model, config=config, ep=ep, tp=tp, world=world, nodes=nodes,
                        cards_per_node=cards_per_node, expert_tp=expert_tp, dp_attention=dp_attention, soc=soc,
                        placement=placement, expert_load=expert_load, redundant=redundant, tolerance=tolerance,
-                       max_context=max_context, batch=batch, kv_bits=int(kv_bits), memory_fraction=memory_fraction,
+                       max_context=max_context, batch=batch, kv_bits=int(kv_bits) if kv_bits else None, memory_fraction=memory_fraction,
                        workspace_gb=workspace_gb, hosts=hosts, output=output, force=force,
                        max_shard_size=max_shard_size, dry_run=dry_run, plot=plot, engine=engine, format=fmt,
                        execution=resolve_exec(workers, executor, ray_address), source=source)

@@ -195,6 +195,29 @@ def check_packing(prof: EngineProfile, family: Any, linears: Iterable[Any], grou
                                  "or keep these float with --ignore 'q_b_proj|kv_a_proj_with_mqa'")
 
 
+def check_kv_cache(prof: EngineProfile, family: Any, model_type: str, plan: Any) -> None:
+    """UserError (exit 2) for C8 cache scales (--kv-cache int8) the engine would not load, or not use, for this
+    model type (Family.kv_c8_engines), linear types and model dtype (profiles: kv_c8_* and rules["kv_c8"])."""
+    if not plan.kv:
+        return
+    rule = prof.rules["kv_c8"]
+    why = f"{prof.label}: {rule.text} ({rule.source})"
+    loads = {name for name, types in family.kv_c8_engines.items() if model_type in types}
+    others = [p.name for p in ENGINES.values() if p is not prof and p.name in loads]
+    if prof.name not in loads:
+        raise UserError(f"--engine {prof.name}: --kv-cache int8 is not loaded for {model_type} models: {why}",
+                        hint=f"drop --kv-cache{', or use --engine ' + ' / '.join(others) if others else ''}")
+    if plan.model_dtype not in prof.kv_c8_dtypes:
+        raise UserError(f"--engine {prof.name}: --kv-cache int8 needs fp16 or bf16 weights, the model is "
+                        f"{plan.model_dtype.lower()}: {why}", hint="convert the checkpoint to bf16 first")
+    allowed = prof.kv_c8_linear_types
+    bad = sorted({lp.qtype for lp in plan.linears.values()} - (allowed or set()) - {FLOAT}) if allowed else []
+    if bad:
+        raise UserError(f"--engine {prof.name}: --kv-cache int8 pairs with {' / '.join(sorted(allowed))} linears, "
+                        f"this plan has {', '.join(bad)}: {why}",
+                        hint=f"use --scheme {' or '.join(t.lower() for t in sorted(allowed))} (or --bits 8)")
+
+
 def check_layout(prof: EngineProfile, layout: str) -> None:
     if layout == "mindie" and not prof.legacy_layout:
         raise UserError(f"--layout mindie: {prof.label} reads only quant_model_description.json "

@@ -45,6 +45,10 @@ class EngineProfile:
     rope_rows_packed_ok: bool = True                 # may rows the loader permutes for rope be int4-packed along n?
     # the types shared experts may have beside W4A8 routed experts (None: any the engine loads)
     w4a8_shared_types: frozenset[str] | None = None
+    # C8 KV cache (--kv-cache int8): the linear types and model dtypes the engine pairs it with (None: any it loads;
+    # which model types: Family.kv_c8_engines); rules["kv_c8"] says why
+    kv_c8_linear_types: frozenset[str] | None = None
+    kv_c8_dtypes: frozenset[str] = frozenset({"BF16", "F16"})
     rules: Mapping[str, Rule] = field(default_factory=dict)
 
     def layer_type(self, kind: str) -> str:
@@ -82,7 +86,17 @@ MINDIE = EngineProfile(
     regions=_MINDIE_REGIONS,
     fallback_ok=False,
     rope_rows_packed_ok=False,
+    kv_c8_linear_types=frozenset({"W8A8", "W8A16"}),
     rules={
+        "kv_c8": Rule("C8 scales are read by KvCache.load as <attn>.k_proj/v_proj.kv_cache_scale/_offset, per "
+                      "channel, sharded per KV head, the offset's float bits taken as int8 (so zero); switched on by "
+                      "kv_quant_type C8 (the description's globals are merged into quantization_config); only "
+                      "Llama and Qwen2/Qwen3 (dense) wire them into the attention (the MoE models load no cache "
+                      "scales); documented with W8A8 and W8A16 only (not with W4A8), fp16 or bf16 weights",
+                      "MindIE-LLM atb/utils/layers/attention/kv_cache.py::KvCache.load; atb/models/base/config.py::"
+                      "QuantizationConfig; atb/models/base/router.py::BaseRouter.config; atb/models/qwen2/"
+                      "flash_causal_qwen2.py, llama/flash_causal_llama.py (register_layer_kvquant); its user "
+                      "guide's feature pages KV Cache int8 and W8A16"),
         "quantize": Rule("config.json `quantize` (lower case) selects the loader branch; without it int8 weights "
                          "are not read as quantized",
                          "MindIE-LLM atb/models/base/router.py::BaseRouter.config; atb/utils/layers/linear/"
@@ -151,6 +165,15 @@ VLLM_ASCEND = EngineProfile(
     moe_type_key=True,
     w4a8_shared_types=frozenset({"W8A8_DYNAMIC", FLOAT}),
     rules={
+        "kv_c8": Rule("C8 scales are mapped to attn.k_cache_scale/_offset, attn.v_cache_scale/_offset (a [1] "
+                      "parameter in the model dtype, replaced by the loaded per-channel tensor) only by the model "
+                      "classes its patch routes through get_cache_scale - Qwen3ForCausalLM among dsconv's families; "
+                      "elsewhere the names reach the model's own loader: KeyError for Llama and Qwen2 "
+                      "(qkv_proj.kv_cache_offset), and Qwen3-MoE loads with the scales left unset (make "
+                      "engine-check)",
+                      "vllm-ascend vllm_ascend/patch/worker/patch_gqa_c8.py; vllm_ascend/quantization/"
+                      "modelslim_config.py::get_cache_scale, is_c8_quant_layer; quantization/methods/kv_c8.py::"
+                      "AscendC8KVCacheAttentionMethod"),
         "description": Rule("only quant_model_description.json; a quantization_config in config.json replaces it",
                             "vllm-ascend vllm_ascend/quantization/modelslim_config.py::AscendModelSlimConfig."
                             "maybe_update_config"),

@@ -184,6 +184,9 @@ class Family:
     #: engine -> (rule, source) of an offline-sharded layout the engine's loader reads for this family; every
     #: other engine shards the family itself at load time
     offline_sharded: dict[str, tuple[str, str]] = {}
+    #: engine -> the model types of this family whose loader reads C8 KV-cache scales into the attention
+    #: (`quantize --kv-cache int8`; engines/profiles.py rules["kv_c8"] says where it was read)
+    kv_c8_engines: dict[str, tuple[str, ...]] = {}
     #: MindIE service config: the model section under `models` that sets its expert-parallel level (None: none)
     mindie_ep_section: str | None = None
     #: std of the seeded tiny model's router weights (dsconv.tiny): wide enough that routing varies by input

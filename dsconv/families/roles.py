@@ -59,7 +59,7 @@ class Category(str, Enum):
 # Parameter names a module can carry; quantization auxiliaries follow the weight they belong to.
 WEIGHT_PARAMS = ("weight", "bias")
 AUX_PARAMS = ("weight_scale_inv", "weight_scale", "weight_offset", "input_scale", "input_offset", "deq_scale",
-              "quant_bias", "scale_bias")
+              "quant_bias", "scale_bias", "kv_cache_scale", "kv_cache_offset")
 OTHER_PARAMS = ("e_score_correction_bias",)
 ALL_PARAMS = WEIGHT_PARAMS + AUX_PARAMS + OTHER_PARAMS
 

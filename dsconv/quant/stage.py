@@ -104,8 +104,9 @@ def run(req: QuantRequest) -> QuantResult:
     engines.check_plan(prof, family, preview)  # before any work
     mtp_type = engines.mtp_type(ktypes)
     plan = make_plan(ck, opts.scheme, opts.group_size, opts.method, opts.ignore, assign=engines.assigner(prof, ktypes),
-                     recipe=opts.recipe, mix_ok=prof.fallback_ok, mtp_type=mtp_type)
+                     recipe=opts.recipe, mix_ok=prof.fallback_ok, mtp_type=mtp_type, kv_cache=opts.kv_cache)
     engines.check_plan(prof, family, plan.linears.values())
+    engines.check_kv_cache(prof, family, ck.config.get("model_type", ""), plan)
     engines.check_packing(prof, ck.family, plan.linears.values(), plan.group_size)
     check_options(opts, plan)
     policy = fallback_policy(opts, plan) if engines.check_fallback(prof, opts.fallback, opts.fallback_threshold) \

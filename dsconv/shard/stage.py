@@ -32,7 +32,7 @@ class ShardRequest:
     tolerance: float = 0.02
     max_context: int = 4096
     batch: int = 1
-    kv_bits: int = 16
+    kv_bits: int | None = None  # None: 8 for a checkpoint quantized with a C8 (int8) KV cache, else 16
     memory_fraction: float = 0.8
     workspace_gb: float | None = None
     hosts: Path | None = None
@@ -82,6 +82,15 @@ def _check_range(name: str, value: float, lo: float, hi: float | None = None) ->
         raise UserError(f"{name} {value} is out of range", hint=f"use a value in [{lo}, {hi if hi else 'inf'}]")
 
 
+def kv_bits_of(src: Any, asked: int | None) -> int:
+    """The KV cache's bits: as asked, else 8 when the input was quantized with `--kv-cache int8` (its description
+    says kv_cache_type C8: the engines then allocate an int8 cache), else 16."""
+    if asked is not None:
+        return asked
+    desc = getattr(src, "quant_description", None) or {}
+    return 8 if desc.get("kv_cache_type") == "C8" or desc.get("kv_quant_type") == "C8" else 16
+
+
 def run(req: ShardRequest) -> ShardResult:
     """Plan (and unless --dry-run, write) the shards; a rejected plan comes back with `failure` set (exit 3)."""
     from dsconv.checkpoint import open_input
@@ -101,7 +110,7 @@ def run(req: ShardRequest) -> ShardResult:
     _check_range("--redundant-experts", req.redundant, 0)
     if req.workspace_gb is not None:
         _check_range("--workspace-gb", req.workspace_gb, 0.0, 2.0**20)
-    if req.kv_bits not in (8, 16):
+    if req.kv_bits not in (None, 8, 16):
         raise UserError(f"--kv-bits {req.kv_bits} is not supported", hint="use 16 (BF16/FP16 cache) or 8 (int8 C8)")
     with gc_paused():  # ~0.5 M small acyclic objects (header listing, plans): no collection walks them
         max_shard = parse_size(req.max_shard_size)
@@ -139,7 +148,7 @@ def run(req: ShardRequest) -> ShardResult:
                             "GiB); pass the exact chip for another memory size")
         fit = memory.FitSettings(soc=profile.soc_version, card_bytes=profile.usable_memory_mb * 2**20,
                                  fraction=req.memory_fraction, max_context=req.max_context, batch=req.batch,
-                                 kv_bytes=req.kv_bits // 8,
+                                 kv_bytes=kv_bits_of(src, req.kv_bits) // 8,
                                  workspace_bytes=None if req.workspace_gb is None else int(req.workspace_gb * 2**30))
         load = None
         expert_load = req.expert_load

@@ -33,6 +33,7 @@ SCHEMES = {
     "w4a16": ["--scheme", "w4a16", "--group-size", "16"],
     "w4a16_pc": ["--scheme", "w4a16", "--group-size", "0"],
     "w4a8": ["--bits", "4", "--scheme", "w4a8_dynamic"],
+    "bits8_c8": ["--bits", "8", "--kv-cache", "int8"],
 }
 FAST = ["--calib-samples", "4", "--seq-len", "32"]
 
@@ -160,12 +161,15 @@ def run_matrix(root: Path, only: str | None) -> tuple[list[dict], list[str]]:
 # Controls: copies of one loadable output, each broken in one way the check must catch (else it proves nothing).
 CONTROL_OF = "llama-bits8-bf16-per-expert"
 W4A8_CONTROL_OF = "qwen3_moe-w4a8-bf16-per-expert"
+C8_CONTROL_OF = "qwen3-bits8_c8-bf16-per-expert"
 CONTROLS = {
     "drop-weight-scale": "unfilled",      # a dynamic layer's weight_scale removed: its parameter stays unfilled
     "rename-tensor": "unmapped",          # a weight under a name the model has no parameter for (or a refusal)
     "scale-off-grid": "lossy",            # an input_scale the model dtype cannot hold: the engine would round it
     "w4a8-drop-scale-bias": "unfilled",   # a W4A8 expert's scale_bias removed: w2_scale_bias keeps the sentinel
+    "c8-drop-cache-scale": "unfilled",    # a layer's v_proj.kv_cache_scale removed: attn.v_cache_scale keeps it
 }
+CONTROL_BASE = {"w4a8": W4A8_CONTROL_OF, "c8": C8_CONTROL_OF}
 
 
 def make_controls(written: dict[str, Path], root: Path) -> list[Path]:
@@ -177,7 +181,7 @@ def make_controls(written: dict[str, Path], root: Path) -> list[Path]:
 
     out = []
     for name in CONTROLS:
-        base = written.get(W4A8_CONTROL_OF if name.startswith("w4a8") else CONTROL_OF)
+        base = written.get(CONTROL_BASE.get(name.split("-")[0], CONTROL_OF))
         if base is None:
             continue
         d = root / f"control-{name}"
@@ -189,6 +193,8 @@ def make_controls(written: dict[str, Path], root: Path) -> list[Path]:
             del t[next(k for k in sorted(t) if k.endswith("down_proj.weight_scale"))]
         elif name == "w4a8-drop-scale-bias":
             del t[next(k for k in sorted(t) if k.endswith("experts.1.down_proj.scale_bias"))]
+        elif name == "c8-drop-cache-scale":
+            del t[next(k for k in sorted(t) if k.endswith("layers.1.self_attn.v_proj.kv_cache_scale"))]
         elif name == "rename-tensor":
             k = next(k for k in sorted(t) if k.endswith("o_proj.weight"))
             t[k.replace("o_proj", "oo_proj")] = t.pop(k)

@@ -48,6 +48,11 @@ STACK_ORDER = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gat
 EXPERT_RE = re.compile(r"^(?P<moe>.+\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.(?P<param>\w+)$")
 EXPERT_SLOT = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1),
                "down_proj": ("w2", None), "w2": ("w2", None)}
+# C8 KV-cache scales: checkpoint suffix -> the attention layer's parameter (restated from vllm-ascend
+# quantization/modelslim_config.py::AscendModelSlimConfig.get_cache_scale, which only the model classes patched by
+# patch/worker/patch_gqa_c8.py call: elsewhere the names reach the model's own loader, and the check shows what follows)
+C8_SCALES = {"k_proj.kv_cache_scale": "attn.k_cache_scale", "k_proj.kv_cache_offset": "attn.k_cache_offset",
+             "v_proj.kv_cache_scale": "attn.v_cache_scale", "v_proj.kv_cache_offset": "attn.v_cache_offset"}
 # per-tensor parameters of a fused layer hold one value for all its shards (vLLM-Ascend W8A8 static:
 # get_pertensor_param creates input_scale/input_offset of shape [1])
 PER_TENSOR = ("input_scale", "input_offset")
@@ -169,6 +174,10 @@ def _destination(name: str, ck: dict[str, torch.Tensor], params: dict) -> tuple[
         return pname, (e, slice(half * rows, (half + 1) * rows))
     module, _, param = name.rpartition(".")
     parent, _, leaf = module.rpartition(".")
+    c8 = C8_SCALES.get(f"{leaf}.{param}")
+    if c8 is not None:
+        pname = f"{parent}.{c8}"
+        return (pname, ()) if pname in params else None
     if leaf in STACKED:
         fused, idx = STACKED[leaf]
         pname = f"{parent}.{fused}.{param}"

@@ -74,3 +74,43 @@ def linear_modules(route: dict) -> dict[str, int]:
             continue
         out[module] = int(m.group(2))
     return out
+
+
+C8_RE = re.compile(r"^(model\.layers\.(\d+)\.self_attn)\.([kv])_proj\.kv_cache_(scale|offset)$")
+
+
+def c8_tensors(route: dict) -> dict[int, dict[str, str]]:
+    """layer -> {"k_scale": name, ...} of the C8 cache tensors on disk (`<attn>.k_proj.kv_cache_scale` etc.)."""
+    out: dict[int, dict[str, str]] = {}
+    for name in route:
+        m = C8_RE.match(name)
+        if m:
+            out.setdefault(int(m.group(2)), {})[f"{m.group(3)}_{m.group(4)}"] = name
+    return out
+
+
+def c8_problems(route: dict, layers: dict[int, dict[str, str]], widths: dict[str, int], model_dtype: str,
+                rule: str, p: Problems) -> None:
+    """What both engines need of a layer's four C8 tensors: all present, one value per cached channel (the k/v
+    projection's rows), float, the scale exact in the model dtype (both hold it there), the offset zero (vLLM-Ascend
+    adds it as a float; MindIE takes its float bits as an int8)."""
+    import torch
+
+    want = {"BF16": torch.bfloat16, "F16": torch.float16}.get(model_dtype)
+    for layer, got in sorted(layers.items()):
+        for part in ("k_scale", "k_offset", "v_scale", "v_offset"):
+            name = got.get(part)
+            if name is None:
+                p.add(rule, f"layer {layer}: no {part.replace('_', '_proj.kv_cache_')}")
+                continue
+            _, dtype, shape = route[name]
+            width = widths.get(name.rsplit(".", 1)[0])
+            if dtype not in FLOAT_DTYPES or shape != (width,):
+                p.add(rule, f"{name}: {dtype}{list(shape)}, needs a float [{width}] (one per cached channel)")
+                continue
+            t = torch.from_numpy(tensor(route, name))
+            if part.endswith("offset") and bool((t != 0).any()):
+                p.add(rule, f"{name}: nonzero offsets (symmetric C8 only)")
+            if part.endswith("scale") and (bool((t <= 0).any()) or want is not None
+                                           and not torch.equal(t.to(want).float(), t.float())):
+                p.add(rule, f"{name}: scales must be positive and exact in {model_dtype}")

@@ -18,6 +18,7 @@ SCHEMES = {
     "w4a16": dict(scheme="w4a16", group_size=16, method="rtn"),  # 16 divides every tiny width (48 included)
     "w4a16_pc": dict(scheme="w4a16", group_size=0, method="rtn"),
     "w4a8": dict(scheme="w4a8_dynamic", method="rtn"),
+    "bits8_c8": dict(scheme="w8a8", bits_default=True, kv_cache="int8"),  # the recipe + int8 KV cache
 }
 FAST = dict(calib_samples=4, seq_len=32)
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.engine_contract.common import (EXPERT_RE, FLOAT_DTYPES, Problems, linear_modules, read_json, routing,
-                                          tensor)
+from tests.engine_contract.common import (EXPERT_RE, FLOAT_DTYPES, Problems, c8_problems, c8_tensors,
+                                          linear_modules, read_json, routing, tensor)
 
 # atb/utils/quantize/quant_type.py::QuantType (lower-case values of config.json `quantize`)
 QUANT_TYPES = ("float", "w4a16", "w8a8", "w8a16", "w8a8s", "w8a8sc", "w8a8_dynamic", "w8a8_pdmix", "w4a8_dynamic",
@@ -204,9 +204,49 @@ def read(d: Path, src_shapes: dict[str, tuple[int, ...]], model_dtype: str, mode
                     and group_size > 0 and version != "0.0.0":
                 p.add("preprocess_linear_for_rope", f"{module}: W4A16 per group is packed along n; the rope-row "
                                                     "permutation would move half-rows")
+    kv_cache(cfg, desc, route, src_shapes, model_dtype, model_type, types, p)
     config_keys(cfg, model_type, p)
     scales_in_model_dtype(route, model_dtype, p)
     return p
+
+
+# model types whose flash_causal model registers the C8 cache (register_layer_kvquant: atb/models/llama/
+# flash_causal_llama.py, atb/models/qwen2/flash_causal_qwen2.py, which Qwen3 routes to); the MoE models (qwen2_moe,
+# which Qwen3-MoE routes to; mixtral) load no cache scales, DeepSeek none at all
+C8_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# MindIE-LLM's user guide, feature pages "KV Cache int8" (only with W8A8) and "W8A16" (combines with KV cache int8)
+C8_LINEAR_TYPES = ("W8A8", "W8A16", "FLOAT")
+
+
+def kv_cache(cfg: dict, desc: dict, route: dict, src_shapes: dict, model_dtype: str, model_type: str,
+             types: dict[str, str | None], p: Problems) -> None:
+    """C8: atb/models/base/router.py::BaseRouter.config merges the description's globals into config.json's
+    quantization_config (the description wins); atb/models/base/config.py::QuantizationConfig takes kv_quant_type
+    ("only supported for type C8"); then every attention layer calls atb/utils/layers/attention/kv_cache.py::
+    KvCache.load(<attn>.k_proj, <attn>.v_proj): get_sharded of the four tensors (missing -> error), cast to the model
+    dtype (weights.py::correct_tensor_dtype), the offset's float32 bits read as int32 then int8; fp16/bf16 only."""
+    kvq = desc.get("kv_quant_type", (cfg.get("quantization_config") or {}).get("kv_quant_type"))
+    layers = c8_tensors(route)
+    if kvq is None:
+        if layers:
+            p.add("QuantizationConfig", "C8 cache tensors but no kv_quant_type: the cache stays float, scales unread")
+        return
+    if kvq != "C8":
+        p.add("QuantizationConfig", f"kv_quant_type={kvq!r} ('only supported for type C8')")
+        return
+    if model_type not in C8_MODEL_TYPES:
+        p.add("register_layer_kvquant", f"{model_type}: its model does not wire C8 cache scales into attention")
+    if model_dtype not in ("F16", "BF16"):
+        p.add("KvCache.__init__", f"model dtype {model_dtype}: 'The weight type must be FP16 or BF16.'")
+    bad = sorted({t for t in types.values() if t not in C8_LINEAR_TYPES and t is not None})
+    if bad:
+        p.add("user guide: KV Cache int8", f"C8 beside {', '.join(bad)} linears (documented with W8A8 / W8A16 only)")
+    attn_layers = {layer for m, layer in linear_modules(route).items() if m.endswith("self_attn.k_proj")}
+    for layer in sorted(attn_layers - set(layers)):
+        p.add("KvCache.load", f"layer {layer}: no kv_cache_scale/offset for its k_proj/v_proj (get_sharded fails)")
+    widths = {m: src_shapes[m + ".weight"][0] for m in (n.rsplit(".", 1)[0] for l in layers.values()
+                                                        for n in l.values())}
+    c8_problems(route, layers, widths, model_dtype, "KvCache.load", p)
 
 
 def config_keys(cfg: dict, model_type: str, p: Problems) -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.engine_contract.common import (EXPERT_RE, FLOAT_DTYPES, Problems, linear_modules, read_json, routing,
-                                          tensor)
+from tests.engine_contract.common import (EXPERT_RE, FLOAT_DTYPES, Problems, c8_problems, c8_tensors,
+                                          linear_modules, read_json, routing, tensor)
 
 # va/quantization/methods/* @register_scheme, A2/A3 registry (docs/engine_rules.md C.3)
 REGISTRY = {"linear": {"W8A8", "W8A8_DYNAMIC", "W8A16", "W8A8_MIX", "W4A4_DYNAMIC"},
@@ -18,6 +18,10 @@ PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
           "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")}
 EXPERT_SLOTS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 DESCRIPTION = "quant_model_description.json"
+# va/patch/worker/patch_gqa_c8.py: the model classes whose load_weights maps C8 scale names through
+# AscendModelSlimConfig.get_cache_scale (Qwen3ForCausalLM, Glm4MoeForCausalLM, MiniMaxM2ForCausalLM)
+C8_MODEL_TYPES = ("qwen3", "glm4_moe", "minimax_m2")
+C8_PARAMS = ("kv_cache_scale", "kv_cache_offset")
 
 
 def description_file(d: Path, cfg: dict, p: Problems) -> dict | None:
@@ -95,9 +99,36 @@ def layer_tensors(route: dict, module: str, qtype: str, n: int, k: int, model_dt
         if dt not in dtypes or sh != shape:
             p.add("get_weight", f"{name}: {dt}{list(sh)}, {qtype} needs {'/'.join(dtypes)}{list(shape)}")
     for name in route:
-        if name.startswith(module + ".") and name.rsplit(".", 1)[1] not in want and name.rsplit(".", 1)[1] != "bias" \
-                and name.count(".") == module.count(".") + 1:
+        if name.startswith(module + ".") and name.rsplit(".", 1)[1] not in (*want, "bias", *C8_PARAMS) \
+                and name.count(".") == module.count(".") + 1:  # C8 cache tensors: checked by kv_cache()
             p.add("load_weights", f"{name}: no {qtype} parameter takes it")
+
+
+def kv_cache(desc: dict, route: dict, src_shapes: dict, model_dtype: str, model_type: str, p: Problems) -> None:
+    """C8 cache scales. va/quantization/modelslim_config.py::_add_kvcache_quant_metadata: C8 is on iff the
+    description says kv_cache_type C8, for the layers with a key containing `k_proj.kv_cache_scale`
+    (is_c8_quant_layer: their attention gets methods/kv_c8.py::AscendC8KVCacheAttentionMethod, whose [1] parameters
+    _c8_kv_scale_weight_loader replaces with the loaded tensor). Only the model classes of patch_gqa_c8.py map the
+    names (get_cache_scale -> attn.k_cache_scale ...): elsewhere they reach the model's loader (Llama, Qwen2:
+    KeyError on qkv_proj.kv_cache_offset; Qwen3-MoE: dropped, the parameters keep their initial values)."""
+    layers = c8_tensors(route)
+    on = desc.get("kv_cache_type") == "C8"
+    if not layers:
+        if on:
+            p.add("_add_kvcache_quant_metadata", "kv_cache_type C8 but no k_proj.kv_cache_scale: no layer is C8")
+        return
+    if not on:
+        p.add("load_weights", "C8 cache tensors without kv_cache_type C8: they reach the model loader unmapped")
+        return
+    if model_type not in C8_MODEL_TYPES:
+        p.add("patch_gqa_c8", f"{model_type}: its loader does not map k_proj.kv_cache_scale to attn.k_cache_scale")
+    for layer in layers.values():
+        for name in layer.values():
+            if desc.get(name) is None:
+                p.add("_add_kvcache_quant_metadata", f"{name} is not in the description (its layer is not C8)")
+    widths = {m: src_shapes[m + ".weight"][0] for m in (n.rsplit(".", 1)[0] for l in layers.values()
+                                                        for n in l.values())}
+    c8_problems(route, layers, widths, model_dtype, "_c8_kv_scale_weight_loader", p)
 
 
 def read(d: Path, src_shapes: dict[str, tuple[int, ...]], model_dtype: str, model_type: str) -> Problems:
@@ -109,6 +140,7 @@ def read(d: Path, src_shapes: dict[str, tuple[int, ...]], model_dtype: str, mode
     if desc is None:
         return p
     global_keys(desc, p)
+    kv_cache(desc, route, src_shapes, model_dtype, model_type, p)
     # methods/w4a8.py::AscendW4A8DynamicFusedMoEMethod.__init__: per channel iff group_size == 0 (the default is
     # 256, per group: its *_second params would stay unfilled), packed iff version "1.0.0"; and
     # AscendW4A8DynamicLinearMethod.get_pergroup_param divides by group_size: no W4A8 linear in a per-channel file

@@ -111,15 +111,16 @@ class LayerActivations:
 
 
 def forward_batch(sk: Skeleton, acts: LayerActivations, layer: nn.Module, samples: list[int], write: bool,
-                  recorder: ExpertRecorder | None = None) -> None:
+                  recorder: ExpertRecorder | None = None, cache: Any = None) -> None:
     """One batch through the layer in this process, its real rows set for the hooks; with `write`, its outputs
-    replace its rows of `acts.h` (the next layer's input)."""
+    replace its rows of `acts.h` (the next layer's input); `cache` (kv_cache.KVCacheStats) sees what the
+    attention would cache."""
     x, idx, mask = acts.batch(samples)
     acts.rows.set(mask)
     acts.rows.held = None if acts.held_tokens is None else acts.held_tokens[idx[mask]]
     if recorder is not None:
         recorder.flat_index = idx.reshape(-1)
-    y = layer(x, **sk.layer_inputs(x, layer))
+    y = layer(x, **sk.layer_inputs(x, layer, cache))
     y = y[0] if isinstance(y, tuple) else y
     if write:
         acts.h[idx[mask]] = y[mask]

@@ -105,12 +105,13 @@ class Skeleton:
     def release(self, i: int) -> None:
         self.layers[i].to("meta")
 
-    def layer_inputs(self, x: torch.Tensor, layer: nn.Module | None = None) -> dict[str, Any]:
+    def layer_inputs(self, x: torch.Tensor, layer: nn.Module | None = None, cache: Any = None) -> dict[str, Any]:
         """Keyword arguments of a decoder layer for a right-padded batch [B, L, H]: positions from 0, causal mask.
 
         Right padding never reaches a real token under a causal mask, so padded batches compute real tokens exactly
         as unpadded ones. Where config.layer_types marks `layer` as sliding, its mask is the sliding-window one, and
-        a rotary with per-type tables (Gemma 3: local and global bases) gives that type's cos/sin."""
+        a rotary with per-type tables (Gemma 3: local and global bases) gives that type's cos/sin. A `cache` is
+        passed on as the layer's (its attention hands it the states it would cache: calibrate/kv_cache.py)."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         B, L = x.shape[:2]
@@ -120,7 +121,10 @@ class Skeleton:
         make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
         mask = make(config=self.config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=pos)
         rope = self.rotary(x, pos, kind) if self._rope_by_type else self.rotary(x, pos)
-        return {"attention_mask": mask, "position_ids": pos, "position_embeddings": rope}
+        inputs = {"attention_mask": mask, "position_ids": pos, "position_embeddings": rope}
+        if cache is not None:
+            inputs["cache"] = cache
+        return inputs
 
 
 def load_full_model(ck: Any, dtype: torch.dtype = torch.float32,

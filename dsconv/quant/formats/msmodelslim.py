@@ -56,6 +56,10 @@ STAGED = "W8A8_STAGED"
 STAGED_COMPONENTS: tuple[Component, ...] = (
     ("weight", "I8", ("n", "k")), ("weight_scale", "F32", ("n", 1)), ("input_scale", "F32", (1,)),
     ("input_offset", "F32", (1,)), ("deq_scale", "F32", ("n",)), ("quant_bias", "I32", ("n",)))
+# KV-cache int8 (C8, docs/formats/kv_cache_c8.md): beside an attention layer's k and v projections P, one value per
+# cached channel (n: P's output rows), typed C8 in the description; scales absmax/127, offsets zero
+C8 = "C8"
+KV_CACHE_LAYOUT: tuple[Component, ...] = (("kv_cache_scale", "F32", ("n",)), ("kv_cache_offset", "F32", ("n",)))
 TYPES = (FLOAT, *LAYOUT)
 LINEAR_AUX = tuple(dict.fromkeys(s for comps in LAYOUT.values() for s, _, _ in comps if s != "weight"))
 
@@ -259,9 +263,12 @@ def check_description(desc: dict[str, Any], tensors: dict[str, tuple[str, tuple[
         if key not in desc:
             problems.append(f"description lacks the global key {key}")
     types = description_types(desc)
+    cache_params = tuple(s for s, _, _ in KV_CACHE_LAYOUT)
     for name, t in types.items():
-        if t not in TYPES:
-            problems.append(f"{name}: unknown type {t!r}")
+        if (t == C8) != name.endswith(cache_params) or t not in (*TYPES, C8):
+            problems.append(f"{name}: unknown type {t!r}" if t not in (*TYPES, C8) else
+                            f"{name}: type {t!r}, but C8 is the type of the KV-cache tensors ({', '.join(cache_params)}) "
+                            "and of nothing else")
         if name not in tensors:
             problems.append(f"{name}: in the description but not in the weights")
     for name in tensors:

@@ -19,6 +19,7 @@ import torch
 from dsconv.io.passthrough import copy_tensor
 from dsconv.io.writer import OutputDir, TensorSetWriter
 from dsconv.quant.formats.msmodelslim import DESCRIPTION_VERSION, FLOAT, STAGED, LinearResult, emit_linear, layout_names
+from dsconv.quant.plan.kv_cache import GLOBALS as KV_GLOBALS, kv_types
 from dsconv.quant.plan.plan import STATIC, LinearPlan, QuantPlan, float_spec, linear_specs, model_quant_type
 from dsconv.tensors import TensorSpec, torch_dtype
 
@@ -29,6 +30,7 @@ def final_specs(ck: Any, plan: QuantPlan, types: dict[str, str]) -> list[TensorS
     """Every output tensor in checkpoint order (a linear's tensors at its weight's place)."""
     out: list[TensorSpec] = []
     weights = {lp.weight: lp for lp in plan.linears.values()}
+    kv_after = {kv.v_module + ".weight": kv for kv in plan.kv.values()}  # C8 scales follow their layer's v_proj
     for name in ck.names():
         lp = weights.get(name)
         if lp is not None:
@@ -36,6 +38,8 @@ def final_specs(ck: Any, plan: QuantPlan, types: dict[str, str]) -> list[TensorS
             out += linear_specs(lp, types[lp.module], plan, bias_dtype)
         elif name in plan.floats:
             out.append(float_spec(plan.floats[name]))
+        if name in kv_after:
+            out += kv_after[name].specs()
     return out
 
 
@@ -46,9 +50,12 @@ def description(plan: QuantPlan, types: dict[str, str], specs: list[TensorSpec])
         owner[lp.module] = types[lp.module]
     desc: dict[str, Any] = {"model_quant_type": model_quant_type(types.values()), "version": DESCRIPTION_VERSION,
                             "group_size": plan.group_size if any(t == "W4A16" for t in types.values()) else 0}
+    c8 = kv_types(plan.kv)
+    if c8:
+        desc.update(KV_GLOBALS)
     for spec in specs:
         module, _, _ = spec.name.rpartition(".")
-        desc[spec.name] = owner.get(module, FLOAT) if spec.name not in plan.floats else FLOAT
+        desc[spec.name] = c8.get(spec.name) or (owner.get(module, FLOAT) if spec.name not in plan.floats else FLOAT)
     return desc
 
 
@@ -76,6 +83,7 @@ class QuantWriter:
         self.ts: TensorSetWriter | None = None
         self.files: list[str] = []
         self.types: dict[str, str] = {}
+        self._kv: dict[str, torch.Tensor] = {}  # C8 scales kept until the final set is open (staged runs)
         if not staged:
             self._open_final({m: lp.qtype for m, lp in plan.linears.items()})
 
@@ -139,6 +147,18 @@ class QuantWriter:
         self.ts.write(name, t)
         self.written.add(name)
 
+    def kv_cache(self, tensors: dict[str, torch.Tensor]) -> None:
+        """A layer's C8 scales and offsets (float32, a few KiB): written now, or at `finish` when staged."""
+        if self.staged:
+            self._kv.update(tensors)
+            return
+        self._write_kv(tensors)
+
+    def _write_kv(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, t in tensors.items():
+            self.ts.write(name, t)
+            self.written.add(name)
+
     # ---- end ----------------------------------------------------------------------------------------------------
     def finish(self, types: dict[str, str] | None = None) -> dict[str, Any]:
         """Write whatever is not written yet (staged layers, untouched floats); return the description."""
@@ -148,11 +168,12 @@ class QuantWriter:
             self._open_final(types or {m: lp.qtype for m, lp in self.plan.linears.items()})
             self._assemble()
             shutil.rmtree(self.stage_root, ignore_errors=True)
+            self._write_kv(self._kv)
         for spec in self.specs:
             if spec.name in self.written:
                 continue
             if spec.name not in self.plan.floats:
-                raise RuntimeError(f"{spec.name} was never produced")
+                raise RuntimeError(f"{spec.name} was never produced")  # C8 scales included: calibration makes them
             copy_tensor(self.ts.write_chunks, self.ck, spec.name, spec.dtype)
             self.written.add(spec.name)
         return description(self.plan, self.types, self.specs)

@@ -43,6 +43,7 @@ class QuantOptions:
     bits_default: bool = False        # scheme came from --bits (the engine's recipe) rather than --scheme
     moe_scheme: str | None = None     # routed experts' scheme when it differs (--moe-scheme)
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+    kv_cache: str | None = None       # "int8": C8 key/value cache scales from calibration (--kv-cache)
     damp: float = 0.1
     batch_tokens: int = 4096   # padded tokens per forward batch
     sample_tokens: int = 128   # calibration rows kept per linear input to measure output error (fallbacks, report)
@@ -90,9 +91,10 @@ def check_options(opts: QuantOptions, plan: QuantPlan) -> None:
 
 
 def needs_calibration(opts: QuantOptions, plan: QuantPlan) -> bool:
-    """Weight-only round-to-nearest needs no activations; an explicit --calib still runs (for expert load)."""
+    """Weight-only round-to-nearest needs no activations; an explicit --calib still runs (for expert load), and
+    C8 cache scales are measured on real text."""
     return (plan.scheme == STATIC or opts.method in ("gptq", "awq") or smoothing_of(opts, plan) is not None
-            or opts.calib is not None)
+            or opts.calib is not None or bool(plan.kv))
 
 
 def smoothing_of(opts: QuantOptions, plan: QuantPlan) -> float | str | None:

@@ -18,6 +18,7 @@ from dsconv.engines import W4A8
 from dsconv.qformat import scale_bias_chunks
 from dsconv.quant.algorithms.schemes import check_group_size
 from dsconv.quant.formats.msmodelslim import FLOAT, linear_layout
+from dsconv.quant.plan.kv_cache import KVLayer, plan_kv_cache
 from dsconv.quant.plan.recipe import RECIPE_FLOAT_REASON, planned_type
 from dsconv.tensors import TensorSpec
 
@@ -97,6 +98,7 @@ class QuantPlan:
     floats: dict[str, FloatPlan]     # by tensor name, checkpoint order
     dropped: list[str]               # FP8 weight_scale_inv auxiliaries (consumed by dequantization)
     ignored: dict[str, str] = field(default_factory=dict)  # module -> why it stays float
+    kv: dict[int, KVLayer] = field(default_factory=dict)   # layer -> its C8 cache scales (--kv-cache int8)
 
     @property
     def deq_dtype(self) -> str:
@@ -137,12 +139,13 @@ def unit_of(role: Role, category: Category, layer: int | None) -> str:
 
 def make_plan(ck: Any, scheme: str, group_size: int | None = None, method: str = "rtn",
               ignore: Iterable[str] = (), assign: Callable[[Any], tuple[str | None, str | None]] | None = None,
-              recipe: str = "mixed", mix_ok: bool = True, mtp_type: str | None = None) -> QuantPlan:
+              recipe: str = "mixed", mix_ok: bool = True, mtp_type: str | None = None,
+              kv_cache: str | None = None) -> QuantPlan:
     """Decide every tensor's fate from headers; all user errors (bad group size, odd int4 rows) surface here.
 
     `assign` (from dsconv.engines) gives a layer's type by its kind: (type or None for the scheme's, why FLOAT); where
     it leaves the type to the scheme, the recipe decides (recipe.py), with `mix_ok` False for an engine that reads one
-    quantized type per region."""
+    quantized type per region. `kv_cache` "int8" adds the C8 cache scales of every attention layer (kv_cache.py)."""
     qtype = SCHEMES[scheme]
     bits = BITS[qtype]
     if bits == 8:
@@ -230,7 +233,7 @@ def make_plan(ck: Any, scheme: str, group_size: int | None = None, method: str =
     if any(lp.qtype == STATIC for lp in linears.values()):
         qtype = STATIC  # a recipe with static layers calibrates (plan.scheme drives calibration and fallback)
     return QuantPlan(scheme=qtype, group_size=group_size, method=method, model_dtype=model_dtype, linears=linears,
-                     floats=floats, dropped=dropped, ignored=ignored)
+                     floats=floats, dropped=dropped, ignored=ignored, kv=plan_kv_cache(ck, kv_cache))
 
 
 # ------------------------------------------------------------------------------------------- output tensors

@@ -167,7 +167,7 @@ def summary(ck: Any, plan: QuantPlan, opts: Any, report: dict[str, Any], decisio
             "linears": dict(sorted(types.items())), "kept_float": len(report["kept_float"]),
             "calibration": report["calibration"], "fallback": report["fallback"], "layers": report["layers"],
             "experts": report.get("experts"), "smoothing": report.get("smoothing"),
-            "decisions": decisions_summary(report),
+            "decisions": decisions_summary(report), "kv_cache": kv_cache_summary(plan),
             "files": files, "seconds": round(seconds, 2), "calibration_seconds": round(calibration_seconds, 2)}
 
 
@@ -175,7 +175,7 @@ def render(s: dict[str, Any]) -> str:
     """Terminal summary: per-layer weight error, fallback decisions, expert coverage."""
     lines = [f"{s['scheme']} ({s['method']}{', group ' + str(s['group_size']) if s['group_size'] else ''}) -> "
              f"{s['output']}: {', '.join(f'{n} {t}' for t, n in s['linears'].items())}; "
-             f"{s['kept_float']} linear(s) kept in float"]
+             f"{s['kept_float']} linear(s) kept in float" + _kv_text(s.get("kv_cache"))]
     c = s.get("calibration")
     if c:
         lines.append(f"calibration: {c['samples']} samples, {c['tokens']} tokens (seq-len {c['seq_len']}) from "
@@ -293,14 +293,27 @@ def plan_summary(ck: Any, plan: QuantPlan, opts: Any, policy: tuple[str, float] 
             "linears": dict(Counter(types.values())), "kept_float": {**plan.ignored},
             "tensors": len(specs), "output_bytes": sum(s.nbytes for s in specs),
             "input_bytes": sum(ck.info(n).nbytes for n in ck.names()), "calibration": calibrate,
-            "fallback": None if policy is None else f"{policy[0]} {policy[1]:g} -> {opts.fallback_to}"}
+            "fallback": None if policy is None else f"{policy[0]} {policy[1]:g} -> {opts.fallback_to}",
+            "kv_cache": kv_cache_summary(plan)}
+
+
+def kv_cache_summary(plan: QuantPlan) -> dict[str, Any] | None:
+    """--kv-cache int8: the C8 cache's layers and channels (None when the cache stays in the model dtype)."""
+    if not plan.kv:
+        return None
+    return {"type": "C8", "layers": len(plan.kv), "channels": sum(kv.k_width + kv.v_width for kv in plan.kv.values())}
+
+
+def _kv_text(kv: dict[str, Any] | None) -> str:
+    return f"; KV cache int8 (C8 scales for {kv['layers']} layers)" if kv else ""
 
 
 def render_plan(p: dict[str, Any]) -> str:
     return (f"dry run: {p['scheme']} ({p['method']}): {', '.join(f'{n} {t}' for t, n in p['linears'].items())}, "
             f"{len(p['kept_float'])} linear(s) kept in float by option; {p['tensors']} output tensors, "
             f"{p['output_bytes'] / 1e9:.3f} GB (input {p['input_bytes'] / 1e9:.3f} GB); calibration "
-            f"{'yes' if p['calibration'] else 'not needed'}; fallback {p['fallback'] or 'none'}")
+            f"{'yes' if p['calibration'] else 'not needed'}; fallback {p['fallback'] or 'none'}"
+            + _kv_text(p.get("kv_cache")))
 
 
 def awq_summary(entries: list[dict[str, Any]]) -> dict[str, Any]:
