@@ -153,3 +153,10 @@ def dequant_weight(
         w -= np.asarray(offset, np.float32).reshape(n, groups, 1)
     w *= scale[..., None]
     return w.reshape(n, k)
+
+
+def int8_cache(desc: dict | None) -> bool:
+    """Whether a quantize output's description says its KV cache is int8: C8 (kv_cache_type / kv_quant_type) or
+    FA quant for MLA (fa_quant_type) - what inspect reports and shard budgets."""
+    desc = desc or {}
+    return desc.get("kv_cache_type") == "C8" or desc.get("kv_quant_type") == "C8" or bool(desc.get("fa_quant_type"))

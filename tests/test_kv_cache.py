@@ -118,7 +118,8 @@ def test_awq_sees_the_cache_before_its_own_passes(models, run_cli, tmp_path):
     ("qwen2_moe", ["--engine", "vllm-ascend"], "not loaded for qwen2_moe models"),  # scales silently unset
     ("qwen2_moe", ["--engine", "mindie"], "not loaded for qwen2_moe models"),       # not wired in the MoE models
     ("qwen3", ["--engine", "mindie", "--scheme", "w8a8_dynamic"], "pairs with W8A16 / W8A8 linears"),
-    ("deepseek_v3", [], "caches an MLA latent"),
+    ("deepseek_v3", ["--engine", "vllm-ascend"], "pairs with W8A8_DYNAMIC attention linears"),  # --bits 8: static
+    ("deepseek_v3", ["--engine", "mindie"], "needs fp16 weights"),  # MindIE's FA3 path: float16 only
 ])
 def test_refused_where_the_engine_would_not_use_it(models, run_cli, tmp_path, family, args, says):
     args = args if "--scheme" in args else [*args, "--bits", "8"]
@@ -131,7 +132,7 @@ def test_refused_where_the_engine_would_not_use_it(models, run_cli, tmp_path, fa
 def test_float32_models_are_refused(tiny_model, run_cli, tmp_path):
     src = tiny_model("qwen3")  # float32 weights
     r = run_cli(["quantize", "-m", src, "-o", tmp_path / "o", "--bits", "8", "--kv-cache", "int8", *FAST])
-    assert r.code == 2 and "needs fp16 or bf16 weights" in r.err, r.err
+    assert r.code == 2 and "needs bf16 or fp16 weights" in r.err, r.err
 
 
 def test_shard_counts_the_cache_in_int8(models, run_cli, tmp_path):
@@ -151,7 +152,7 @@ def test_shard_counts_the_cache_in_int8(models, run_cli, tmp_path):
         r = run_cli(["inspect", "-m", model, "--json"])
         assert r.code == 0 and json.loads(r.out)["kv_cache"] == cache
     dry = run_cli(["quantize", "-m", src, "--bits", "8", "--kv-cache", "int8", "--dry-run", "--json"])
-    assert json.loads(dry.out)["kv_cache"] == {"type": "C8", "layers": 2, "channels": 2 * 2 * 32}
+    assert json.loads(dry.out)["kv_cache"] == {"type": "C8", "layers": 2, "scales": 2 * 2 * 32}
 
 
 def test_shard_splits_the_cache_scales_with_their_heads(models, run_cli, tmp_path):
@@ -178,37 +179,159 @@ def test_description_check_knows_c8():
           "a.k_proj.weight": "FLOAT"}
     assert check_description(ok, tensors) == []
     bad = {**ok, "a.k_proj.weight": "C8"}
-    assert any("C8 is the type of the KV-cache tensors" in p for p in check_description(bad, tensors))
+    assert any("C8 and FAQuant are the types of the KV-cache tensors" in p for p in check_description(bad, tensors))
+    fa = {"a.fa_q.scale": ("F32", (4, 1)), "a.k_proj.weight": ("BF16", (4, 4))}
+    assert check_description({**ok, "a.fa_q.scale": "FAQuant", "a.quant_type": "INT8"}, {**fa, **tensors}) == []
+    assert check_description({**ok, "a.fa_q.scale": "C8"}, {**fa, **tensors}) != []
 
 
-def test_eval_passes_the_cache_through_int8(models, run_cli, tmp_path):
-    """`dsconv eval` of a C8 output rounds every key and value with the stored scales: the same output with its
-    scales coarsened 32x scores clearly worse, and the C8 output scores below the one without the int8 cache."""
+@pytest.mark.parametrize("family,args,scale_suffix", [
+    ("qwen3", ["--bits", "8"], "kv_cache_scale"),
+    ("deepseek_v3", ["--scheme", "w8a8_dynamic", "--engine", "vllm-ascend"], "fa_k.scale"),
+])
+def test_eval_passes_the_cache_through_int8(models, run_cli, tmp_path, family, args, scale_suffix):
+    """`dsconv eval` of an int8-cache output rounds what the cache holds with the stored scales (C8: keys and
+    values; FA quant: the latent with fa_k's): the same output with those scales coarsened 32x scores clearly worse,
+    and the int8-cache output scores below the one without it."""
     import shutil
 
     from safetensors.torch import save_file
 
-    src, out = models["qwen3"], tmp_path / "q"
-    assert run_cli(["quantize", "-m", src, "-o", out, "--bits", "8", "--kv-cache", "int8", *FAST]).code == 0
-    plain = tmp_path / "plain"
-    assert run_cli(["quantize", "-m", src, "-o", plain, "--bits", "8", *FAST]).code == 0
+    src, out, plain = models[family], tmp_path / "q", tmp_path / "plain"
+    assert run_cli(["quantize", "-m", src, "-o", out, *args, "--kv-cache", "int8", *FAST]).code == 0
+    assert run_cli(["quantize", "-m", src, "-o", plain, *args, *FAST]).code == 0
 
     def kl(d: Path) -> float:
         r = run_cli(["eval", "-m", src, "-q", d, "--samples", "8", "--json"])
         assert r.code == 0, r.err
         return json.loads(r.out)["kl_divergence"]
 
-    def rescaled(factor: float) -> Path:
-        d = tmp_path / f"x{factor}"
-        shutil.copytree(out, d)
-        (f,) = sorted(d.glob("*.safetensors"))
-        t = _tensors(d)
-        for n in t:
-            if n.endswith("kv_cache_scale"):
-                t[n] = t[n] * factor
-        save_file(t, str(f), metadata={"format": "pt"})
-        (d / "dsconv_manifest.json").unlink()
-        return d
+    coarse = tmp_path / "coarse"
+    shutil.copytree(out, coarse)
+    t = _tensors(coarse)
+    for n in t:
+        if n.endswith(scale_suffix):
+            t[n] = t[n] * 32.0
+    (f,) = sorted(coarse.glob("*.safetensors"))
+    save_file(t, str(f), metadata={"format": "pt"})
+    (coarse / "dsconv_manifest.json").unlink()
+    base, none, worse = kl(out), kl(plain), kl(coarse)
+    assert worse > 3 * base and base > none, (none, base, worse)
 
-    base, none, coarse = kl(out), kl(plain), kl(rescaled(32.0))
-    assert coarse > 3 * base and base > none, (none, base, coarse)
+
+# ------------------------------------------------------------------------------------ DeepSeek MLA: FA quant
+def _reference_recall_window(row: list[float], ratio: float) -> tuple[float, float]:
+    """msModelSlim core/observer/recall_window.py, transcribed as its loop: the first narrowest window holding
+    int(ratio * N) of the sorted values."""
+    v = sorted(row)
+    n = len(v)
+    k = int(ratio * n)
+    best, window = float("inf"), (0.0, 0.0)
+    for i in range(n - k + 1):
+        if v[i + k - 1] - v[i] < best:
+            best, window = v[i + k - 1] - v[i], (v[i], v[i + k - 1])
+    return window
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.9999, 0.99, 0.9])
+def test_recall_window_is_msmodelslims(ratio):
+    from dsconv.quant.calibrate.kv_cache import recall_window
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.cat([torch.randn(3, 2000, generator=g), torch.randn(3, 2000, generator=g) * 50], dim=1)
+    rows[1, 7] = 1e4  # one outlier
+    lo, hi = recall_window(rows, ratio)
+    for r in range(rows.shape[0]):
+        assert (float(lo[r]), float(hi[r])) == _reference_recall_window(rows[r].tolist(), ratio)
+
+
+def test_fa_scales_are_what_the_latent_and_the_absorbed_query_reach(models, run_cli, tmp_path):
+    """fa_k / fa_v from the latent transformers caches (kv_a_layernorm's output), fa_q per head from the query's
+    no-rope part times kv_b_proj's key part (absorption), each by msModelSlim's recall windows (0.9999, 1.0, 0.9999)
+    over the calibration tokens (one batch here), max(|lo|, |hi|) / 127 rounded up onto bf16 - recomputed from the
+    whole transformers model with hooks."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dsconv.quant.calibrate.data import load_calib
+
+    src, out = models["deepseek_v3"], tmp_path / "fa"
+    r = run_cli(["quantize", "-m", src, "-o", out, "--scheme", "w8a8_dynamic", "--smooth-quant", "off",
+                 "--kv-cache", "int8", "--engine", "vllm-ascend", *FAST])
+    assert r.code == 0, r.err
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    cfg = model.config
+    heads, nope = cfg.num_attention_heads, cfg.qk_nope_head_dim
+    seen: dict[tuple[int, str], list[torch.Tensor]] = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+
+        def latent(mod, args, out_, i=i):
+            seen.setdefault((i, "c"), []).append(out_.detach().reshape(-1))
+
+        def query(mod, args, out_, i=i, attn=attn):
+            q = out_.detach().reshape(-1, heads, out_.shape[-1] // heads)[..., :nope]
+            w_uk = attn.kv_b_proj.weight.detach().view(heads, -1, cfg.kv_lora_rank)[:, :nope]
+            seen.setdefault((i, "q"), []).append(torch.einsum("thn,hnc->htc", q, w_uk).reshape(heads, -1))
+
+        hooks += [attn.kv_a_layernorm.register_forward_hook(latent), attn.q_b_proj.register_forward_hook(query)]
+    calib = load_calib(None, AutoTokenizer.from_pretrained(src), 6, 40)
+    with torch.no_grad():
+        for ids in calib.samples:
+            model(torch.tensor([ids]))
+    got = _tensors(out)
+    desc = json.loads((out / "quant_model_description.json").read_text())
+    assert desc["fa_quant_type"] == "FAKQuant"
+    for i in range(cfg.num_hidden_layers):
+        c = torch.cat(seen[(i, "c")]).tolist()
+        q = torch.cat(seen[(i, "q")], dim=1)
+        want = {"fa_k": [_reference_recall_window(c, 0.9999)], "fa_v": [_reference_recall_window(c, 1.0)],
+                "fa_q": [_reference_recall_window(q[h].tolist(), 0.9999) for h in range(heads)]}
+        for part, windows in want.items():
+            name = f"model.layers.{i}.self_attn.{part}.scale"
+            amax = torch.tensor([max(-min(lo, 0.0), max(hi, 0.0)) for lo, hi in windows])
+            ref = _bf16_up(amax / 127).view(-1, 1)
+            scale = got[name]
+            assert scale.shape == ref.shape and scale.dtype == torch.float32 and desc[name] == "FAQuant"
+            assert torch.all((scale >= ref / (1 + 2**-7)) & (scale <= ref * (1 + 2**-7))), (name, scale, ref)
+            off = got[name.replace("scale", "offset")]
+            assert off.dtype == torch.int8 and off.shape == ref.shape and not off.any()
+        assert desc[f"model.layers.{i}.self_attn.quant_type"] == "INT8"
+    assert run_cli(["verify", out]).code == 0
+
+
+def test_w4a8_with_fa_quant_takes_static_attention_for_mindie(tiny_model, run_cli, tmp_path):
+    """msModelSlim's W4A8C8 recipe for MindIE: MLA attention static W8A8 (mla_quantize w8a8, which its FA3 query
+    quantization needs), experts W4A8, float16 model; vLLM-Ascend keeps its W8A8_DYNAMIC attention."""
+    from dsconv.bundled import calib_texts
+    from dsconv.tiny import make_tiny, train_tokenizer
+
+    src = make_tiny("deepseek_v3", tmp_path / "ds16", dtype="fp16",
+                    tokenizer=train_tokenizer(calib_texts(), vocab_size=384))
+    for engine, attention in (("mindie", "W8A8"), ("vllm-ascend", "W8A8_DYNAMIC")):
+        out = tmp_path / engine
+        r = run_cli(["quantize", "-m", src, "-o", out, "--bits", "4", "--scheme", "w4a8_dynamic", "--kv-cache",
+                     "int8", "--engine", engine, *FAST])
+        assert r.code == 0, r.err
+        desc = json.loads((out / "quant_model_description.json").read_text())
+        assert desc["model.layers.0.self_attn.q_b_proj.weight"] == attention
+        assert desc["model.layers.1.mlp.experts.0.gate_proj.weight"] == "W4A8_DYNAMIC"
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg.get("mla_quantize") == ("w8a8" if engine == "mindie" else None)
+
+
+def test_shard_counts_the_mla_latent_in_int8(models, run_cli, tmp_path):
+    """FA quant caches the latent in int8 and its rope part in the model dtype: per token and layer
+    kv_lora_rank x 1 + rope x 2 bytes (here 32 + 8 x 2), against (32 + 8) x 2."""
+    src, out = models["deepseek_v3"], tmp_path / "fa"
+    assert run_cli(["quantize", "-m", src, "-o", out, "--scheme", "w8a8_dynamic", "--kv-cache", "int8",
+                    "--engine", "vllm-ascend", *FAST]).code == 0
+
+    def kv(model: Path) -> int:
+        r = run_cli(["shard", "-m", model, "--tp", "2", "--ep", "2", "--world", "2", "--engine", "vllm-ascend",
+                     "--format", "ranks", "--dry-run", "--json"])
+        assert r.code == 0, r.err
+        return json.loads(r.out)["memory"]["kv_bytes_per_token"]
+
+    layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    assert kv(out) == layers * (32 + 8 * 2) and kv(src) == layers * (32 + 8) * 2

@@ -29,9 +29,10 @@ SCHEME_NAMES = ["w8a8", "w8a8_dynamic", "w8a16", "w4a16", "w4a8_dynamic"]  # qua
               help="Routed experts' scheme when it differs from the rest (default: --scheme, or the engine's "
                    "recipe with --bits).")
 @click.option("--kv-cache", type=click.Choice(["int8"]), default=None,
-              help="int8: C8 key/value cache, per-channel symmetric scales of the post-rope keys and values "
-                   "measured on the calibration text (GQA models; refused where the engine does not load them: "
-                   "docs/formats/kv_cache_c8.md). Default: the cache stays in the model dtype.")
+              help="int8: the KV cache in int8, scales measured on the calibration text: C8 for GQA models "
+                   "(per-channel key/value scales), FA quant for DeepSeek MLA (per-head query, latent); refused "
+                   "where the engine would not load or use them (docs/formats/kv_cache_c8.md). Default: the cache "
+                   "stays in the model dtype.")
 @click.option("--engine", type=click.Choice(["mindie", "vllm-ascend"]), default=None,
               help="Serving engine the output must load in (default: `engine` in dsconv.toml, else mindie). "
                    "--bits 8 takes its recipe (DeepSeek: attention static W8A8, MLP and experts W8A8_DYNAMIC, "

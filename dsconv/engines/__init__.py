@@ -104,6 +104,18 @@ def kind_types(prof: EngineProfile, family: Any, qtype: str, bits_default: bool,
     return out
 
 
+def kv_recipe(prof: EngineProfile, types: dict[str, str], form: str | None) -> dict[str, str]:
+    """The W4A8 recipe beside an int8 KV cache whose engine needs another attention type: msModelSlim's W4A8C8
+    practice (lab_practice/deepseek_v3/deepseekr1_w4a8c8_per_channel.yaml) makes the MLA attention static W8A8,
+    which MindIE's FA3 path needs (profiles: kv_int8). Any other recipe is left as asked (a mismatch is refused by
+    check_kv_cache)."""
+    need = prof.kv_int8.get(form) if form else None
+    allowed = need.attention_types if need else None
+    if not allowed or types.get("routed_experts") != W4A8 or types.get("attention") in allowed:
+        return types
+    return {**types, "attention": sorted(allowed)[0]}
+
+
 def assigner(prof: EngineProfile, types: dict[str, str]) -> Callable[[Any], tuple[str | None, str | None]]:
     """For quant.plan.make_plan: TensorRole -> (type or None = the scheme's, reason when it must stay float)."""
     def assign(r: Any) -> tuple[str | None, str | None]:
@@ -196,26 +208,33 @@ def check_packing(prof: EngineProfile, family: Any, linears: Iterable[Any], grou
 
 
 def check_kv_cache(prof: EngineProfile, family: Any, model_type: str, plan: Any) -> None:
-    """UserError (exit 2) for C8 cache scales (--kv-cache int8) the engine would not load, or not use, for this
-    model type (Family.kv_c8_engines), linear types and model dtype (profiles: kv_c8_* and rules["kv_c8"])."""
-    if not plan.kv:
+    """UserError (exit 2) for int8 KV-cache scales (--kv-cache int8) the engine would not load, or not use, for this
+    model type (Family.kv_int8_engines), its linears' types and the model dtype (profiles: kv_int8)."""
+    form = next((kv.form for kv in plan.kv.values()), None)  # one form per model: C8 or FA quant
+    if form is None:
         return
-    rule = prof.rules["kv_c8"]
-    why = f"{prof.label}: {rule.text} ({rule.source})"
-    loads = {name for name, types in family.kv_c8_engines.items() if model_type in types}
+    need = prof.kv_int8[form]
+    why = f"{prof.label}: {need.rule.text} ({need.rule.source})"
+    loads = {name for name, types in family.kv_int8_engines.items() if model_type in types}
     others = [p.name for p in ENGINES.values() if p is not prof and p.name in loads]
     if prof.name not in loads:
         raise UserError(f"--engine {prof.name}: --kv-cache int8 is not loaded for {model_type} models: {why}",
                         hint=f"drop --kv-cache{', or use --engine ' + ' / '.join(others) if others else ''}")
-    if plan.model_dtype not in prof.kv_c8_dtypes:
-        raise UserError(f"--engine {prof.name}: --kv-cache int8 needs fp16 or bf16 weights, the model is "
-                        f"{plan.model_dtype.lower()}: {why}", hint="convert the checkpoint to bf16 first")
-    allowed = prof.kv_c8_linear_types
-    bad = sorted({lp.qtype for lp in plan.linears.values()} - (allowed or set()) - {FLOAT}) if allowed else []
-    if bad:
-        raise UserError(f"--engine {prof.name}: --kv-cache int8 pairs with {' / '.join(sorted(allowed))} linears, "
-                        f"this plan has {', '.join(bad)}: {why}",
-                        hint=f"use --scheme {' or '.join(t.lower() for t in sorted(allowed))} (or --bits 8)")
+    if plan.model_dtype not in need.dtypes:
+        names = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+        raise UserError(f"--engine {prof.name}: --kv-cache int8 needs {' or '.join(names[d] for d in sorted(need.dtypes))}"
+                        f" weights, the model is {names.get(plan.model_dtype, plan.model_dtype)}: {why}",
+                        hint=f"convert it first: dsconv export --format safetensors --dtype "
+                             f"{names[sorted(need.dtypes)[-1]]}")
+    for what, allowed, linears in (
+            ("linears", need.linear_types, plan.linears.values()),
+            ("attention linears", need.attention_types, [lp for lp in plan.linears.values()
+                                                         if layer_kind(lp) == "attention"])):
+        bad = sorted({lp.qtype for lp in linears} - {FLOAT} - set(allowed)) if allowed else []
+        if bad:
+            raise UserError(f"--engine {prof.name}: --kv-cache int8 pairs with {' / '.join(sorted(allowed))} {what}, "
+                            f"this plan has {', '.join(bad)}: {why}",
+                            hint=f"use --scheme {' or '.join(t.lower() for t in sorted(allowed))}")
 
 
 def check_layout(prof: EngineProfile, layout: str) -> None:

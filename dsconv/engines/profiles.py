@@ -26,6 +26,16 @@ class Rule:
 
 
 @dataclass(frozen=True)
+class KVCacheRule:
+    """What an engine pairs an int8 KV-cache form with (None: any type it loads), and where that was read."""
+
+    rule: Rule
+    linear_types: frozenset[str] | None = None     # every quantized linear's type
+    attention_types: frozenset[str] | None = None  # the attention linears' type (MLA: what its kernel reads)
+    dtypes: frozenset[str] = frozenset({"BF16", "F16"})
+
+
+@dataclass(frozen=True)
 class EngineProfile:
     name: str
     label: str
@@ -45,10 +55,9 @@ class EngineProfile:
     rope_rows_packed_ok: bool = True                 # may rows the loader permutes for rope be int4-packed along n?
     # the types shared experts may have beside W4A8 routed experts (None: any the engine loads)
     w4a8_shared_types: frozenset[str] | None = None
-    # C8 KV cache (--kv-cache int8): the linear types and model dtypes the engine pairs it with (None: any it loads;
-    # which model types: Family.kv_c8_engines); rules["kv_c8"] says why
-    kv_c8_linear_types: frozenset[str] | None = None
-    kv_c8_dtypes: frozenset[str] = frozenset({"BF16", "F16"})
+    # int8 KV cache (--kv-cache int8) per form (C8, FAQuant): what the engine pairs it with; which model types load
+    # it: Family.kv_int8_engines
+    kv_int8: Mapping[str, "KVCacheRule"] = field(default_factory=dict)
     rules: Mapping[str, Rule] = field(default_factory=dict)
 
     def layer_type(self, kind: str) -> str:
@@ -86,17 +95,28 @@ MINDIE = EngineProfile(
     regions=_MINDIE_REGIONS,
     fallback_ok=False,
     rope_rows_packed_ok=False,
-    kv_c8_linear_types=frozenset({"W8A8", "W8A16"}),
+    kv_int8={
+        "C8": KVCacheRule(Rule(
+            "C8 scales are read by KvCache.load as <attn>.k_proj/v_proj.kv_cache_scale/_offset, per channel, "
+            "sharded per KV head, the offset's float bits taken as int8 (so zero); switched on by kv_quant_type C8 "
+            "(the description's globals are merged into quantization_config); only Llama and Qwen2/Qwen3 (dense) "
+            "wire them into the attention (the MoE models load no cache scales); documented with W8A8 and W8A16 "
+            "only (not with W4A8), fp16 or bf16 weights",
+            "MindIE-LLM atb/utils/layers/attention/kv_cache.py::KvCache.load; atb/models/base/config.py::"
+            "QuantizationConfig; atb/models/base/router.py::BaseRouter.config; atb/models/qwen2/"
+            "flash_causal_qwen2.py, llama/flash_causal_llama.py (register_layer_kvquant); its user guide's feature "
+            "pages KV Cache int8 and W8A16"), linear_types=frozenset({"W8A8", "W8A16"})),
+        "FAQuant": KVCacheRule(Rule(
+            "DeepSeek FA3: FA3.load_mla reads <attn>.fa_q.scale (inverted, sliced per attention TP rank) and "
+            "fa_k.scale (fa_v and the offsets are not read), enabled by fa_quant_type FAKQuant/FAQuant; the query is "
+            "quantized inside MLA preprocess, which needs mla_quantize w8a8 (static W8A8 attention) and float16; "
+            "documented for DeepSeek-V3/R1 on A2/A3, with W8A8, float16 only",
+            "MindIE-LLM atb/utils/layers/attention/fa3.py::FA3.load_mla; atb/models/deepseekv2/"
+            "modeling_deepseekv2.py; flash_causal_deepseekv2.py (enableMlaPreprocess); atb/models/base/config.py "
+            "(fa_quant_type); its user guide's feature page FA3 quantization"),
+            attention_types=frozenset({"W8A8"}), dtypes=frozenset({"F16"})),
+    },
     rules={
-        "kv_c8": Rule("C8 scales are read by KvCache.load as <attn>.k_proj/v_proj.kv_cache_scale/_offset, per "
-                      "channel, sharded per KV head, the offset's float bits taken as int8 (so zero); switched on by "
-                      "kv_quant_type C8 (the description's globals are merged into quantization_config); only "
-                      "Llama and Qwen2/Qwen3 (dense) wire them into the attention (the MoE models load no cache "
-                      "scales); documented with W8A8 and W8A16 only (not with W4A8), fp16 or bf16 weights",
-                      "MindIE-LLM atb/utils/layers/attention/kv_cache.py::KvCache.load; atb/models/base/config.py::"
-                      "QuantizationConfig; atb/models/base/router.py::BaseRouter.config; atb/models/qwen2/"
-                      "flash_causal_qwen2.py, llama/flash_causal_llama.py (register_layer_kvquant); its user "
-                      "guide's feature pages KV Cache int8 and W8A16"),
         "quantize": Rule("config.json `quantize` (lower case) selects the loader branch; without it int8 weights "
                          "are not read as quantized",
                          "MindIE-LLM atb/models/base/router.py::BaseRouter.config; atb/utils/layers/linear/"
@@ -164,16 +184,26 @@ VLLM_ASCEND = EngineProfile(
     fallback_ok=True,
     moe_type_key=True,
     w4a8_shared_types=frozenset({"W8A8_DYNAMIC", FLOAT}),
+    kv_int8={
+        "C8": KVCacheRule(Rule(
+            "C8 scales are mapped to attn.k_cache_scale/_offset, attn.v_cache_scale/_offset (a [1] parameter in the "
+            "model dtype, replaced by the loaded per-channel tensor) only by the model classes its patch routes "
+            "through get_cache_scale - Qwen3ForCausalLM among dsconv's families; elsewhere the names reach the "
+            "model's own loader: KeyError for Llama and Qwen2 (qkv_proj.kv_cache_offset), and Qwen3-MoE loads with "
+            "the scales left unset (make engine-check)",
+            "vllm-ascend vllm_ascend/patch/worker/patch_gqa_c8.py; vllm_ascend/quantization/modelslim_config.py::"
+            "get_cache_scale, is_c8_quant_layer; quantization/methods/kv_c8.py::AscendC8KVCacheAttentionMethod")),
+        "FAQuant": KVCacheRule(Rule(
+            "DeepSeek FA quant: <attn>.fa_q/fa_k/fa_v.scale/offset are remapped to the MLA attention's parameters "
+            "(mla_attn.mla_attn.fa_*) for the layers whose fa_k.scale the description lists; on A2/A3 the int8 "
+            "latent cache is used on a PD-disaggregated decode instance, whose fused MLA path reads q_b_proj's and "
+            "the fused q_a/kv_a projection's weight_scale: W8A8_DYNAMIC attention",
+            "vllm-ascend vllm_ascend/patch/worker/patch_weight_utils.py::patch_deepseek; quantization/"
+            "modelslim_config.py::_add_kvcache_quant_metadata, enabling_fa_quant; quantization/methods/kv_c8.py::"
+            "AscendFAQuantAttentionMethod; attention/mla_v1.py::_process_weights_for_fused_fa_quant"),
+            attention_types=frozenset({"W8A8_DYNAMIC"})),
+    },
     rules={
-        "kv_c8": Rule("C8 scales are mapped to attn.k_cache_scale/_offset, attn.v_cache_scale/_offset (a [1] "
-                      "parameter in the model dtype, replaced by the loaded per-channel tensor) only by the model "
-                      "classes its patch routes through get_cache_scale - Qwen3ForCausalLM among dsconv's families; "
-                      "elsewhere the names reach the model's own loader: KeyError for Llama and Qwen2 "
-                      "(qkv_proj.kv_cache_offset), and Qwen3-MoE loads with the scales left unset (make "
-                      "engine-check)",
-                      "vllm-ascend vllm_ascend/patch/worker/patch_gqa_c8.py; vllm_ascend/quantization/"
-                      "modelslim_config.py::get_cache_scale, is_c8_quant_layer; quantization/methods/kv_c8.py::"
-                      "AscendC8KVCacheAttentionMethod"),
         "description": Rule("only quant_model_description.json; a quantization_config in config.json replaces it",
                             "vllm-ascend vllm_ascend/quantization/modelslim_config.py::AscendModelSlimConfig."
                             "maybe_update_config"),

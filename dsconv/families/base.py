@@ -92,6 +92,8 @@ PRESENT: dict[str, Callable[[ModelFacts, int | None], bool]] = {
     "noaux_tc": lambda f, layer: layer in f.moe_layers and f.router == "sigmoid_group",
     "untied": lambda f, layer: not f.tie_word_embeddings,
     "mtp": lambda f, layer: layer is not None and layer >= f.num_layers,
+    # written by `quantize` only (e.g. DeepSeek's FA-quant cache scales): known by name, never expected in a source
+    "quantized_output": lambda f, layer: False,
 }
 
 
@@ -184,9 +186,9 @@ class Family:
     #: engine -> (rule, source) of an offline-sharded layout the engine's loader reads for this family; every
     #: other engine shards the family itself at load time
     offline_sharded: dict[str, tuple[str, str]] = {}
-    #: engine -> the model types of this family whose loader reads C8 KV-cache scales into the attention
-    #: (`quantize --kv-cache int8`; engines/profiles.py rules["kv_c8"] says where it was read)
-    kv_c8_engines: dict[str, tuple[str, ...]] = {}
+    #: engine -> the model types of this family whose loader reads its int8 KV-cache scales (C8, or FA quant for
+    #: MLA) into the attention (`quantize --kv-cache int8`; engines/profiles.py kv_int8 says where it was read)
+    kv_int8_engines: dict[str, tuple[str, ...]] = {}
     #: MindIE service config: the model section under `models` that sets its expert-parallel level (None: none)
     mindie_ep_section: str | None = None
     #: std of the seeded tiny model's router weights (dsconv.tiny): wide enough that routing varies by input
@@ -396,8 +398,9 @@ def linear(*, key: str, module: str, role: Role, category: Category, shape: tupl
 
 
 def norm(*, key: str, module: str, size: Dim = "hidden_size", category: Category = Category.NORMS,
-         when: str | None = None) -> Rows:
-    return (TensorRow(key=key, name=module + ".weight", role=Role.NORM, category=category, shape=(size,), when=when),)
+         when: str | None = None, slot: str | None = None) -> Rows:
+    return (TensorRow(key=key, name=module + ".weight", role=Role.NORM, category=category, shape=(size,), when=when,
+                      slot=slot),)
 
 
 def gqa_attention(*, qkv_bias: bool = True) -> Rows:

@@ -2,7 +2,7 @@
 FP8 block-scaled weights (see docs/formats.md)."""
 from dsconv.families.base import (LAYER, REQUIRED, SELF_ATTN, Family, TensorRow, dense_mlp, embedding, experts,
                                   final_norm_and_head, layer_norms, linear, norm, register, router, swiglu)
-from dsconv.families.roles import Category, Role
+from dsconv.families.roles import OTHER_PARAMS, Category, Role
 
 ATTENTION, MTP = Category.ATTENTION, Category.MTP
 MLA = (
@@ -15,12 +15,21 @@ MLA = (
             shape=("q_size", "hidden_size"), slot="q", when="no_q_lora"),
     *linear(key="attn.kv_a", module=SELF_ATTN + "kv_a_proj_with_mqa", role=Role.ATTN_LATENT, category=ATTENTION,
             shape=("kv_a_size", "hidden_size"), slot="kv_a"),
-    *norm(key="attn.kv_a_norm", module=SELF_ATTN + "kv_a_layernorm", size="kv_lora_rank"),
+    # its output is the latent MLA caches (what FA quant's fa_k / fa_v measure)
+    *norm(key="attn.kv_a_norm", module=SELF_ATTN + "kv_a_layernorm", size="kv_lora_rank", slot="kv_a_norm"),
     *linear(key="attn.kv_b", module=SELF_ATTN + "kv_b_proj", role=Role.ATTN_IN, category=ATTENTION,
             shape=("kv_b_size", "kv_lora_rank"), slot="kv_b"),
     *linear(key="attn.o", module=SELF_ATTN + "o_proj", role=Role.ATTN_OUT, category=ATTENTION,
             shape=("hidden_size", "attn_out_size"), slot="o"),
 )
+# FA quant (`quantize --kv-cache int8`, docs/formats/kv_cache_c8.md): the int8 latent cache's scales under the
+# attention; fa_q per head (split with the heads by TP), fa_k / fa_v one for the latent (replicated)
+FA_QUANT = tuple(
+    TensorRow(key=f"attn.{m}.{p}", name=SELF_ATTN + f"{m}.{p}", role=role, category=ATTENTION, shape=(heads, 1),
+              slot=m, when="quantized_output", dtype=dtype)
+    for m, role, heads in (("fa_q", Role.ATTN_IN, "num_heads"), ("fa_k", Role.ATTN_LATENT, 1),
+                           ("fa_v", Role.ATTN_LATENT, 1))
+    for p, dtype in (("scale", "F32"), ("offset", "I8")))
 MOE = (
     *dense_mlp(when="dense"), *router(),
     TensorRow(key="router.bias", name=LAYER + "mlp.gate.e_score_correction_bias", role=Role.ROUTER,
@@ -54,6 +63,8 @@ class DeepseekV3(Family):
                    "first_k_dense_replace": 0, "moe_layer_freq": 1, "num_nextn_predict_layers": 0,
                    "topk_method": "noaux_tc", "quantization_config": None}
     model_types = ("deepseek_v3",)
+    # --kv-cache int8 is FA quant here (MindIE fa3.py::FA3.load_mla; vLLM-Ascend patch_weight_utils.py remaps it)
+    kv_int8_engines = {"mindie": ("deepseek_v3",), "vllm-ascend": ("deepseek_v3",)}
     # transformers' DeepseekV3 always routes with sigmoid scores and the correction bias (noaux_tc); its saved
     # config omits both keys, and vLLM then builds softmax routing without the bias parameter
     # (vllm/model_executor/models/deepseek_v2.py: getattr(config, "topk_method", None) == "noaux_tc",
@@ -77,7 +88,8 @@ class DeepseekV3(Family):
     mindie_ep_section = "deepseekv2"
     # small enough that the sigmoid scores do not saturate at 1.0, where fp16 cannot tell experts apart
     tiny_router_std = 0.15
-    table = (*embedding(), *MTP_IN, *layer_norms(), *MLA, *MOE, *MTP_OUT, *final_norm_and_head())
+    table = (*embedding(), *MTP_IN, *layer_norms(), *MLA, *FA_QUANT, *MOE, *MTP_OUT, *final_norm_and_head())
+    other_params = (*OTHER_PARAMS, "scale", "offset")  # FA_QUANT's
     tiny = {"num_hidden_layers": 3, "num_key_value_heads": 4, "first_k_dense_replace": 1, "n_routed_experts": 16,
             "n_shared_experts": 1, "num_experts_per_tok": 4, "moe_intermediate_size": 32, "n_group": 4,
             "topk_group": 2, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,

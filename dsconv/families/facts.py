@@ -91,10 +91,12 @@ class ModelFacts:
         """KV-cache bytes per token on one card, all layers (MTP excluded).
 
         MLA caches the latent (kv_lora_rank + rope dims), replicated on every TP rank; MHA/GQA caches K and V for the
-        KV heads, divided by tp while tp <= KV heads (beyond that each rank keeps one head).
+        KV heads, divided by tp while tp <= KV heads (beyond that each rank keeps one head). An int8 MLA cache (FA
+        quant) holds the latent in int8 and its rope part in the model dtype (2 bytes).
         """
         if self.is_mla:
-            return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * bytes_per_element
+            rope_bytes = 2 if bytes_per_element == 1 else bytes_per_element
+            return self.num_layers * (self.kv_lora_rank * bytes_per_element + self.qk_rope_head_dim * rope_bytes)
         heads = max(1, math.ceil(self.num_kv_heads / tp)) if tp > 1 else self.num_kv_heads
         return 2 * self.num_layers * heads * self.head_dim * bytes_per_element
 

@@ -6,7 +6,7 @@ from dsconv.families.base import Family, decoder, dense_mlp, gqa_attention, regi
 class Llama(Family):
     name = "llama"
     model_types = ("llama", "mistral")
-    kv_c8_engines = {"mindie": ("llama",)}  # MindIE flash_causal_llama.py; vLLM-Ascend: KeyError
+    kv_int8_engines = {"mindie": ("llama",)}  # MindIE flash_causal_llama.py; vLLM-Ascend: KeyError
     table = decoder(attention=gqa_attention(), mlp=dense_mlp())
     tiny = {}
 

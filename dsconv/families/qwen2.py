@@ -6,7 +6,7 @@ from dsconv.families.base import Family, decoder, dense_mlp, gqa_attention, regi
 class Qwen2(Family):
     name = "qwen2"
     model_types = ("qwen2",)
-    kv_c8_engines = {"mindie": ("qwen2",)}  # MindIE flash_causal_qwen2.py; vLLM-Ascend: KeyError
+    kv_int8_engines = {"mindie": ("qwen2",)}  # MindIE flash_causal_qwen2.py; vLLM-Ascend: KeyError
     table = decoder(attention=gqa_attention(), mlp=dense_mlp())
     tiny = {}
 

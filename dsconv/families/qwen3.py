@@ -6,6 +6,6 @@ from dsconv.families.base import Family, decoder, dense_mlp, gqa_attention, qk_n
 class Qwen3(Family):
     name = "qwen3"
     model_types = ("qwen3",)
-    kv_c8_engines = {"mindie": ("qwen3",), "vllm-ascend": ("qwen3",)}  # MindIE via Qwen2; vLLM patch_gqa_c8
+    kv_int8_engines = {"mindie": ("qwen3",), "vllm-ascend": ("qwen3",)}  # MindIE via Qwen2; vLLM patch_gqa_c8
     table = decoder(attention=(*gqa_attention(), *qk_norm()), mlp=dense_mlp())
     tiny = {"head_dim": 16}

@@ -21,6 +21,7 @@ from dsconv.io.writer import OutputDir
 from dsconv.quant.algorithms.selection import HOLD_EVERY, MIN_PROMPTS, held_out_prompts
 from dsconv.quant.calibrate.calibration import Calibrator
 from dsconv.quant.calibrate.data import load_calib, load_tokenizer, min_tokens_warning
+from dsconv.quant.formats.msmodelslim import C8, FA_QUANT
 from dsconv.quant.formats.output import QuantWriter, description, final_specs
 from dsconv.quant.plan import report as rep
 from dsconv.quant.plan.options import QuantOptions, check_options, fallback_policy, needs_calibration
@@ -93,6 +94,8 @@ def run(req: QuantRequest) -> QuantResult:
     family = ck.family
     ktypes = engines.kind_types(prof, family, SCHEMES[opts.scheme], opts.bits_default,
                                 SCHEMES[opts.moe_scheme] if opts.moe_scheme else None)
+    if opts.kv_cache:  # the int8 cache's form (FA quant for MLA, else C8) may need its own attention type
+        ktypes = engines.kv_recipe(prof, ktypes, FA_QUANT if ck.facts.is_mla else C8)
     preview = engines.preview(ck, ktypes, SCHEMES[opts.scheme])
     if engines.W4A8 in (SCHEMES[opts.scheme], SCHEMES.get(opts.moe_scheme or "")) and \
             not any(lp.qtype == engines.W4A8 for lp in preview):

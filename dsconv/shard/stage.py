@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsconv import qformat
 from dsconv.errors import CheckFailed, UserError
 
 
@@ -84,11 +85,10 @@ def _check_range(name: str, value: float, lo: float, hi: float | None = None) ->
 
 def kv_bits_of(src: Any, asked: int | None) -> int:
     """The KV cache's bits: as asked, else 8 when the input was quantized with `--kv-cache int8` (its description
-    says kv_cache_type C8: the engines then allocate an int8 cache), else 16."""
+    says kv_cache_type C8 or an fa_quant_type: the engines then allocate an int8 cache), else 16."""
     if asked is not None:
         return asked
-    desc = getattr(src, "quant_description", None) or {}
-    return 8 if desc.get("kv_cache_type") == "C8" or desc.get("kv_quant_type") == "C8" else 16
+    return 8 if qformat.int8_cache(getattr(src, "quant_description", None)) else 16
 
 
 def run(req: ShardRequest) -> ShardResult:

@@ -34,6 +34,8 @@ SCHEMES = {
     "w4a16_pc": ["--scheme", "w4a16", "--group-size", "0"],
     "w4a8": ["--bits", "4", "--scheme", "w4a8_dynamic"],
     "bits8_c8": ["--bits", "8", "--kv-cache", "int8"],
+    "w8a8_dynamic_c8": ["--scheme", "w8a8_dynamic", "--kv-cache", "int8"],
+    "w4a8_c8": ["--bits", "4", "--scheme", "w4a8_dynamic", "--kv-cache", "int8"],
 }
 FAST = ["--calib-samples", "4", "--seq-len", "32"]
 
@@ -162,14 +164,16 @@ def run_matrix(root: Path, only: str | None) -> tuple[list[dict], list[str]]:
 CONTROL_OF = "llama-bits8-bf16-per-expert"
 W4A8_CONTROL_OF = "qwen3_moe-w4a8-bf16-per-expert"
 C8_CONTROL_OF = "qwen3-bits8_c8-bf16-per-expert"
+FA_CONTROL_OF = "deepseek_v3-w4a8_c8-bf16-per-expert"
 CONTROLS = {
     "drop-weight-scale": "unfilled",      # a dynamic layer's weight_scale removed: its parameter stays unfilled
     "rename-tensor": "unmapped",          # a weight under a name the model has no parameter for (or a refusal)
     "scale-off-grid": "lossy",            # an input_scale the model dtype cannot hold: the engine would round it
     "w4a8-drop-scale-bias": "unfilled",   # a W4A8 expert's scale_bias removed: w2_scale_bias keeps the sentinel
     "c8-drop-cache-scale": "unfilled",    # a layer's v_proj.kv_cache_scale removed: attn.v_cache_scale keeps it
+    "fa-drop-k-scale": "unfilled",        # a DeepSeek layer's fa_k.scale removed: mla_attn.mla_attn.fa_k.scale keeps it
 }
-CONTROL_BASE = {"w4a8": W4A8_CONTROL_OF, "c8": C8_CONTROL_OF}
+CONTROL_BASE = {"w4a8": W4A8_CONTROL_OF, "c8": C8_CONTROL_OF, "fa": FA_CONTROL_OF}
 
 
 def make_controls(written: dict[str, Path], root: Path) -> list[Path]:
@@ -193,6 +197,8 @@ def make_controls(written: dict[str, Path], root: Path) -> list[Path]:
             del t[next(k for k in sorted(t) if k.endswith("down_proj.weight_scale"))]
         elif name == "w4a8-drop-scale-bias":
             del t[next(k for k in sorted(t) if k.endswith("experts.1.down_proj.scale_bias"))]
+        elif name == "fa-drop-k-scale":
+            del t[next(k for k in sorted(t) if k.endswith("layers.1.self_attn.fa_k.scale"))]
         elif name == "c8-drop-cache-scale":
             del t[next(k for k in sorted(t) if k.endswith("layers.1.self_attn.v_proj.kv_cache_scale"))]
         elif name == "rename-tensor":

@@ -53,6 +53,11 @@ EXPERT_SLOT = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1),
 # patch/worker/patch_gqa_c8.py call: elsewhere the names reach the model's own loader, and the check shows what follows)
 C8_SCALES = {"k_proj.kv_cache_scale": "attn.k_cache_scale", "k_proj.kv_cache_offset": "attn.k_cache_offset",
              "v_proj.kv_cache_scale": "attn.v_cache_scale", "v_proj.kv_cache_offset": "attn.v_cache_offset"}
+# MLA FA quant (DeepSeek int8 latent cache): `<attn>.fa_{q,k,v}.{scale,offset}` -> the MLA attention layer's own
+# parameters (restated from vllm-ascend patch/worker/patch_weight_utils.py::patch_deepseek, which extends
+# maybe_remap_kv_scale_name with `mla_attn.mla_attn.<name>`)
+FA_PARAMS = ("fa_q", "fa_k", "fa_v")
+FA_ATTN = "mla_attn.mla_attn"
 # per-tensor parameters of a fused layer hold one value for all its shards (vLLM-Ascend W8A8 static:
 # get_pertensor_param creates input_scale/input_offset of shape [1])
 PER_TENSOR = ("input_scale", "input_offset")
@@ -174,6 +179,9 @@ def _destination(name: str, ck: dict[str, torch.Tensor], params: dict) -> tuple[
         return pname, (e, slice(half * rows, (half + 1) * rows))
     module, _, param = name.rpartition(".")
     parent, _, leaf = module.rpartition(".")
+    if leaf in FA_PARAMS:
+        pname = f"{parent}.{FA_ATTN}.{leaf}.{param}"
+        return (pname, ()) if pname in params else None
     c8 = C8_SCALES.get(f"{leaf}.{param}")
     if c8 is not None:
         pname = f"{parent}.{c8}"

@@ -81,11 +81,16 @@ C8_RE = re.compile(r"^(model\.layers\.(\d+)\.self_attn)\.([kv])_proj\.kv_cache_(
 
 def c8_tensors(route: dict) -> dict[int, dict[str, str]]:
     """layer -> {"k_scale": name, ...} of the C8 cache tensors on disk (`<attn>.k_proj.kv_cache_scale` etc.)."""
+    return _by_layer(route, C8_RE, "_")
+
+
+def _by_layer(route: dict, rx: re.Pattern, sep: str) -> dict[int, dict[str, str]]:
+    """layer -> {"<group 3><sep><group 4>": name} of the tensors on disk whose name `rx` matches."""
     out: dict[int, dict[str, str]] = {}
     for name in route:
-        m = C8_RE.match(name)
+        m = rx.match(name)
         if m:
-            out.setdefault(int(m.group(2)), {})[f"{m.group(3)}_{m.group(4)}"] = name
+            out.setdefault(int(m.group(2)), {})[f"{m.group(3)}{sep}{m.group(4)}"] = name
     return out
 
 
@@ -114,3 +119,37 @@ def c8_problems(route: dict, layers: dict[int, dict[str, str]], widths: dict[str
             if part.endswith("scale") and (bool((t <= 0).any()) or want is not None
                                            and not torch.equal(t.to(want).float(), t.float())):
                 p.add(rule, f"{name}: scales must be positive and exact in {model_dtype}")
+
+
+FA_RE = re.compile(r"^(model\.layers\.(\d+)\.self_attn)\.(fa_[qkv])\.(scale|offset)$")
+
+
+def fa_tensors(route: dict) -> dict[int, dict[str, str]]:
+    """layer -> {"fa_q.scale": name, ...} of the MLA FA-quant tensors on disk."""
+    return _by_layer(route, FA_RE, ".")
+
+
+def fa_problems(route: dict, layers: dict[int, dict[str, str]], heads: int, model_dtype: str, rule: str,
+                p: Problems) -> None:
+    """What both engines need of a layer's FA-quant tensors: fa_q one scale per attention head [H, 1], fa_k / fa_v
+    one [1, 1], float scales exact in the model dtype and positive, int8 zero offsets."""
+    import torch
+
+    want = {"BF16": torch.bfloat16, "F16": torch.float16}.get(model_dtype)
+    for layer, got in sorted(layers.items()):
+        for part, rows in (("fa_q", heads), ("fa_k", 1), ("fa_v", 1)):
+            for param, dtypes in (("scale", FLOAT_DTYPES), ("offset", ("I8",))):
+                name = got.get(f"{part}.{param}")
+                if name is None:
+                    p.add(rule, f"layer {layer}: no {part}.{param}")
+                    continue
+                _, dtype, shape = route[name]
+                if dtype not in dtypes or shape != (rows, 1):
+                    p.add(rule, f"{name}: {dtype}{list(shape)}, needs {'/'.join(dtypes)}[{rows}, 1]")
+                    continue
+                t = torch.from_numpy(tensor(route, name).astype(np.float32))
+                if param == "offset" and bool((t != 0).any()):
+                    p.add(rule, f"{name}: nonzero offsets (symmetric only)")
+                if param == "scale" and (bool((t <= 0).any()) or want is not None
+                                         and not torch.equal(t.to(want).float(), t)):
+                    p.add(rule, f"{name}: scales must be positive and exact in {model_dtype}")

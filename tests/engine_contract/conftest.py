@@ -19,6 +19,8 @@ SCHEMES = {
     "w4a16_pc": dict(scheme="w4a16", group_size=0, method="rtn"),
     "w4a8": dict(scheme="w4a8_dynamic", method="rtn"),
     "bits8_c8": dict(scheme="w8a8", bits_default=True, kv_cache="int8"),  # the recipe + int8 KV cache
+    "w8a8_dynamic_c8": dict(scheme="w8a8_dynamic", kv_cache="int8"),
+    "w4a8_c8": dict(scheme="w4a8_dynamic", method="rtn", kv_cache="int8"),
 }
 FAST = dict(calib_samples=4, seq_len=32)
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.engine_contract.common import (EXPERT_RE, FLOAT_DTYPES, Problems, c8_problems, c8_tensors,
-                                          linear_modules, read_json, routing, tensor)
+from tests.engine_contract.common import (EXPERT_RE, FLOAT_DTYPES, Problems, c8_problems, c8_tensors, fa_problems,
+                                          fa_tensors, linear_modules, read_json, routing, tensor)
 
 # atb/utils/quantize/quant_type.py::QuantType (lower-case values of config.json `quantize`)
 QUANT_TYPES = ("float", "w4a16", "w8a8", "w8a16", "w8a8s", "w8a8sc", "w8a8_dynamic", "w8a8_pdmix", "w4a8_dynamic",
@@ -205,6 +205,7 @@ def read(d: Path, src_shapes: dict[str, tuple[int, ...]], model_dtype: str, mode
                 p.add("preprocess_linear_for_rope", f"{module}: W4A16 per group is packed along n; the rope-row "
                                                     "permutation would move half-rows")
     kv_cache(cfg, desc, route, src_shapes, model_dtype, model_type, types, p)
+    fa3(cfg, desc, route, model_dtype, model_type, p)
     config_keys(cfg, model_type, p)
     scales_in_model_dtype(route, model_dtype, p)
     return p
@@ -218,6 +219,12 @@ C8_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 C8_LINEAR_TYPES = ("W8A8", "W8A16", "FLOAT")
 
 
+def quantization_config(cfg: dict, desc: dict, key: str) -> str | None:
+    """atb/models/base/router.py::BaseRouter.config merges the description's keys into config.json's
+    quantization_config, the description winning: one key of the result."""
+    return desc.get(key, (cfg.get("quantization_config") or {}).get(key))
+
+
 def kv_cache(cfg: dict, desc: dict, route: dict, src_shapes: dict, model_dtype: str, model_type: str,
              types: dict[str, str | None], p: Problems) -> None:
     """C8: atb/models/base/router.py::BaseRouter.config merges the description's globals into config.json's
@@ -225,7 +232,7 @@ def kv_cache(cfg: dict, desc: dict, route: dict, src_shapes: dict, model_dtype: 
     ("only supported for type C8"); then every attention layer calls atb/utils/layers/attention/kv_cache.py::
     KvCache.load(<attn>.k_proj, <attn>.v_proj): get_sharded of the four tensors (missing -> error), cast to the model
     dtype (weights.py::correct_tensor_dtype), the offset's float32 bits read as int32 then int8; fp16/bf16 only."""
-    kvq = desc.get("kv_quant_type", (cfg.get("quantization_config") or {}).get("kv_quant_type"))
+    kvq = quantization_config(cfg, desc, "kv_quant_type")
     layers = c8_tensors(route)
     if kvq is None:
         if layers:
@@ -247,6 +254,33 @@ def kv_cache(cfg: dict, desc: dict, route: dict, src_shapes: dict, model_dtype: 
     widths = {m: src_shapes[m + ".weight"][0] for m in (n.rsplit(".", 1)[0] for l in layers.values()
                                                         for n in l.values())}
     c8_problems(route, layers, widths, model_dtype, "KvCache.load", p)
+
+
+FA_QUANT_TYPES = ("FAQuant", "FAKQuant")  # atb/models/base/config.py::__check_fa_quant_type
+
+
+def fa3(cfg: dict, desc: dict, route: dict, model_dtype: str, model_type: str, p: Problems) -> None:
+    """MLA FA quant: the description's fa_quant_type reaches quantization_config (router.py merge) and must be
+    FAQuant/FAKQuant (config.py::__check_fa_quant_type); atb/models/deepseekv2/modeling_deepseekv2.py calls
+    atb/utils/layers/attention/fa3.py::FA3.load_mla(<attn>.fa_q, <attn>.fa_k, <attn>.fa_v) per layer: fa_q.scale
+    reshaped to one row per head (inverted, sliced per TP rank), fa_k.scale one value (fa_v and the offsets are not
+    read), cast to the model dtype. The query is quantized in MLA preprocess only with mla_quantize w8a8 and float16
+    (flash_causal_deepseekv2.py enableMlaPreprocess; the user guide's FA3 page: float16 and W8A8 only)."""
+    fa = quantization_config(cfg, desc, "fa_quant_type")
+    layers = fa_tensors(route)
+    if fa is None:
+        if layers:
+            p.add("QuantizationConfig", "FA-quant tensors but no fa_quant_type: the latent cache stays float")
+        return
+    if fa not in FA_QUANT_TYPES:
+        p.add("__check_fa_quant_type", f"fa_quant_type={fa!r}")
+        return
+    if model_type != "deepseek_v3":
+        p.add("FA3.load_mla", f"{model_type}: only DeepSeek's MLA attention loads FA3 scales")
+    if model_dtype != "F16" or cfg.get("mla_quantize") != "w8a8":
+        p.add("enableMlaPreprocess", f"FA3 with {model_dtype} and mla_quantize={cfg.get('mla_quantize')!r}: the "
+              "query is quantized only for float16 with mla_quantize w8a8")
+    fa_problems(route, layers, int(cfg["num_attention_heads"]), model_dtype, "FA3.load_mla", p)
 
 
 def config_keys(cfg: dict, model_type: str, p: Problems) -> None:

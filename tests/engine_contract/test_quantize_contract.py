@@ -22,7 +22,6 @@ READERS = {"mindie": mindie.read, "vllm-ascend": vllm_ascend.read}
 README = Path(__file__).resolve().parents[2] / "README.md"
 # w8a8 explicit differs from the --bits 8 recipe only where experts or DeepSeek regions are involved
 CASES = [(f, s) for f in FAMILIES for s in SCHEMES if s != "w8a8" or f in MOE]
-FAMILY_HAS_C8 = {f: f != "deepseek_v3" for f in FAMILIES}  # DeepSeek caches an MLA latent (FA quant, not C8)
 
 
 def _read(engine: str, out: Path, src: Path) -> Problems:
@@ -40,9 +39,6 @@ def test_output_loads_or_refusal_is_justified(family, scheme, engine, produce):
     if r.out is not None:
         problems = _read(engine, r.out, r.src)
         assert problems == [], f"{family} {scheme} for {engine}:\n" + "\n".join(problems)
-        return
-    if "kv_cache" in SCHEMES[scheme] and not FAMILY_HAS_C8[family]:  # MLA: no C8 form for either engine
-        assert "--kv-cache int8 is the C8 form of GQA caches" in r.refusal, r.refusal
         return
     assert f"--engine {engine}" in r.refusal and ("layers" in r.refusal or "region" in r.refusal
                                                   or "--kv-cache" in r.refusal), r.refusal
@@ -70,6 +66,34 @@ def test_fp16_deq_scale_per_engine(produce, contract_models):
         route = routing(out, Problems(), "ds16")
         assert route["model.layers.0.self_attn.o_proj.deq_scale"][1] == "I64"
         assert _read(engine, out, src) == []
+
+
+@pytest.mark.parametrize("scheme", ["bits8_c8", "w4a8_c8"])
+def test_deepseek_fa_quant_on_fp16_per_engine(scheme, produce, contract_models, tmp_path):
+    """DeepSeek's int8 latent cache (FA quant) on a float16 model, read by both engines' readers: MindIE takes it
+    with static W8A8 MLA (the `--bits 8` recipe, and the W4A8C8 recipe's attention), vLLM-Ascend with W8A8_DYNAMIC
+    attention (the W4A8 recipe) and refuses `--bits 8`'s static attention - and what it refuses, its reader
+    rejects in MindIE's output."""
+    from dsconv.errors import UserError
+    from dsconv.quant.plan.options import QuantOptions
+    from dsconv.quant.stage import QuantRequest, run
+    from tests.engine_contract.conftest import FAST
+
+    src = contract_models["deepseek_v3_fp16"]
+    outs = {}
+    for engine in ENGINES:
+        out = tmp_path / engine
+        try:
+            run(QuantRequest(src, out, QuantOptions(**{**FAST, **SCHEMES[scheme], "engine": engine}), progress=False))
+            outs[engine] = out
+        except UserError as e:
+            assert engine == "vllm-ascend" and scheme == "bits8_c8" and "W8A8_DYNAMIC attention" in e.one_line()
+    for engine, out in outs.items():
+        assert _read(engine, out, src) == [], engine
+        desc = json.loads((out / "quant_model_description.json").read_text())
+        assert desc["fa_quant_type"] == "FAKQuant" and desc["model.layers.1.self_attn.fa_q.scale"] == "FAQuant"
+    if "vllm-ascend" not in outs:
+        assert _read("vllm-ascend", outs["mindie"], src) != []
 
 
 def test_deepseek_recipe_and_config_keys(produce):
@@ -160,7 +184,9 @@ def _table(produce) -> str:
                    and (e != "vllm-ascend" or real.get(key, False))]
             cells.append(" + ".join({"mindie": "MindIE", "vllm-ascend": "vLLM"}[e] for e in got) or "-")
         label = {"bits8": "`--bits 8` (engine recipe)", "w4a16_pc": "w4a16 `--group-size 0`",
-                 "w4a8": "w4a8_dynamic (MoE recipe)", "bits8_c8": "`--bits 8 --kv-cache int8` (C8 KV cache)"}.get(s, s)
+                 "w4a8": "w4a8_dynamic (MoE recipe)", "bits8_c8": "`--bits 8 --kv-cache int8`",
+                 "w8a8_dynamic_c8": "w8a8_dynamic `--kv-cache int8`",
+                 "w4a8_c8": "w4a8_dynamic `--kv-cache int8`"}.get(s, s)
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

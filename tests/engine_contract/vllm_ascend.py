@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.engine_contract.common import (EXPERT_RE, FLOAT_DTYPES, Problems, c8_problems, c8_tensors,
-                                          linear_modules, read_json, routing, tensor)
+from tests.engine_contract.common import (EXPERT_RE, FLOAT_DTYPES, Problems, c8_problems, c8_tensors, fa_problems,
+                                          fa_tensors, linear_modules, read_json, routing, tensor)
 
 # va/quantization/methods/* @register_scheme, A2/A3 registry (docs/engine_rules.md C.3)
 REGISTRY = {"linear": {"W8A8", "W8A8_DYNAMIC", "W8A16", "W8A8_MIX", "W4A4_DYNAMIC"},
@@ -22,6 +22,7 @@ DESCRIPTION = "quant_model_description.json"
 # AscendModelSlimConfig.get_cache_scale (Qwen3ForCausalLM, Glm4MoeForCausalLM, MiniMaxM2ForCausalLM)
 C8_MODEL_TYPES = ("qwen3", "glm4_moe", "minimax_m2")
 C8_PARAMS = ("kv_cache_scale", "kv_cache_offset")
+FA_MODEL_TYPE = "deepseek_v3"  # patch_weight_utils.py patches vllm.model_executor.models.deepseek_v2 only
 
 
 def description_file(d: Path, cfg: dict, p: Problems) -> dict | None:
@@ -37,11 +38,41 @@ def description_file(d: Path, cfg: dict, p: Problems) -> dict | None:
 
 
 def global_keys(desc: dict, p: Problems) -> None:
-    """va/quantization/modelslim_config.py::_add_kvcache_quant_metadata: presence of fa_quant_type /
-    indexer_quant_type enables FA quant (a null counts)."""
-    for k in ("fa_quant_type", "indexer_quant_type"):
-        if k in desc:
-            p.add("_add_kvcache_quant_metadata", f"description has {k}={desc[k]!r}: enables FA/indexer quant")
+    """va/quantization/modelslim_config.py::_add_kvcache_quant_metadata: presence of indexer_quant_type enables
+    indexer quant (a null counts); fa_quant_type is checked with its tensors (fa_quant)."""
+    if "indexer_quant_type" in desc:
+        p.add("_add_kvcache_quant_metadata", f"description has indexer_quant_type={desc['indexer_quant_type']!r}")
+
+
+def fa_quant(desc: dict, route: dict, cfg: dict, model_dtype: str, model_type: str, p: Problems) -> None:
+    """MLA FA quant. _add_kvcache_quant_metadata: a non-empty fa_quant_type enables it (a null counts as present)
+    for the layers with a key containing `fa_k.scale`; their attention gets methods/kv_c8.py::
+    AscendFAQuantAttentionMethod (fa_q.scale [num_heads, 1], fa_k / fa_v [1, 1] in the default dtype, int8 offsets,
+    split per TP rank on dim 0 by _fa_quant_weight_loader); the checkpoint names reach them through
+    patch/worker/patch_weight_utils.py (DeepSeek only: `<attn>.fa_*` -> `<attn>.mla_attn.mla_attn.fa_*`). On a
+    decode instance the fused MLA path (attention/mla_v1.py::_process_weights_for_fused_fa_quant) reads q_proj's
+    and fused_qkv_a_proj's weight_scale: W8A8_DYNAMIC attention."""
+    layers = fa_tensors(route)
+    if not layers:
+        if "fa_quant_type" in desc:
+            p.add("_add_kvcache_quant_metadata", f"fa_quant_type={desc['fa_quant_type']!r} enables FA quant, but "
+                  "no layer has fa_k.scale")
+        return
+    if not desc.get("fa_quant_type"):
+        p.add("load_weights", "FA-quant tensors without fa_quant_type: no parameter takes them")
+        return
+    if model_type != FA_MODEL_TYPE:
+        p.add("patch_weight_utils", f"{model_type}: FA-quant names are remapped for DeepSeek only")
+    for layer in layers.values():
+        for name in layer.values():
+            if desc.get(name) is None:
+                p.add("_add_kvcache_quant_metadata", f"{name} is not in the description")
+    for module in linear_modules(route):
+        if module.endswith(("q_b_proj", "q_a_proj", "kv_a_proj_with_mqa")) and \
+                desc.get(module + ".weight") != "W8A8_DYNAMIC":
+            p.add("_process_weights_for_fused_fa_quant", f"{module} is {desc.get(module + '.weight')}: the fused "
+                  "FA-quant MLA path reads its weight_scale (W8A8_DYNAMIC)")
+    fa_problems(route, layers, int(cfg["num_attention_heads"]), model_dtype, "AscendFAQuantAttentionMethod", p)
 
 
 def quant_type(desc: dict, prefix: str, p: Problems) -> str | None:
@@ -141,6 +172,7 @@ def read(d: Path, src_shapes: dict[str, tuple[int, ...]], model_dtype: str, mode
         return p
     global_keys(desc, p)
     kv_cache(desc, route, src_shapes, model_dtype, model_type, p)
+    fa_quant(desc, route, cfg, model_dtype, model_type, p)
     # methods/w4a8.py::AscendW4A8DynamicFusedMoEMethod.__init__: per channel iff group_size == 0 (the default is
     # 256, per group: its *_second params would stay unfilled), packed iff version "1.0.0"; and
     # AscendW4A8DynamicLinearMethod.get_pergroup_param divides by group_size: no W4A8 linear in a per-channel file

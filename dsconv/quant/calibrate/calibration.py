@@ -40,7 +40,7 @@ from dsconv.quant.calibrate.context import CalibContext, LayerActivations
 from dsconv.quant.calibrate.data import CalibSet
 from dsconv.quant.calibrate.forward_jobs import Forward
 from dsconv.quant.calibrate.hooks import ExpertRecorder, LinearHooks
-from dsconv.quant.calibrate.kv_cache import KVCacheStats
+from dsconv.quant.calibrate.kv_cache import CacheStats, cache_stats
 from dsconv.quant.calibrate.layers import Skeleton, install_forward
 from dsconv.quant.calibrate.linear import QuantizedLinear, finish_linear, load_bias, quantize_linear
 from dsconv.quant.calibrate.smooth_layer import smooth_layer
@@ -140,7 +140,8 @@ class Calibrator:
         if smoothing_of(run.opts, plan) is not None:
             modified, col_scale, log = smooth_layer(run, self.acts, self.fwd, i, layer, targets, experts, lps)
             self.smoothing += log
-        cache = KVCacheStats(self.acts.rows) if i in plan.kv else None  # --kv-cache int8: what attention caches
+        # --kv-cache int8: what the attention caches, measured during the statistics pass
+        cache = cache_stats(plan.kv[i], sk, layer, self.acts.rows) if i in plan.kv else None
         chosen = awq.AwqLayer()  # --method awq: scales folded, weights chosen, outputs propagated by its probe
         if plan.method == "awq":
             if cache is not None:  # awq's probe replaces the statistics pass: the cache is seen on its own first
@@ -156,9 +157,10 @@ class Calibrator:
             install_forward(experts, recorder)
         propagate = plan.method == "gptq" and experts is None and bool(targets)
         if not chosen.written:
-            self.fwd.stats_pass(i, layer, hooks, recorder, write=not propagate, cache=cache)
+            self.fwd.stats_pass(i, layer, hooks, recorder, write=not propagate, cache=cache, kv=plan.kv.get(i))
         hooks.remove()
         if cache is not None:
+            cache.remove()
             qw.kv_cache(cache.tensors(plan.kv[i]))
         if run.static and run.opts.act_method == clipping.METHOD:
             clipping.choose_clips(hooks.group, targets, self.decisions.setdefault("clipping", {}))
@@ -176,13 +178,13 @@ class Calibrator:
         qw.close_layer(i)
         sk.release(i)
 
-    def kv_pass(self, layer: nn.Module, experts: nn.Module | None, cache: KVCacheStats) -> None:
+    def kv_pass(self, layer: nn.Module, experts: nn.Module | None, cache: CacheStats) -> None:
         """The layer's float forward over every batch for its cache statistics alone (the attention runs before
         the MLP, so the experts return zeros here)."""
         if experts is not None:
             install_forward(experts, lambda h, idx, wts: torch.zeros_like(h))
         for samples in self.acts.batches:
-            self.fwd.serial_batch(layer, samples, write=False, cache=cache)
+            self.fwd.serial_batch(layer, samples, write=False, cache=cache.cache)
 
     # ---- experts --------------------------------------------------------------------------------------------
     def run_experts(self, i: int, experts: nn.Module, recorder: ExpertRecorder, lps: dict[str, LinearPlan],

@@ -53,7 +53,7 @@ from dsconv.quant.algorithms.smoothing import SiteProbe, SiteSample
 from dsconv.quant.calibrate.calib_jobs import JOB_THREADS, Context, Dispatch, job_threads, open_job_checkpoint
 from dsconv.quant.calibrate.context import CalibContext, LayerActivations, forward_batch, padded_batch
 from dsconv.quant.calibrate.hooks import ExpertRecorder, FlowProbe, LinearHooks, RowMask
-from dsconv.quant.calibrate.kv_cache import KVCacheStats
+from dsconv.quant.calibrate.kv_cache import CacheStats, cache_stats
 from dsconv.quant.calibrate.layers import Skeleton, install_forward
 from dsconv.quant.calibrate.stats import InputStats
 from dsconv.quant.plan.plan import LinearPlan
@@ -90,7 +90,7 @@ class ForwardResult:
     stats: list[InputStats] = field(default_factory=list)
     group: dict[str, int] = field(default_factory=dict)  # linear -> index in `stats` (shared inputs share one)
     recorded: tuple | None = None    # ExpertRecorder's (hidden, index, weights, pos) of its batches
-    kv: tuple | None = None          # KVCacheStats.partial() of its batches (--kv-cache int8)
+    kv: tuple | None = None          # the cache statistics' partial() of its batches (--kv-cache int8)
     forward_s: float = 0.0
     cpu_s: float = 0.0               # the job's CPU seconds (single-threaded: its compute, whatever the load)
 
@@ -191,8 +191,8 @@ def _run(job: ForwardJob, sk: Any, layer: nn.Module) -> ForwardResult:
         if experts is not None:
             recorder = ExpertRecorder(rows)
             install_forward(experts, recorder)
-        if n.get("kv"):
-            cache = KVCacheStats(rows)
+        if n.get("kv") is not None:
+            cache = cache_stats(n["kv"], sk, layer, rows)
     h = np.load(job.hidden, mmap_mode="r")
     held = None if job.held is None else torch.from_numpy(job.held)
     pos, ys = [], []
@@ -202,7 +202,7 @@ def _run(job: ForwardJob, sk: Any, layer: nn.Module) -> ForwardResult:
         rows.held = None if held is None else held[idx[mask]]
         if recorder is not None:
             recorder.flat_index = idx.reshape(-1)
-        y = layer(x, **sk.layer_inputs(x, layer, cache))
+        y = layer(x, **sk.layer_inputs(x, layer, cache.cache if cache is not None else None))
         y = y[0] if isinstance(y, tuple) else y
         if job.write:
             pos.append(idx[mask])
@@ -232,6 +232,7 @@ def _run(job: ForwardJob, sk: Any, layer: nn.Module) -> ForwardResult:
         if recorder is not None and recorder.parts:
             res.recorded = recorder.take()
         if cache is not None:
+            cache.remove()
             res.kv = cache.partial()
     res.forward_s, res.cpu_s = time.perf_counter() - t, time.process_time() - c
     return res
@@ -263,7 +264,7 @@ class Forward:
                 "serial_reason": self.reason}
 
     def serial_batch(self, layer: nn.Module, samples: list[int], write: bool,
-                     recorder: ExpertRecorder | None = None, cache: KVCacheStats | None = None) -> None:
+                     recorder: ExpertRecorder | None = None, cache: Any = None) -> None:
         """One batch through the layer in the driver (context.forward_batch), timed."""
         t = time.perf_counter()
         forward_batch(self.run.sk, self.acts, layer, samples, write, recorder, cache)
@@ -370,13 +371,14 @@ class Forward:
                     _merge_site(sites.sites[by_name[n]], part, job.offset)
 
     def stats_pass(self, i: int, layer: nn.Module, hooks: LinearHooks, recorder: ExpertRecorder | None,
-                   write: bool, cache: KVCacheStats | None = None) -> None:
-        """The statistics pass over every batch; fills `hooks.group`, `recorder`, `cache` (the C8 statistics) and
-        (with `write`) `acts.h`."""
+                   write: bool, cache: CacheStats | None = None, kv: Any = None) -> None:
+        """The statistics pass over every batch; fills `hooks.group`, `recorder`, `cache` (the KV-cache statistics
+        of the layer's `kv` plan) and (with `write`) `acts.h`."""
         with self._pass():
             if len(self.runs()) == 1:
                 for samples in self.acts.batches:
-                    self.serial_batch(layer, samples, write=write, recorder=recorder, cache=cache)
+                    self.serial_batch(layer, samples, write=write, recorder=recorder,
+                                      cache=cache.cache if cache is not None else None)
                     hooks.end_batch()
                 return
             names = self.run.sk.module_names
@@ -384,7 +386,8 @@ class Forward:
             targets = {names[m]: lp for m, lp in hooks.targets.items()}
             base: list[InputStats] = []
             group: dict[str, int] = {}
-            for job, r in self._submit(i, layer, "stats", {"targets": targets, "kv": cache is not None}, write):
+            hooked = {"targets": targets, "kv": kv if cache is not None else None}
+            for job, r in self._submit(i, layer, "stats", hooked, write):
                 if not job.first:
                     base, group = r.stats, r.group
                     for st in base:

@@ -1,4 +1,6 @@
-"""The C8 cache scales from calibration: the keys and values a layer's attention would cache, as it caches them.
+"""The KV-cache scales from calibration: what a layer's attention would cache, measured as it caches it.
+
+C8 (GQA):
 
 msModelSlim takes them where transformers hands them to the cache (`DynamicCache.update`, after rope and any k_norm;
 MS processor/quant/attention.py), per channel over every KV head, and so does this: `KVCacheStats` is passed to the
@@ -7,9 +9,18 @@ states a serving engine would write to its int8 cache; it keeps each channel's m
 tokens and hands the states back unchanged (there is no cache: each batch attends to itself, as without one).
 Max is order-free, so the forward jobs' partial statistics merge exactly (`merge`).
 
-Scales are symmetric, as msModelSlim's `int8_per_channel_sym`: absmax / 127, offset 0; rounded up onto the model
-dtype's grid (`schemes.usable_scale`), because vLLM-Ascend holds them in a parameter of the model dtype
-(kv_c8.py::AscendC8KVCacheAttentionMethod.create_weights), so the stored float32 is the number the engine uses.
+FA quant (DeepSeek MLA), as msModelSlim's fa3 processor (processor/quant/fa3/processor.py, hooks placed by
+model/deepseek_v3/model_adapter.py::inject_fa3_placeholders): `FAStats` hooks the layer's modules and measures
+* fa_q: the query's no-rope part after absorbing kv_b_proj's key part (q_nope @ W_UK: what the latent is scored
+  against), per head;
+* fa_k / fa_v: the latent the cache holds (kv_a_layernorm's output), as one head;
+each batch's values by a recall window - the narrowest range holding a fraction of them (0.9999 for q and k, 1.0
+for v, msModelSlim's ratios; core/observer/recall_window.py) - merged over batches by min/max, which is order-free
+as well (the batches are the driver's whatever the worker count).
+
+Scales are symmetric, as msModelSlim's: max(|min|, |max|) / 127, offset 0; rounded up onto the model dtype's grid
+(`schemes.usable_scale`), because the engines hold them in the model dtype (vLLM-Ascend: kv_c8.py create_weights;
+MindIE: weights.py correct_tensor_dtype), so the stored float32 is the number the engine uses.
 """
 from __future__ import annotations
 
@@ -17,11 +28,16 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from dsconv.errors import UserError
 from dsconv.quant.algorithms.schemes import symmetric_scale
 from dsconv.quant.calibrate.hooks import RowMask
+from dsconv.quant.formats.msmodelslim import C8, FA_LAYOUT
 from dsconv.quant.plan.kv_cache import OFFSET, SCALE, KVLayer
+
+# msModelSlim's recall ratios per FA-quant tensor (model_adapter.py: FA3QuantPlaceHolder(ratio=...))
+FA_RECALL = {"fa_q": 0.9999, "fa_k": 0.9999, "fa_v": 1.0}
 
 
 class KVCacheStats:
@@ -30,6 +46,7 @@ class KVCacheStats:
 
     def __init__(self, rows: RowMask) -> None:
         self.rows = rows
+        self.cache = self  # what the decoder layer is given as its cache
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.tokens = 0
@@ -60,13 +77,17 @@ class KVCacheStats:
         """What a forward job returns: (key maxima, value maxima, tokens)."""
         return self.k, self.v, self.tokens
 
+    def remove(self) -> None:
+        pass
+
     def tensors(self, kv: KVLayer) -> dict[str, torch.Tensor]:
         """The layer's four C8 tensors: float32 scales absmax/127 on the model dtype's grid, zero offsets."""
         if self.k is None or self.v is None:
             raise UserError(f"layer {kv.layer}: the attention never handed keys and values to the cache, so "
                             "--kv-cache int8 has nothing to calibrate", hint="drop --kv-cache for this model")
         out = {}
-        for module, absmax, width in ((kv.k_module, self.k, kv.k_width), (kv.v_module, self.v, kv.v_width)):
+        (k_module, k_width), (v_module, v_width) = kv.owners
+        for module, absmax, width in ((k_module, self.k, k_width), (v_module, self.v, v_width)):
             if absmax.numel() != width:
                 raise UserError(f"layer {kv.layer}: the cache receives {absmax.numel()} channels from {module}, "
                                 f"which writes {width}", hint="this model's attention caches another form; drop "
@@ -81,3 +102,97 @@ def _max(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
     if a is None:
         return b
     return a if b is None else torch.maximum(a, b)
+
+
+class FAStats:
+    """FA quant's statistics of one MLA layer (module docstring): forward hooks on its query projection and latent
+    norm, each batch reduced by recall windows, merged by min/max. `cache` is None: nothing stands in for a cache."""
+
+    cache = None
+
+    def __init__(self, kv: KVLayer, modules: dict[str, nn.Module], rows: RowMask, heads: int, nope: int) -> None:
+        q_name, kv_b_name, norm_name = kv.measured
+        self.rows, self.heads, self.nope = rows, heads, nope
+        self.kv_b = modules[kv_b_name]
+        self.lo: dict[str, torch.Tensor] = {}
+        self.hi: dict[str, torch.Tensor] = {}
+        self.handles = [modules[q_name].register_forward_hook(self._query),
+                        modules[norm_name].register_forward_hook(self._latent)]
+
+    def _query(self, mod: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        q = self.rows.apply(out.detach(), "the MLA query").float()
+        q_nope = q.view(q.shape[0], self.heads, -1)[..., : self.nope]               # [tokens, heads, nope]
+        w = self.kv_b.weight.detach().float()
+        w_uk = w.view(self.heads, -1, w.shape[-1])[:, : self.nope]                  # [heads, nope, latent]
+        absorbed = torch.einsum("thn,hnc->htc", q_nope, w_uk)                        # [heads, tokens, latent]
+        self._update("fa_q", absorbed.reshape(self.heads, -1))
+
+    def _latent(self, mod: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        c = self.rows.apply(out.detach(), "the MLA latent").float().reshape(1, -1)  # one head
+        self._update("fa_k", c)
+        self._update("fa_v", c)
+
+    def _update(self, key: str, rows: torch.Tensor) -> None:
+        if rows.shape[1] == 0:
+            return
+        lo, hi = recall_window(rows, FA_RECALL[key])
+        self.lo[key] = lo if key not in self.lo else torch.minimum(self.lo[key], lo)
+        self.hi[key] = hi if key not in self.hi else torch.maximum(self.hi[key], hi)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def partial(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        return self.lo, self.hi
+
+    def merge(self, other: "FAStats | tuple | None") -> None:
+        if other is None:
+            return
+        lo, hi = other.partial() if isinstance(other, FAStats) else other
+        for key in lo:
+            self.lo[key] = lo[key] if key not in self.lo else torch.minimum(self.lo[key], lo[key])
+            self.hi[key] = hi[key] if key not in self.hi else torch.maximum(self.hi[key], hi[key])
+
+    def tensors(self, kv: KVLayer) -> dict[str, torch.Tensor]:
+        """fa_q / fa_k / fa_v: float32 scales [n, 1] (max(|min|, |max|) / 127 on the model dtype's grid), int8 zero
+        offsets [n, 1]."""
+        (scale_name, _, _), (offset_name, _, _) = FA_LAYOUT
+        out = {}
+        for module, n in kv.owners:
+            key = module.rpartition(".")[2]
+            if key not in self.hi:
+                raise UserError(f"layer {kv.layer}: no calibration token reached its MLA attention, so --kv-cache "
+                                "int8 has nothing to calibrate", hint="use more calibration text")
+            amax = torch.maximum(-self.lo[key].clamp(max=0), self.hi[key].clamp(min=0))
+            scale = symmetric_scale(amax.numpy(), 8, f"{module} cache states")
+            out[f"{module}.{scale_name}"] = torch.from_numpy(np.ascontiguousarray(scale, np.float32)).view(n, 1)
+            out[f"{module}.{offset_name}"] = torch.zeros(n, 1, dtype=torch.int8)
+        return out
+
+
+def recall_window(rows: torch.Tensor, ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the narrowest [lo, hi] holding int(ratio * N) of its N values (the first such window), as
+    msModelSlim's core/observer/recall_window.py computes it (vectorised: ratio 1.0 is the min and max)."""
+    n = rows.shape[1]
+    k = max(1, int(ratio * n))
+    if k >= n:
+        return rows.amin(dim=1), rows.amax(dim=1)
+    s, _ = torch.sort(rows, dim=1)
+    i = torch.argmin(s[:, k - 1:] - s[:, : n - k + 1], dim=1, keepdim=True)
+    return s.gather(1, i).squeeze(1), s.gather(1, i + k - 1).squeeze(1)
+
+
+CacheStats = KVCacheStats | FAStats
+
+
+def cache_stats(kv: KVLayer, sk: Any, layer: nn.Module, rows: RowMask) -> CacheStats:
+    """The statistics object of one layer's cache form, attached to `layer` (its `cache`, if any, goes to the
+    layer's forward; `remove()` detaches it)."""
+    if kv.form == C8:
+        return KVCacheStats(rows)
+    by_ck = {sk.ck_name(sk.module_names[m] + ".weight")[: -len(".weight")]: m for m in layer.modules()
+             if m in sk.module_names and "weight" in dict(m.named_parameters(recurse=False))}
+    facts = sk.ck.facts
+    return FAStats(kv, by_ck, rows, facts.num_heads, facts.qk_nope_head_dim)

@@ -26,7 +26,7 @@ from dsconv.quant.algorithms.fake_quant import fake_quant_int8_rows, int8_rows
 from dsconv.quant.algorithms.schemes import quantize_activation
 from dsconv.quant.calibrate.data import load_tokenizer, read_texts, read_utf8
 from dsconv.quant.calibrate.layers import ExpertLoop, install_forward, load_full_model
-from dsconv.quant.evaluate import c8_cache
+from dsconv.quant.evaluate import int8_cache
 from dsconv.quant.formats.msmodelslim import QuantLinear, quantized_modules, read_linear
 
 DEFAULT_SEQ_LEN = 512
@@ -147,9 +147,9 @@ def load_quantized_model(qck: Checkpoint) -> tuple[nn.Module, dict[str, str]]:
             return el(x) if el is not None else x @ w.T
 
         install_forward(experts, ExpertLoop(experts, E, weights, linear=linear))
-    scales = c8_cache.cache_scales(qck)
-    if scales:  # --kv-cache int8: keys and values through the int8 cache
-        c8_cache.install(model, scales)
+    form, scales = int8_cache.cache_scales(qck)
+    if scales:  # --kv-cache int8: what the cache holds through int8
+        int8_cache.install(model, sk, form, scales)
     return model, types
 
 
@@ -262,7 +262,7 @@ def evaluate(model_dir: Path, quant_dir: Path, text: Path | None = None, seq_len
         counts[t] = counts.get(t, 0) + 1
     return {"model": str(model_dir), "quantized": str(quant_dir), "model_quant_type": desc.get("model_quant_type"),
             "linears": dict(sorted(counts.items())), "text": source, "samples": len(chunks), "seq_len": seq_len,
-            **({"kv_cache": "C8"} if c8_cache.cache_scales(qck) else {}), **metrics}
+            **({"kv_cache": form} if (form := int8_cache.cache_scales(qck)[0]) else {}), **metrics}
 
 
 def _evaluate_onnx(ck: Checkpoint, model_dir: Path, onnx_path: Path, lm: Any, text: Path | None, seq_len: int,
@@ -292,7 +292,7 @@ def _eval_chunks(ck: Checkpoint, text: Path | None, seq_len: int,
 def render(r: dict[str, Any]) -> str:
     return "\n".join([
         f"{r['quantized']} ({r['model_quant_type']}: {', '.join(f'{n} {t}' for t, n in r['linears'].items())}) vs "
-        f"{r['model']}" + (", keys and values through the int8 (C8) cache" if r.get("kv_cache") else ""),
+        f"{r['model']}" + (f", the KV cache through int8 ({r['kv_cache']})" if r.get("kv_cache") else ""),
         f"text: {r['text']}: {r['samples']} samples, {r['tokens']} tokens",
         f"perplexity: original {r['ppl_original']:.4f}, quantized {r['ppl_quantized']:.4f} "
         f"({r['ppl_change_pct']:+.3f}%)",

@@ -60,6 +60,13 @@ STAGED_COMPONENTS: tuple[Component, ...] = (
 # cached channel (n: P's output rows), typed C8 in the description; scales absmax/127, offsets zero
 C8 = "C8"
 KV_CACHE_LAYOUT: tuple[Component, ...] = (("kv_cache_scale", "F32", ("n",)), ("kv_cache_offset", "F32", ("n",)))
+# MLA FA quant (DeepSeek's latent cache in int8, docs/formats/kv_cache_c8.md): under an attention module A,
+# A.fa_q (n = one scale per head), A.fa_k and A.fa_v (n = 1, the latent as one head): these two each, typed FAQuant;
+# the description also says `A.quant_type` INT8 and, globally, fa_quant_type FAKQuant
+FA_QUANT = "FAQuant"
+FA_MODULES = ("fa_q", "fa_k", "fa_v")
+FA_LAYOUT: tuple[Component, ...] = (("scale", "F32", ("n", 1)), ("offset", "I8", ("n", 1)))
+LAYER_TYPE_KEY = ".quant_type"  # `<attn>.quant_type`: a layer's attention type, not a tensor
 TYPES = (FLOAT, *LAYOUT)
 LINEAR_AUX = tuple(dict.fromkeys(s for comps in LAYOUT.values() for s, _, _ in comps if s != "weight"))
 
@@ -169,7 +176,8 @@ MOE_TYPE_KEY_SUFFIX = ".experts.weight"
 
 def description_types(desc: dict[str, Any]) -> dict[str, str]:
     """tensor name -> type: global keys and MoE layer-type keys removed."""
-    return {k: v for k, v in desc.items() if k not in GLOBAL_KEYS and not k.endswith(MOE_TYPE_KEY_SUFFIX)}
+    return {k: v for k, v in desc.items() if k not in GLOBAL_KEYS and not k.endswith((MOE_TYPE_KEY_SUFFIX,
+                                                                                       LAYER_TYPE_KEY))}
 
 
 # ----------------------------------------------------------------------------------------------- reading
@@ -256,6 +264,16 @@ def quantized_modules(desc: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+def cache_tensor_type(name: str) -> str | None:
+    """C8 / FAQuant for a KV-cache tensor's name (by the layout table's suffixes), else None."""
+    module, _, param = name.rpartition(".")
+    if param in tuple(s for s, _, _ in KV_CACHE_LAYOUT):
+        return C8
+    if module.rpartition(".")[2] in FA_MODULES and param in tuple(s for s, _, _ in FA_LAYOUT):
+        return FA_QUANT
+    return None
+
+
 def check_description(desc: dict[str, Any], tensors: dict[str, tuple[str, tuple[int, ...]]]) -> list[str]:
     """Problems with a description against the tensors {name: (dtype, shape)} actually stored (empty when sound)."""
     problems = []
@@ -263,12 +281,13 @@ def check_description(desc: dict[str, Any], tensors: dict[str, tuple[str, tuple[
         if key not in desc:
             problems.append(f"description lacks the global key {key}")
     types = description_types(desc)
-    cache_params = tuple(s for s, _, _ in KV_CACHE_LAYOUT)
     for name, t in types.items():
-        if (t == C8) != name.endswith(cache_params) or t not in (*TYPES, C8):
-            problems.append(f"{name}: unknown type {t!r}" if t not in (*TYPES, C8) else
-                            f"{name}: type {t!r}, but C8 is the type of the KV-cache tensors ({', '.join(cache_params)}) "
-                            "and of nothing else")
+        cache = cache_tensor_type(name)
+        if t not in (*TYPES, C8, FA_QUANT):
+            problems.append(f"{name}: unknown type {t!r}")
+        elif (t in (C8, FA_QUANT) or cache is not None) and t != cache:
+            problems.append(f"{name}: type {t!r}, but {cache or 'no cache type'} is this name's: C8 and FAQuant are "
+                            "the types of the KV-cache tensors and of nothing else")
         if name not in tensors:
             problems.append(f"{name}: in the description but not in the weights")
     for name in tensors:

@@ -18,8 +18,9 @@ import torch
 
 from dsconv.io.passthrough import copy_tensor
 from dsconv.io.writer import OutputDir, TensorSetWriter
-from dsconv.quant.formats.msmodelslim import DESCRIPTION_VERSION, FLOAT, STAGED, LinearResult, emit_linear, layout_names
-from dsconv.quant.plan.kv_cache import GLOBALS as KV_GLOBALS, kv_types
+from dsconv.quant.formats.msmodelslim import (DESCRIPTION_VERSION, FLOAT, GLOBAL_KEYS, LAYER_TYPE_KEY, STAGED,
+                                             LinearResult, emit_linear, layout_names)
+from dsconv.quant.plan.kv_cache import kv_description
 from dsconv.quant.plan.plan import STATIC, LinearPlan, QuantPlan, float_spec, linear_specs, model_quant_type
 from dsconv.tensors import TensorSpec, torch_dtype
 
@@ -30,7 +31,7 @@ def final_specs(ck: Any, plan: QuantPlan, types: dict[str, str]) -> list[TensorS
     """Every output tensor in checkpoint order (a linear's tensors at its weight's place)."""
     out: list[TensorSpec] = []
     weights = {lp.weight: lp for lp in plan.linears.values()}
-    kv_after = {kv.v_module + ".weight": kv for kv in plan.kv.values()}  # C8 scales follow their layer's v_proj
+    kv_after = {kv.after: kv for kv in plan.kv.values()}  # cache scales follow their layer's v_proj / latent norm
     for name in ck.names():
         lp = weights.get(name)
         if lp is not None:
@@ -50,12 +51,13 @@ def description(plan: QuantPlan, types: dict[str, str], specs: list[TensorSpec])
         owner[lp.module] = types[lp.module]
     desc: dict[str, Any] = {"model_quant_type": model_quant_type(types.values()), "version": DESCRIPTION_VERSION,
                             "group_size": plan.group_size if any(t == "W4A16" for t in types.values()) else 0}
-    c8 = kv_types(plan.kv)
-    if c8:
-        desc.update(KV_GLOBALS)
+    cache = kv_description(plan.kv)
+    desc.update({k: v for k, v in cache.items() if k in GLOBAL_KEYS})
     for spec in specs:
         module, _, _ = spec.name.rpartition(".")
-        desc[spec.name] = c8.get(spec.name) or (owner.get(module, FLOAT) if spec.name not in plan.floats else FLOAT)
+        desc[spec.name] = cache.get(spec.name) or (owner.get(module, FLOAT) if spec.name not in plan.floats
+                                                   else FLOAT)
+    desc.update({k: v for k, v in cache.items() if k.endswith(LAYER_TYPE_KEY)})
     return desc
 
 

@@ -298,14 +298,16 @@ def plan_summary(ck: Any, plan: QuantPlan, opts: Any, policy: tuple[str, float] 
 
 
 def kv_cache_summary(plan: QuantPlan) -> dict[str, Any] | None:
-    """--kv-cache int8: the C8 cache's layers and channels (None when the cache stays in the model dtype)."""
+    """--kv-cache int8: the form (C8 / FAQuant), its layers and how many scales (None when the cache stays in the
+    model dtype)."""
     if not plan.kv:
         return None
-    return {"type": "C8", "layers": len(plan.kv), "channels": sum(kv.k_width + kv.v_width for kv in plan.kv.values())}
+    return {"type": next(iter(plan.kv.values())).form, "layers": len(plan.kv),
+            "scales": sum(n for kv in plan.kv.values() for _, n in kv.owners)}
 
 
 def _kv_text(kv: dict[str, Any] | None) -> str:
-    return f"; KV cache int8 (C8 scales for {kv['layers']} layers)" if kv else ""
+    return f"; KV cache int8 ({kv['type']} scales for {kv['layers']} layers)" if kv else ""
 
 
 def render_plan(p: dict[str, Any]) -> str:
