@@ -335,3 +335,44 @@ def test_shard_counts_the_mla_latent_in_int8(models, run_cli, tmp_path):
 
     layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
     assert kv(out) == layers * (32 + 8 * 2) and kv(src) == layers * (32 + 8) * 2
+
+
+@pytest.mark.parametrize("family,args,name,change,says", [
+    ("qwen3", ["--bits", "8"], "model.layers.1.self_attn.v_proj.kv_cache_scale", lambda t: t * (1 + 2**-12),
+     "exact in BF16"),
+    ("qwen3", ["--bits", "8"], "model.layers.0.self_attn.k_proj.kv_cache_offset", lambda t: t + 1, "nonzero offsets"),
+    ("deepseek_v3", ["--scheme", "w8a8_dynamic", "--engine", "vllm-ascend"], "model.layers.1.self_attn.fa_q.scale",
+     lambda t: -t, "positive"),
+])
+def test_verify_checks_the_cache_scales(models, run_cli, tmp_path, family, args, name, change, says):
+    """`dsconv verify`'s format check reads every int8-cache tensor: an off-grid or negative scale, or a nonzero
+    offset (which MindIE would read as garbage bits), is reported."""
+    from safetensors.torch import save_file
+
+    from dsconv.quant.formats.msmodelslim import verify_output
+
+    out = tmp_path / "o"
+    assert run_cli(["quantize", "-m", models[family], "-o", out, *args, "--kv-cache", "int8", *FAST]).code == 0
+    assert verify_output(out) == []
+    (f,) = sorted(out.glob("*.safetensors"))
+    t = _tensors(out)
+    t[name] = change(t[name])
+    save_file(t, str(f), metadata={"format": "pt"})
+    problems = verify_output(out)
+    assert len(problems) == 1 and name in problems[0] and says in problems[0], problems
+
+
+def test_mindie_offline_sharding_refuses_fa_quant(run_cli, tmp_path):
+    """MindIE's pre-sharded folders would need FA3's derived buffers (fa3.q_scale, qk_scale, fa3_v_scale), which
+    its loader replaces by 1 without an error when absent: refused (exit 2, nothing written); --format ranks works."""
+    from dsconv.bundled import calib_texts
+    from dsconv.tiny import make_tiny, train_tokenizer
+
+    src = make_tiny("deepseek_v3", tmp_path / "ds16", dtype="fp16",
+                    tokenizer=train_tokenizer(calib_texts(), vocab_size=384))
+    out = tmp_path / "q"
+    assert run_cli(["quantize", "-m", src, "-o", out, "--bits", "8", "--kv-cache", "int8", *FAST]).code == 0
+    shard = ["shard", "-m", out, "--tp", "2", "--ep", "2", "--world", "2"]
+    r = run_cli([*shard, "-o", tmp_path / "s"])
+    assert r.code == 2 and "FA3's derived buffers" in r.err and not (tmp_path / "s").exists(), r.err
+    assert run_cli([*shard, "-o", tmp_path / "r", "--format", "ranks"]).code == 0

@@ -46,12 +46,25 @@ W4A8_WHY = (": its W4A8 buffers are dumped after NPU transforms (npu_trans_quant
             "bias; MindIE-LLM atb/utils/quantize/w4a8.py::W4A8LinearDynamic) that a CPU host does not reproduce")
 
 
+# Why an int8 latent cache (FA quant) has no offline-sharded form here: MindIE's pre-sharded path reads derived
+# buffers, `<attn>.fa3.{q_scale,k_scale,qk_scale,fa3_v_scale,kv_offset}` (the inverted query scale, the products of
+# query and latent scales per head), not the msModelSlim tensors; copying fa_q/fa_k would leave them unread, and the
+# loader then falls back to scale 1 without an error (atb/utils/layers/attention/fa3.py::FA3.load_mla).
+FA3_WHY = ("its offline-sharded weights carry FA3's derived buffers (fa3.q_scale = 1 / fa_q, fa3.qk_scale, "
+           "fa3.fa3_v_scale), read with a silent fallback to scale 1 when absent (MindIE-LLM atb/utils/layers/"
+           "attention/fa3.py::FA3.load_mla), which dsconv does not derive")
+
+
 class Planner:
     """The items of one folder kind for one sub-rank (headers only)."""
 
     def __init__(self, src: Any, rk: Ranks) -> None:
         self.src, self.rk = src, rk
         self.f = src.facts
+        if (src.quant_description or {}).get("fa_quant_type"):
+            raise UserError(f"{src.root}: an int8 latent cache (FA quant) has no MindIE offline-sharded form here: "
+                            f"{FA3_WHY}", hint="shard with --format ranks or plan: MindIE loads the quantize output "
+                            "itself and shards it at load time")
         self.shapes = {n: tuple(i.shape) for n, i in src.tensors.items()}
         self.dtypes = {n: i.dtype for n, i in src.tensors.items()}
         self.desc = src.quant_description or {}

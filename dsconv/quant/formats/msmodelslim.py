@@ -348,7 +348,7 @@ def verify_output(directory: Any) -> list[str]:
         return ["config.json still carries quantization_config"]
     tensors = {n: (i.dtype, tuple(i.shape)) for n, i in ck.tensors.items()}
     problems = check_description(ck.quant_description, tensors)
-    return problems or check_scale_bias(ck)
+    return problems or check_scale_bias(ck) + check_cache_scales(ck)
 
 
 def check_scale_bias(ck: Any) -> list[str]:
@@ -363,4 +363,25 @@ def check_scale_bias(ck: Any) -> list[str]:
         if not np.allclose(ql.scale_bias, want, rtol=1e-6, atol=0):
             problems.append(f"{P}.scale_bias differs from 8 * weight_scale * sum(int4 weights) "
                             f"(max |diff| {float(np.abs(ql.scale_bias - want).max()):.3g})")
+    return problems
+
+
+def check_cache_scales(ck: Any) -> list[str]:
+    """Every int8-cache tensor (C8, FA quant) as the engines need it: scales positive, finite and exact in the model
+    dtype (both engines hold them there), offsets zero (symmetric: MindIE reads a C8 offset's float bits as an int8,
+    so only 0 survives)."""
+    import torch
+
+    model_dtype = {"BF16": torch.bfloat16, "F16": torch.float16}.get(ck.facts.dtype)
+    problems = []
+    for name, t in description_types(ck.quant_description).items():
+        if t not in (C8, FA_QUANT):
+            continue
+        x = ck.load(name).float()
+        if name.rpartition(".")[2] in (KV_CACHE_LAYOUT[1][0], FA_LAYOUT[1][0]):
+            if bool((x != 0).any()):
+                problems.append(f"{name}: nonzero offsets (the int8 cache forms are symmetric)")
+        elif not bool(torch.isfinite(x).all() and (x > 0).all()) or model_dtype is not None \
+                and not torch.equal(x.to(model_dtype).float(), x):
+            problems.append(f"{name}: scales must be positive, finite and exact in {ck.facts.dtype}")
     return problems
