@@ -38,6 +38,7 @@ from dsconv.quant.plan.kv_cache import OFFSET, SCALE, KVLayer
 
 # msModelSlim's recall ratios per FA-quant tensor (model_adapter.py: FA3QuantPlaceHolder(ratio=...))
 FA_RECALL = {"fa_q": 0.9999, "fa_k": 0.9999, "fa_v": 1.0}
+HEADS_PER_STEP = 16  # absorbed queries held at once: 16 heads x 4096 tokens x 512 latent = 128 MiB float32
 
 
 class KVCacheStats:
@@ -124,8 +125,15 @@ class FAStats:
         q_nope = q.view(q.shape[0], self.heads, -1)[..., : self.nope]               # [tokens, heads, nope]
         w = self.kv_b.weight.detach().float()
         w_uk = w.view(self.heads, -1, w.shape[-1])[:, : self.nope]                  # [heads, nope, latent]
-        absorbed = torch.einsum("thn,hnc->htc", q_nope, w_uk)                        # [heads, tokens, latent]
-        self._update("fa_q", absorbed.reshape(self.heads, -1))
+        lo, hi = [], []
+        for h in range(0, self.heads, HEADS_PER_STEP):  # [heads, tokens, latent] a few heads at a time
+            absorbed = torch.einsum("thn,hnc->htc", q_nope[:, h:h + HEADS_PER_STEP], w_uk[h:h + HEADS_PER_STEP])
+            a, b = recall_window(absorbed.reshape(absorbed.shape[0], -1), FA_RECALL["fa_q"]) \
+                if absorbed.shape[1] else (None, None)
+            lo.append(a)
+            hi.append(b)
+        if lo[0] is not None:
+            self._merge("fa_q", torch.cat(lo), torch.cat(hi))
 
     def _latent(self, mod: nn.Module, args: tuple, out: torch.Tensor) -> None:
         c = self.rows.apply(out.detach(), "the MLA latent").float().reshape(1, -1)  # one head
@@ -133,9 +141,10 @@ class FAStats:
         self._update("fa_v", c)
 
     def _update(self, key: str, rows: torch.Tensor) -> None:
-        if rows.shape[1] == 0:
-            return
-        lo, hi = recall_window(rows, FA_RECALL[key])
+        if rows.shape[1]:
+            self._merge(key, *recall_window(rows, FA_RECALL[key]))
+
+    def _merge(self, key: str, lo: torch.Tensor, hi: torch.Tensor) -> None:
         self.lo[key] = lo if key not in self.lo else torch.minimum(self.lo[key], lo)
         self.hi[key] = hi if key not in self.hi else torch.maximum(self.hi[key], hi)
 
@@ -152,8 +161,7 @@ class FAStats:
             return
         lo, hi = other.partial() if isinstance(other, FAStats) else other
         for key in lo:
-            self.lo[key] = lo[key] if key not in self.lo else torch.minimum(self.lo[key], lo[key])
-            self.hi[key] = hi[key] if key not in self.hi else torch.maximum(self.hi[key], hi[key])
+            self._merge(key, lo[key], hi[key])
 
     def tensors(self, kv: KVLayer) -> dict[str, torch.Tensor]:
         """fa_q / fa_k / fa_v: float32 scales [n, 1] (max(|min|, |max|) / 127 on the model dtype's grid), int8 zero
@@ -174,14 +182,19 @@ class FAStats:
 
 def recall_window(rows: torch.Tensor, ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, the narrowest [lo, hi] holding int(ratio * N) of its N values (the first such window), as
-    msModelSlim's core/observer/recall_window.py computes it (vectorised: ratio 1.0 is the min and max)."""
+    msModelSlim's core/observer/recall_window.py computes it - from the tails only: a window of k sorted values
+    leaves out m = N - k of them, split between the two ends, so the m + 1 smallest and largest values decide it
+    (two top-k, not a sort of N: a DeepSeek batch puts 2M values in each of 128 query heads)."""
     n = rows.shape[1]
     k = max(1, int(ratio * n))
     if k >= n:
         return rows.amin(dim=1), rows.amax(dim=1)
-    s, _ = torch.sort(rows, dim=1)
-    i = torch.argmin(s[:, k - 1:] - s[:, : n - k + 1], dim=1, keepdim=True)
-    return s.gather(1, i).squeeze(1), s.gather(1, i + k - 1).squeeze(1)
+    m = n - k
+    low = torch.topk(rows, m + 1, dim=1, largest=False, sorted=True).values   # ascending: window i starts at low[i]
+    high = torch.topk(rows, m + 1, dim=1, largest=True, sorted=True).values   # descending: ... ends at high[m - i]
+    width = high.flip(1) - low
+    i = torch.argmin(width, dim=1, keepdim=True)
+    return low.gather(1, i).squeeze(1), high.flip(1).gather(1, i).squeeze(1)
 
 
 CacheStats = KVCacheStats | FAStats
