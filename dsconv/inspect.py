@@ -12,7 +12,7 @@ from collections import defaultdict
 from typing import Any
 
 from dsconv.families.roles import Category
-from dsconv.qformat import int8_cache, scale_bias_chunks
+from dsconv.qformat import cache_tensors, int8_cache, scale_bias_chunks
 from dsconv.soc import soc_facts
 from dsconv.tensors import human_bytes
 
@@ -34,6 +34,7 @@ def inspect_model(ck: Any) -> dict[str, Any]:
     experts = False
     head, embed = ck.family.tensor("lm_head"), ck.family.tensor("embed")
     tied_dup = facts.tie_word_embeddings and head in ck.tensors and embed in ck.tensors
+    cache = cache_tensors(getattr(ck, "quant_description", None))  # int8 KV-cache scales: no model parameters
     for name, info in ck.tensors.items():
         r = ck.roles[name]
         numel = math.prod(info.shape)
@@ -45,7 +46,7 @@ def inspect_model(ck: Any) -> dict[str, Any]:
         d["bytes"] += info.nbytes
         total_bytes += info.nbytes
         elements += numel
-        if r.is_aux or (tied_dup and name == head):
+        if r.is_aux or name in cache or (tied_dup and name == head):
             continue
         if info.dtype == "I8" and ck.is_quantized and _packed_int4(ck, name):
             numel *= 2  # two int4 values per byte

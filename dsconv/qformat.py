@@ -155,8 +155,20 @@ def dequant_weight(
     return w.reshape(n, k)
 
 
+# the description types of the int8 KV-cache tensors (`quantize --kv-cache int8`; their layout rows are in
+# quant/formats/msmodelslim.py): C8 for GQA caches, FAQuant for DeepSeek's MLA latent
+C8 = "C8"
+FA_QUANT = "FAQuant"
+
+
 def int8_cache(desc: dict | None) -> bool:
     """Whether a quantize output's description says its KV cache is int8: C8 (kv_cache_type / kv_quant_type) or
     FA quant for MLA (fa_quant_type) - what inspect reports and shard budgets."""
     desc = desc or {}
-    return desc.get("kv_cache_type") == "C8" or desc.get("kv_quant_type") == "C8" or bool(desc.get("fa_quant_type"))
+    return desc.get("kv_cache_type") == C8 or desc.get("kv_quant_type") == C8 or bool(desc.get("fa_quant_type"))
+
+
+def cache_tensors(desc: dict | None) -> set[str]:
+    """The names a description types as int8 KV-cache tensors (C8 / FAQuant): scales for the serving engine's
+    cache, which a graph export (ONNX, MindIR) has no place for."""
+    return {k for k, v in (desc or {}).items() if v in (C8, FA_QUANT)} - {"kv_cache_type", "kv_quant_type"}

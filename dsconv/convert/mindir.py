@@ -44,7 +44,9 @@ import numpy as np
 from dsconv import schemas
 from dsconv.convert import tolerance
 from dsconv.convert.ms_nets import worker
+from dsconv.convert.quant_onnx import cache_note
 from dsconv.errors import CheckFailed, UserError
+from dsconv.qformat import cache_tensors
 from dsconv.runtime.process import working_dir
 from dsconv.tensors import precision_torch_dtype
 
@@ -434,6 +436,7 @@ def _export(ck, model_dir: Path, output: Path, dtype: str, atol: float | None, f
             "inputs": {"input_ids": f"{INPUT_DTYPE} [batch, seq]", "attention_mask": f"{INPUT_DTYPE} [batch, seq]"},
             "outputs": {"logits": "float32 [batch, seq, vocab]"},
             "quantized": ck.is_quantized, "linear_weights": ms_side["linear_weights"],
+            "kv_cache_scales_left_out": len(cache_tensors(ck.quant_description)),
             "mtp_tensors_skipped": ms_side["mtp_tensors_skipped"],
             "moe": "every expert computed, dense top-k combine" if ck.facts.is_moe else None,
             "with_past": False, "check": check,
@@ -463,6 +466,7 @@ def render(summary: dict[str, Any]) -> str:
                      f"(what {summary['dtype']} costs)")
     if summary["quantized"]:
         lines.append(f"  linear weights: {summary['linear_weights']} (dequantized inside the graph)")
+    lines += cache_note(summary.get("kv_cache_scales_left_out"))
     return "\n".join(lines)
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dsconv.errors import CheckFailed, UserError
+from dsconv.qformat import cache_tensors
 
 FAKEQUANT = "model_fakequant.onnx"
 DEPLOY = "model_deploy.onnx"
@@ -81,6 +82,8 @@ def export_quantized_onnx(quant_dir: Path, output: Path, source: Callable[[Any],
         "format": "onnx", "quantized": str(quant_dir), "output": str(output), "family": qck.family.name,
         "dtype": "fp32", "opset": opset, "with_past": with_past, "position_ids": position_ids, "atol": atol,
         "model_quant_type": qck.quant_description.get("model_quant_type"), "linears": dict(sorted(types.items())),
+        # --kv-cache int8 scales are the serving engine's: the graph attends in float
+        "kv_cache_scales_left_out": len(cache_tensors(qck.quant_description)),
     }
     if dry_run:
         summary["dry_run"] = True
@@ -227,5 +230,12 @@ def render(summary: dict[str, Any]) -> str:
         f"  deploy: {dp['AscendQuant']} AscendQuant / {dp['AscendDequant']} AscendDequant (INT8 matmuls), "
         f"{dp['weight_dequant']} int8 weights dequantized in float; compile with "
         f"`dsconv atc --onnx {Path(summary['output']) / DEPLOY}` (static shapes, one .om per gear)",
+        *cache_note(summary.get("kv_cache_scales_left_out")),
         f"  {summary['seconds']:.1f} s",
     ])
+
+
+def cache_note(n: int | None) -> list[str]:
+    """The summary line of a graph export of an output with int8 KV-cache scales (`quantize --kv-cache int8`)."""
+    return [f"  {n} int8 KV-cache scale tensors left out: they are the serving engine's, the graph attends in float"
+            ] if n else []

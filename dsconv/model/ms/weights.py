@@ -18,6 +18,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor
 
 from dsconv.errors import UserError
+from dsconv.qformat import cache_tensors
 from dsconv.families.roles import Category, Role
 
 from dsconv.model.ms.blocks import ExpertWeights, Linear
@@ -211,8 +212,11 @@ class WeightSource:
 
     # ---- bookkeeping ----------------------------------------------------------------------------------------
     def unused(self) -> list[str]:
-        """Checkpoint tensors the network did not consume (MTP modules are not part of the exported model)."""
-        return [n for n, r in self.ck.roles.items() if n not in self.used and r.category != Category.MTP]
+        """Checkpoint tensors the network did not consume (MTP modules are not part of the exported model, nor are
+        a quantize output's int8 KV-cache scales: the graph has no cache)."""
+        cache = cache_tensors(self.ck.quant_description)
+        return [n for n, r in self.ck.roles.items() if n not in self.used and r.category != Category.MTP
+                and n not in cache]
 
     def skipped_mtp(self) -> int:
         return sum(1 for r in self.ck.roles.values() if r.category == Category.MTP)

@@ -144,12 +144,18 @@ class Calibrator:
         cache = cache_stats(plan.kv[i], sk, layer, self.acts.rows) if i in plan.kv else None
         chosen = awq.AwqLayer()  # --method awq: scales folded, weights chosen, outputs propagated by its probe
         if plan.method == "awq":
-            if cache is not None:  # awq's probe replaces the statistics pass: the cache is seen on its own first
-                self.kv_pass(layer, experts, cache)
+            layer_input = self.acts.h.clone() if cache is not None else None
             chosen = awq.run_layer(run, self.acts, self.fwd.serial_batch, i, layer, targets, lps, experts)
             modified.update(chosen.modified)
             if chosen.log is not None:
                 self.decisions.setdefault("awq", []).extend(chosen.log)
+            if cache is not None and chosen.written:  # no statistics pass follows: the cache gets a pass of its
+                # own, on the layer as AWQ left it (its v -> o fold rescales what v_proj writes to the cache) and
+                # on the layer's input (the probe has replaced it by the outputs)
+                self.acts.h, layer_output = layer_input, self.acts.h
+                self.kv_pass(layer, experts, cache)
+                self.acts.h = layer_output
+            del layer_input
 
         hooks = LinearHooks(targets, lambda lp: self.stats.new(lp.k, lp.module), self.acts.rows)
         recorder = ExpertRecorder(self.acts.rows) if experts is not None else None
@@ -179,8 +185,8 @@ class Calibrator:
         sk.release(i)
 
     def kv_pass(self, layer: nn.Module, experts: nn.Module | None, cache: CacheStats) -> None:
-        """The layer's float forward over every batch for its cache statistics alone (the attention runs before
-        the MLP, so the experts return zeros here)."""
+        """The layer's forward over every batch for its cache statistics alone (--method awq, whose probe
+        replaces the statistics pass; the attention runs before the MLP, so the experts return zeros here)."""
         if experts is not None:
             install_forward(experts, lambda h, idx, wts: torch.zeros_like(h))
         for samples in self.acts.batches:

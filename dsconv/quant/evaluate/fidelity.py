@@ -26,7 +26,7 @@ from dsconv.quant.algorithms.fake_quant import fake_quant_int8_rows, int8_rows
 from dsconv.quant.algorithms.schemes import quantize_activation
 from dsconv.quant.calibrate.data import load_tokenizer, read_texts, read_utf8
 from dsconv.quant.calibrate.layers import ExpertLoop, install_forward, load_full_model
-from dsconv.quant.evaluate import int8_cache
+from dsconv.quant.evaluate import int8_cache as int8_cache_sim
 from dsconv.quant.formats.msmodelslim import QuantLinear, quantized_modules, read_linear
 
 DEFAULT_SEQ_LEN = 512
@@ -112,8 +112,9 @@ class EngineLinear:
         return y if self.bias is None else y + self.bias
 
 
-def load_quantized_model(qck: Checkpoint) -> tuple[nn.Module, dict[str, str]]:
-    """The model of a quantized output dir: dequantized weights, engine-style activations. Returns (model, types)."""
+def load_quantized_model(qck: Checkpoint, int8_cache: bool = True) -> tuple[nn.Module, dict[str, str]]:
+    """The model of a quantized output dir: dequantized weights, engine-style activations, and (with `int8_cache`)
+    its KV cache through int8 where the output has cache scales. Returns (model, types)."""
     types = quantized_modules(qck.quant_description)
     linears = {P: EngineLinear(read_linear(qck, P, t)) for P, t in types.items()}
 
@@ -147,9 +148,9 @@ def load_quantized_model(qck: Checkpoint) -> tuple[nn.Module, dict[str, str]]:
             return el(x) if el is not None else x @ w.T
 
         install_forward(experts, ExpertLoop(experts, E, weights, linear=linear))
-    form, scales = int8_cache.cache_scales(qck)
-    if scales:  # --kv-cache int8: what the cache holds through int8
-        int8_cache.install(model, sk, form, scales)
+    form, scales = int8_cache_sim.cache_scales(qck)
+    if scales and int8_cache:  # --kv-cache int8: what the cache holds through int8
+        int8_cache_sim.install(model, sk, form, scales)
     return model, types
 
 
@@ -262,7 +263,7 @@ def evaluate(model_dir: Path, quant_dir: Path, text: Path | None = None, seq_len
         counts[t] = counts.get(t, 0) + 1
     return {"model": str(model_dir), "quantized": str(quant_dir), "model_quant_type": desc.get("model_quant_type"),
             "linears": dict(sorted(counts.items())), "text": source, "samples": len(chunks), "seq_len": seq_len,
-            **({"kv_cache": form} if (form := int8_cache.cache_scales(qck)[0]) else {}), **metrics}
+            **({"kv_cache": form} if (form := int8_cache_sim.cache_scales(qck)[0]) else {}), **metrics}
 
 
 def _evaluate_onnx(ck: Checkpoint, model_dir: Path, onnx_path: Path, lm: Any, text: Path | None, seq_len: int,

@@ -71,8 +71,9 @@ def install(model: nn.Module, sk: Any, form: str, scales: dict[int, dict[str, to
     forward = model.forward
 
     def with_cache(*args: Any, **kwargs: Any) -> Any:
-        kwargs["cache"] = C8Cache(config=model.config)
-        kwargs["use_cache"] = True
+        if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:  # a caller's cache is its own
+            kwargs["cache"] = C8Cache(config=model.config)
+            kwargs["use_cache"] = True
         return forward(*args, **kwargs)
 
     model.forward = with_cache  # type: ignore[method-assign]

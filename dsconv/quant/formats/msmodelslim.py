@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from dsconv.errors import UserError
-from dsconv.qformat import scale_bias, scale_bias_sums
+from dsconv.qformat import C8, FA_QUANT, scale_bias, scale_bias_sums
 from dsconv.quant.algorithms.schemes import (deq_scale_as_int64, deq_scale_from_int64, dequant_weight, pack_int4,
                                              pack_int4_along_k, unpack_int4_by_shape)
 
@@ -58,12 +58,10 @@ STAGED_COMPONENTS: tuple[Component, ...] = (
     ("input_offset", "F32", (1,)), ("deq_scale", "F32", ("n",)), ("quant_bias", "I32", ("n",)))
 # KV-cache int8 (C8, docs/formats/kv_cache_c8.md): beside an attention layer's k and v projections P, one value per
 # cached channel (n: P's output rows), typed C8 in the description; scales absmax/127, offsets zero
-C8 = "C8"
 KV_CACHE_LAYOUT: tuple[Component, ...] = (("kv_cache_scale", "F32", ("n",)), ("kv_cache_offset", "F32", ("n",)))
 # MLA FA quant (DeepSeek's latent cache in int8, docs/formats/kv_cache_c8.md): under an attention module A,
 # A.fa_q (n = one scale per head), A.fa_k and A.fa_v (n = 1, the latent as one head): these two each, typed FAQuant;
 # the description also says `A.quant_type` INT8 and, globally, fa_quant_type FAKQuant
-FA_QUANT = "FAQuant"
 FA_MODULES = ("fa_q", "fa_k", "fa_v")
 FA_LAYOUT: tuple[Component, ...] = (("scale", "F32", ("n", 1)), ("offset", "I8", ("n", 1)))
 LAYER_TYPE_KEY = ".quant_type"  # `<attn>.quant_type`: a layer's attention type, not a tensor
