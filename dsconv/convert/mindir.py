@@ -436,7 +436,6 @@ def _export(ck, model_dir: Path, output: Path, dtype: str, atol: float | None, f
             "inputs": {"input_ids": f"{INPUT_DTYPE} [batch, seq]", "attention_mask": f"{INPUT_DTYPE} [batch, seq]"},
             "outputs": {"logits": "float32 [batch, seq, vocab]"},
             "quantized": ck.is_quantized, "linear_weights": ms_side["linear_weights"],
-            "kv_cache_scales_left_out": len(cache_tensors(ck.quant_description)),
             "mtp_tensors_skipped": ms_side["mtp_tensors_skipped"],
             "moe": "every expert computed, dense top-k combine" if ck.facts.is_moe else None,
             "with_past": False, "check": check,
@@ -447,6 +446,8 @@ def _export(ck, model_dir: Path, output: Path, dtype: str, atol: float | None, f
             "peak_rss_by_step": ({"export (child)": ms_side["peak_rss_bytes"], "check (child)": ran["peak_rss_bytes"],
                                   "dsconv (reference)": worker.peak_rss_bytes()} if _isolate(ck) else None),
         }
+        if cache_tensors(ck.quant_description):  # --kv-cache int8 scales: the serving engine's, not the graph's
+            summary["kv_cache_scales_left_out"] = len(cache_tensors(ck.quant_description))
         out.write_json(REPORT, summary)
     return summary
 
