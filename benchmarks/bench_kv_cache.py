@@ -35,7 +35,8 @@ rows.set(torch.ones(1, T, dtype=torch.bool))
 best = float("inf")
 if kind == "fa":
     H, nope, rope, C = 128, 128, 64, 512
-    q_b, kv_b, norm = nn.Linear(8, H * (nope + rope), bias=False), nn.Linear(C, H * (nope + 128), bias=False), nn.Identity()
+    q_b, kv_b = nn.Linear(8, H * (nope + rope), bias=False), nn.Linear(C, H * (nope + 128), bias=False)
+    norm = nn.Identity()
     kv = KVLayer(3, "FAQuant", (("a.fa_q", H), ("a.fa_k", 1), ("a.fa_v", 1)), "a", "n.weight", ("q", "kvb", "n"))
     q, c = torch.randn(1, T, H * (nope + rope)), torch.randn(1, T, C)
     for _ in range(3):

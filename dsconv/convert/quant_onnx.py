@@ -83,7 +83,7 @@ def export_quantized_onnx(quant_dir: Path, output: Path, source: Callable[[Any],
         "dtype": "fp32", "opset": opset, "with_past": with_past, "position_ids": position_ids, "atol": atol,
         "model_quant_type": qck.quant_description.get("model_quant_type"), "linears": dict(sorted(types.items())),
     }
-    if cache_tensors(qck.quant_description):  # --kv-cache int8 scales are the serving engine's: the graph attends in float
+    if cache_tensors(qck.quant_description):  # --kv-cache int8 scales: the serving engine's, not the graph's
         summary["kv_cache_scales_left_out"] = len(cache_tensors(qck.quant_description))
     if dry_run:
         summary["dry_run"] = True

@@ -222,8 +222,9 @@ def check_kv_cache(prof: EngineProfile, family: Any, model_type: str, plan: Any)
                         hint=f"drop --kv-cache{', or use --engine ' + ' / '.join(others) if others else ''}")
     if plan.model_dtype not in need.dtypes:
         names = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
-        raise UserError(f"--engine {prof.name}: --kv-cache int8 needs {' or '.join(names[d] for d in sorted(need.dtypes))}"
-                        f" weights, the model is {names.get(plan.model_dtype, plan.model_dtype)}: {why}",
+        wanted = " or ".join(names[d] for d in sorted(need.dtypes))
+        have = names.get(plan.model_dtype, plan.model_dtype)
+        raise UserError(f"--engine {prof.name}: --kv-cache int8 needs {wanted} weights, the model is {have}: {why}",
                         hint=f"convert it first: dsconv export --format safetensors --dtype "
                              f"{names[sorted(need.dtypes)[-1]]}")
     for what, allowed, linears in (
