@@ -44,9 +44,8 @@ import numpy as np
 from dsconv import schemas
 from dsconv.convert import tolerance
 from dsconv.convert.ms_nets import worker
-from dsconv.convert.quant_onnx import cache_note
+from dsconv.convert.quant_onnx import cache_note, note_cache_scales
 from dsconv.errors import CheckFailed, UserError
-from dsconv.qformat import cache_tensors
 from dsconv.runtime.process import working_dir
 from dsconv.tensors import precision_torch_dtype
 
@@ -446,8 +445,7 @@ def _export(ck, model_dir: Path, output: Path, dtype: str, atol: float | None, f
             "peak_rss_by_step": ({"export (child)": ms_side["peak_rss_bytes"], "check (child)": ran["peak_rss_bytes"],
                                   "dsconv (reference)": worker.peak_rss_bytes()} if _isolate(ck) else None),
         }
-        if cache_tensors(ck.quant_description):  # --kv-cache int8 scales: the serving engine's, not the graph's
-            summary["kv_cache_scales_left_out"] = len(cache_tensors(ck.quant_description))
+        note_cache_scales(summary, ck.quant_description)
         out.write_json(REPORT, summary)
     return summary
 

@@ -83,8 +83,7 @@ def export_quantized_onnx(quant_dir: Path, output: Path, source: Callable[[Any],
         "dtype": "fp32", "opset": opset, "with_past": with_past, "position_ids": position_ids, "atol": atol,
         "model_quant_type": qck.quant_description.get("model_quant_type"), "linears": dict(sorted(types.items())),
     }
-    if cache_tensors(qck.quant_description):  # --kv-cache int8 scales: the serving engine's, not the graph's
-        summary["kv_cache_scales_left_out"] = len(cache_tensors(qck.quant_description))
+    note_cache_scales(summary, qck.quant_description)
     if dry_run:
         summary["dry_run"] = True
         return summary
@@ -233,6 +232,13 @@ def render(summary: dict[str, Any]) -> str:
         *cache_note(summary.get("kv_cache_scales_left_out")),
         f"  {summary['seconds']:.1f} s",
     ])
+
+
+def note_cache_scales(summary: dict[str, Any], desc: dict[str, Any] | None) -> None:
+    """A graph export of an output with int8 KV-cache scales (`quantize --kv-cache int8`): how many it leaves out
+    (they are the serving engine's; the graph attends in float). Other summaries stay as they were."""
+    if cache_tensors(desc):
+        summary["kv_cache_scales_left_out"] = len(cache_tensors(desc))
 
 
 def cache_note(n: int | None) -> list[str]:
