@@ -237,8 +237,9 @@ def render(summary: dict[str, Any]) -> str:
 def note_cache_scales(summary: dict[str, Any], desc: dict[str, Any] | None) -> None:
     """A graph export of an output with int8 KV-cache scales (`quantize --kv-cache int8`): how many it leaves out
     (they are the serving engine's; the graph attends in float). Other summaries stay as they were."""
-    if cache_tensors(desc):
-        summary["kv_cache_scales_left_out"] = len(cache_tensors(desc))
+    left_out = len(cache_tensors(desc))
+    if left_out:
+        summary["kv_cache_scales_left_out"] = left_out
 
 
 def cache_note(n: int | None) -> list[str]:

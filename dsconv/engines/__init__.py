@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable
 from dsconv.engines.profiles import DEFAULT_ENGINE, ENGINES, FLOAT, KINDS, VLLM_ASCEND, EngineProfile
 from dsconv.errors import UserError
 from dsconv.families.roles import Category, Role
+from dsconv.tensors import PRECISIONS
 
 __all__ = ["ENGINES", "EngineProfile", "get", "default_engine", "layer_kind", "kind_types", "assigner",
            "check_plan", "check_packing", "check_layout", "check_fallback", "config_updates", "description_updates", "kind_table", "FLOAT", "KINDS"]
@@ -221,7 +222,7 @@ def check_kv_cache(prof: EngineProfile, family: Any, model_type: str, plan: Any)
         raise UserError(f"--engine {prof.name}: --kv-cache int8 is not loaded for {model_type} models: {why}",
                         hint=f"drop --kv-cache{', or use --engine ' + ' / '.join(others) if others else ''}")
     if plan.model_dtype not in need.dtypes:
-        names = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+        names = {st: cli for cli, st in PRECISIONS.items()}  # BF16 -> bf16, as --dtype spells them
         wanted = " or ".join(names[d] for d in sorted(need.dtypes))
         have = names.get(plan.model_dtype, plan.model_dtype)
         raise UserError(f"--engine {prof.name}: --kv-cache int8 needs {wanted} weights, the model is {have}: {why}",

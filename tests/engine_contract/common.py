@@ -99,9 +99,6 @@ def c8_problems(route: dict, layers: dict[int, dict[str, str]], widths: dict[str
     """What both engines need of a layer's four C8 tensors: all present, one value per cached channel (the k/v
     projection's rows), float, the scale exact in the model dtype (both hold it there), the offset zero (vLLM-Ascend
     adds it as a float; MindIE takes its float bits as an int8)."""
-    import torch
-
-    want = {"BF16": torch.bfloat16, "F16": torch.float16}.get(model_dtype)
     for layer, got in sorted(layers.items()):
         for part in ("k_scale", "k_offset", "v_scale", "v_offset"):
             name = got.get(part)
@@ -113,12 +110,7 @@ def c8_problems(route: dict, layers: dict[int, dict[str, str]], widths: dict[str
             if dtype not in FLOAT_DTYPES or shape != (width,):
                 p.add(rule, f"{name}: {dtype}{list(shape)}, needs a float [{width}] (one per cached channel)")
                 continue
-            t = torch.from_numpy(tensor(route, name))
-            if part.endswith("offset") and bool((t != 0).any()):
-                p.add(rule, f"{name}: nonzero offsets (symmetric C8 only)")
-            if part.endswith("scale") and (bool((t <= 0).any()) or want is not None
-                                           and not torch.equal(t.to(want).float(), t.float())):
-                p.add(rule, f"{name}: scales must be positive and exact in {model_dtype}")
+            _value_problems(route, name, part.endswith("offset"), model_dtype, rule, p)
 
 
 FA_RE = re.compile(r"^(model\.layers\.(\d+)\.self_attn)\.(fa_[qkv])\.(scale|offset)$")
@@ -133,9 +125,6 @@ def fa_problems(route: dict, layers: dict[int, dict[str, str]], heads: int, mode
                 p: Problems) -> None:
     """What both engines need of a layer's FA-quant tensors: fa_q one scale per attention head [H, 1], fa_k / fa_v
     one [1, 1], float scales exact in the model dtype and positive, int8 zero offsets."""
-    import torch
-
-    want = {"BF16": torch.bfloat16, "F16": torch.float16}.get(model_dtype)
     for layer, got in sorted(layers.items()):
         for part, rows in (("fa_q", heads), ("fa_k", 1), ("fa_v", 1)):
             for param, dtypes in (("scale", FLOAT_DTYPES), ("offset", ("I8",))):
@@ -147,9 +136,19 @@ def fa_problems(route: dict, layers: dict[int, dict[str, str]], heads: int, mode
                 if dtype not in dtypes or shape != (rows, 1):
                     p.add(rule, f"{name}: {dtype}{list(shape)}, needs {'/'.join(dtypes)}[{rows}, 1]")
                     continue
-                t = torch.from_numpy(tensor(route, name).astype(np.float32))
-                if param == "offset" and bool((t != 0).any()):
-                    p.add(rule, f"{name}: nonzero offsets (symmetric only)")
-                if param == "scale" and (bool((t <= 0).any()) or want is not None
-                                         and not torch.equal(t.to(want).float(), t)):
-                    p.add(rule, f"{name}: scales must be positive and exact in {model_dtype}")
+                _value_problems(route, name, param == "offset", model_dtype, rule, p)
+
+
+def _value_problems(route: dict, name: str, offset: bool, model_dtype: str, rule: str, p: Problems) -> None:
+    """What both engines need of one int8-cache tensor's values: an offset zero (symmetric forms only), a scale
+    positive and exact in the model dtype (both engines hold it there)."""
+    import torch
+
+    t = torch.from_numpy(tensor(route, name).astype(np.float32))
+    if offset:
+        if bool((t != 0).any()):
+            p.add(rule, f"{name}: nonzero offsets (symmetric only)")
+        return
+    want = {"BF16": torch.bfloat16, "F16": torch.float16}.get(model_dtype)
+    if bool((t <= 0).any()) or want is not None and not torch.equal(t.to(want).float(), t):
+        p.add(rule, f"{name}: scales must be positive and exact in {model_dtype}")

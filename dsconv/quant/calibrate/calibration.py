@@ -144,7 +144,8 @@ class Calibrator:
         cache = cache_stats(plan.kv[i], sk, layer, self.acts.rows) if i in plan.kv else None
         chosen = awq.AwqLayer()  # --method awq: scales folded, weights chosen, outputs propagated by its probe
         if plan.method == "awq":
-            layer_input = self.acts.h.clone() if cache is not None else None
+            # the probe overwrites the layer's input rows with its outputs when it propagates (dense layers)
+            layer_input = self.acts.h.clone() if cache is not None and experts is None else None
             chosen = awq.run_layer(run, self.acts, self.fwd.serial_batch, i, layer, targets, lps, experts)
             modified.update(chosen.modified)
             if chosen.log is not None:

@@ -148,9 +148,9 @@ def load_quantized_model(qck: Checkpoint, int8_cache: bool = True) -> tuple[nn.M
             return el(x) if el is not None else x @ w.T
 
         install_forward(experts, ExpertLoop(experts, E, weights, linear=linear))
-    form, scales = int8_cache_sim.cache_scales(qck)
-    if scales and int8_cache:  # --kv-cache int8: what the cache holds through int8
-        int8_cache_sim.install(model, sk, form, scales)
+    form = int8_cache_sim.cache_form(qck.quant_description)
+    if form is not None and int8_cache:  # --kv-cache int8: what the cache holds through int8
+        int8_cache_sim.install(model, sk, form, int8_cache_sim.cache_scales(qck))
     return model, types
 
 
@@ -263,7 +263,7 @@ def evaluate(model_dir: Path, quant_dir: Path, text: Path | None = None, seq_len
         counts[t] = counts.get(t, 0) + 1
     return {"model": str(model_dir), "quantized": str(quant_dir), "model_quant_type": desc.get("model_quant_type"),
             "linears": dict(sorted(counts.items())), "text": source, "samples": len(chunks), "seq_len": seq_len,
-            **({"kv_cache": form} if (form := int8_cache_sim.cache_scales(qck)[0]) else {}), **metrics}
+            **({"kv_cache": form} if (form := int8_cache_sim.cache_form(desc)) else {}), **metrics}
 
 
 def _evaluate_onnx(ck: Checkpoint, model_dir: Path, onnx_path: Path, lm: Any, text: Path | None, seq_len: int,

@@ -21,21 +21,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from dsconv.quant.formats.msmodelslim import C8, FA_QUANT, description_types
+from dsconv.qformat import FA_QUANT, cache_tensors
 
 
-def cache_scales(qck: Any) -> tuple[str | None, dict[int, dict[str, torch.Tensor]]]:
-    """(form, layer -> {"k_kv_cache_scale" | "fa_k_scale" ...: float32 tensor}) of an int8-cache output ({} if
-    none)."""
+def cache_form(desc: dict[str, Any] | None) -> str | None:
+    """C8 / FAQuant: the int8-cache form of a quantize output's description (None without one)."""
+    return next((desc[name] for name in cache_tensors(desc)), None)
+
+
+def cache_scales(qck: Any) -> dict[int, dict[str, torch.Tensor]]:
+    """layer -> {"k_kv_cache_scale" | "fa_k_scale" ...: float32 tensor} of an int8-cache output ({} if none)."""
     out: dict[int, dict[str, torch.Tensor]] = {}
-    form = None
-    for name, t in description_types(qck.quant_description or {}).items():  # tensors only: the globals say C8 too
-        if t not in (C8, FA_QUANT):
-            continue
-        form = t
+    for name in sorted(cache_tensors(qck.quant_description)):
         r = qck.role(name)
         out.setdefault(r.layer, {})[f"{r.slot}_{r.param}"] = qck.load(name).float()
-    return form, out
+    return out
 
 
 def fake_quant(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:

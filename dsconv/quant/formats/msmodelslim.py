@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from dsconv.errors import UserError
-from dsconv.qformat import C8, FA_QUANT, scale_bias, scale_bias_sums
+from dsconv.qformat import C8, FA_QUANT, cache_tensors, scale_bias, scale_bias_sums
 from dsconv.quant.algorithms.schemes import (deq_scale_as_int64, deq_scale_from_int64, dequant_weight, pack_int4,
                                              pack_int4_along_k, unpack_int4_by_shape)
 
@@ -372,9 +372,7 @@ def check_cache_scales(ck: Any) -> list[str]:
 
     model_dtype = {"BF16": torch.bfloat16, "F16": torch.float16}.get(ck.facts.dtype)
     problems = []
-    for name, t in description_types(ck.quant_description).items():
-        if t not in (C8, FA_QUANT):
-            continue
+    for name in sorted(cache_tensors(ck.quant_description)):
         x = ck.load(name).float()
         if name.rpartition(".")[2] in (KV_CACHE_LAYOUT[1][0], FA_LAYOUT[1][0]):
             if bool((x != 0).any()):
