@@ -158,7 +158,7 @@ CASES: list[Case] = [
     Case("toml-not-utf8", "parse", lambda tm, tp, fs: (["inspect"], workspace(tp, b'[workspace]\nmodel = "\xff"\n')),
          2, ("dsconv.toml", "UTF-8")),
     Case("calib-lone-surrogate", "parse", lambda tm, tp, fs: (
-        ["quantize", "--bits", "8", "--model", with_tokenizer(tm, tp), "--calib", _with_file(tp, "c.jsonl", b'{"text": "a\\ud800b"}\n') /
+        ["quantize", "--bits", "8", "--engine", "vllm-ascend", "--model", with_tokenizer(tm, tp), "--calib", _with_file(tp, "c.jsonl", b'{"text": "a\\ud800b"}\n') /
          "c.jsonl", "--output", tp / "q"], None), 2, ("c.jsonl:1", "surrogate")),
     # -- JSON of the wrong shape or type ------------------------------------------------------------------------
     Case("manifest-is-list", "shape", lambda tm, tp, fs: (["verify", a_manifest_dir(tp, b"[]")], None), 2,
@@ -429,7 +429,8 @@ def test_max_shard_size_below_a_linear_cuts_between_its_components(size, tiny_mo
     """A part boundary between a linear's weight and its scales (any size can cut there; 1B cuts everywhere) was a
     ValueError traceback from the weight-only writer. HF's convention: a tensor larger than the cap is a part of its
     own. The output is the same tensors, bytes included, as with the default cap."""
-    args = ["quantize", "--model", tiny_model(LLAMA), "--bits", "8", "--scheme", "w8a16", "--method", "rtn"]
+    args = ["quantize", "--model", tiny_model(LLAMA), "--bits", "8", "--scheme", "w8a16", "--method", "rtn",
+            "--engine", "vllm-ascend"]  # a float32 model: MindIE runs fp16/bf16 only
     small = run_cli([*args, "--max-shard-size", size, "--output", tmp_path / "small", "--workers", "1"])
     assert small.code == 0 and "Traceback" not in small.err, small.err[-2000:]
     assert run_cli([*args, "--output", tmp_path / "default", "--workers", "1"]).code == 0

@@ -50,13 +50,17 @@ def test_mindie_regions_hold_one_type():
             lin("model.layers.0.mlp.experts.0.up_proj", Role.EXPERT_IN, Category.ROUTED_EXPERTS, "up",
                 "W8A8_DYNAMIC")]
     with pytest.raises(UserError, match="one quantized type per region"):
-        engines.check_plan(m, "qwen3_moe", plan)
+        engines.check_plan(m, "mixtral", plan)
     engines.check_plan(m, "deepseek_v3", plan)  # mla_quantize and moe_quantize are separate regions there
+    engines.check_plan(m, "qwen3_moe", plan)  # attn_quantize too (qwen2_moe/flash_causal_qwen2_moe.py)
     types = {p.module: p.qtype for p in plan}
     kinds = {p.module: engines.layer_kind(p) for p in plan}
     assert engines.config_updates(m, "deepseek_v3", types, kinds) == {"quantize": "w8a8_dynamic",
                                                                        "mla_quantize": "w8a8"}
     assert engines.config_updates(engines.get("vllm-ascend"), "deepseek_v3", types, kinds) == {}
+    # MindIE's Qwen-MoE reads a w8a8_dynamic model's attention as static without attn_quantize: always written
+    assert engines.config_updates(m, "qwen3_moe", types, kinds) == {"quantize": "w8a8_dynamic",
+                                                                     "attn_quantize": "w8a8"}
 
 
 def test_fallback_and_legacy_layout_per_engine():

@@ -75,7 +75,7 @@ def models(tiny_model, tmp_path_factory):
 # (name, model key, CLI args); small --max-shard-size gives several parts per output
 CASES = [
     ("w8a16", "llama", ["quantize", "--scheme", "w8a16", "--max-shard-size", "60KB"]),
-    ("w4a16", "llama", ["quantize", "--scheme", "w4a16", "--method", "rtn", "--group-size", "16",
+    ("w4a16", "llama", ["quantize", "--scheme", "w4a16", "--method", "rtn", "--group-size", "64",
                         "--max-shard-size", "40KB"]),
     ("w8a8dyn-moe", "moe", ["quantize", "--scheme", "w8a8_dynamic", "--smooth-quant", "off",
                             "--max-shard-size", "100KB"]),

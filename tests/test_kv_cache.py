@@ -158,6 +158,9 @@ def test_refused_where_the_engine_would_not_use_it(models, run_cli, tmp_path, fa
 def test_float32_models_are_refused(tiny_model, run_cli, tmp_path):
     src = tiny_model("qwen3")  # float32 weights
     r = run_cli(["quantize", "-m", src, "-o", tmp_path / "o", "--bits", "8", "--kv-cache", "int8", *FAST])
+    assert r.code == 2 and "torch_dtype must be float16 or bfloat16" in r.err, r.err  # MindIE runs no float32 model
+    r = run_cli(["quantize", "-m", src, "-o", tmp_path / "o", "--bits", "8", "--kv-cache", "int8", *FAST,
+                 "--engine", "vllm-ascend"])
     assert r.code == 2 and "needs bf16 or fp16 weights" in r.err, r.err
 
 

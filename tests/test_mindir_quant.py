@@ -152,10 +152,10 @@ def test_fp8_checkpoint_with_mtp_layer(tiny_model, tmp_path, monkeypatch):
 
 
 def test_dsconv_quantize_output(tiny_model, tmp_path, run_cli):
-    """The real `dsconv quantize` output (W4A16, round-to-nearest, group 16) exports and checks."""
+    """The real `dsconv quantize` output (W4A16, round-to-nearest, groups of 64) exports and checks."""
     quant = tmp_path / "quant"
-    made = run_cli(["quantize", "-m", tiny_model("llama"), "-o", quant, "--scheme", "w4a16", "--method", "rtn",
-                    "--group-size", "16"], cwd=tmp_path)
+    made = run_cli(["quantize", "-m", tiny_model("llama", dtype="bf16"), "-o", quant, "--scheme", "w4a16", "--method",
+                    "rtn", "--group-size", "64"], cwd=tmp_path)
     assert made.code == 0, made.err
     done = run_cli(["export", "--format", "mindir", "-m", quant, "-o", tmp_path / "out", "--json"], cwd=tmp_path)
     assert done.code == 0, done.err

@@ -20,11 +20,12 @@ pytestmark = pytest.mark.cli
 
 def make_quantized(src: Path, out: Path, seed: int = 1) -> Path:
     """A msModelSlim-layout output of a tiny model (random codes): W8A8 static on row-parallel layers (o_proj, expert
-    down_proj: quant_bias!), W4A16 group-16 packed rows on dense down_proj, W8A8_DYNAMIC elsewhere, latents FLOAT."""
+    down_proj: quant_bias!), W4A16 group-8 packed rows on dense and shared down_proj (two groups or more per rank at
+    tp 2, as MindIE's sharding needs), W8A8_DYNAMIC elsewhere, latents FLOAT."""
     ck = Checkpoint.open(src)
     g = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
-    desc: dict[str, str | int] = {"model_quant_type": "W8A8", "version": "1.0.0", "group_size": 16}
+    desc: dict[str, str | int] = {"model_quant_type": "W8A8", "version": "1.0.0", "group_size": 8}
 
     def put(name: str, t: torch.Tensor, typ: str) -> None:
         tensors[name] = t.contiguous()
@@ -46,8 +47,8 @@ def make_quantized(src: Path, out: Path, seed: int = 1) -> Path:
             put(p + ".quant_bias", torch.randint(-2**20, 2**20, (n,), generator=g, dtype=torch.int32), "W8A8")
         elif r.role is Role.MLP_OUT:
             put(p + ".weight", torch.randint(-128, 128, (n // 2, k), generator=g, dtype=torch.int8), "W4A16")
-            put(p + ".weight_scale", torch.rand(n, k // 16, generator=g), "W4A16")
-            put(p + ".weight_offset", torch.zeros(n, k // 16), "W4A16")
+            put(p + ".weight_scale", torch.rand(n, k // 8, generator=g), "W4A16")
+            put(p + ".weight_offset", torch.zeros(n, k // 8), "W4A16")
         else:
             put(p + ".weight", torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8), "W8A8_DYNAMIC")
             put(p + ".weight_scale", torch.rand(n, 1, generator=g), "W8A8_DYNAMIC")
@@ -194,12 +195,12 @@ def test_quantized_input_keeps_layout_and_row_parallel_bias(run_cli, ds_quant, t
     assert torch.equal(r1[o + ".deq_scale"], src[o + ".deq_scale"])             # per output channel: replicated
     d = "model.layers.0.mlp.down_proj"                                           # W4A16 packed, column split
     assert torch.equal(r1[d + ".weight"], src[d + ".weight"][:, 64:])
-    assert torch.equal(r1[d + ".weight_scale"], src[d + ".weight_scale"][:, 4:])  # groups of 16 follow
+    assert torch.equal(r1[d + ".weight_scale"], src[d + ".weight_scale"][:, 8:])  # groups of 8 follow
     g = "model.layers.0.mlp.gate_proj"                                           # W8A8_DYNAMIC, row split
     assert torch.equal(r1[g + ".weight_scale"], src[g + ".weight_scale"][64:])
     desc = json.loads((out / "rank_05" / "quant_model_description.json").read_text())
     r5 = rank_tensors(out / "rank_05")
-    assert desc["model_quant_type"] == "W8A8" and desc["group_size"] == 16
+    assert desc["model_quant_type"] == "W8A8" and desc["group_size"] == 8
     assert set(k for k in desc if k not in ("model_quant_type", "version", "group_size")) == set(r5)
     assert run_cli(["verify", out]).code == 0
 

@@ -6,6 +6,7 @@ scheme for is a UserError naming the kind, an example layer, the rule's source a
 """
 from __future__ import annotations
 
+import json
 from collections import Counter
 from typing import Any, Callable, Iterable
 
@@ -15,7 +16,8 @@ from dsconv.families.roles import Category, Role
 from dsconv.tensors import PRECISIONS
 
 __all__ = ["ENGINES", "EngineProfile", "get", "default_engine", "layer_kind", "kind_types", "assigner",
-           "check_plan", "check_packing", "check_layout", "check_fallback", "config_updates", "description_updates", "kind_table", "FLOAT", "KINDS"]
+           "check_plan", "check_packing", "check_layout", "check_fallback", "check_dtype", "config_updates",
+           "description_updates", "engine_dtype", "tokenizer_config", "kind_table", "FLOAT", "KINDS"]
 
 # --bits 8 recipes per engine, for families without one of their own (Family.bits8_recipe: DeepSeek's mix)
 DEFAULT_BITS8: dict[str, dict[str, str]] = {
@@ -100,9 +102,18 @@ def kind_types(prof: EngineProfile, family: Any, qtype: str, bits_default: bool,
         out = {k: qtype for k in KINDS}
     if moe_qtype is not None:
         out["routed_experts"] = moe_qtype
-    for kind in prof.float_only:
+    for kind in float_only(prof, family):
         out[kind] = FLOAT
     return out
+
+
+def float_only(prof: EngineProfile, family: Any) -> dict[str, Any]:
+    """kind -> Rule: the layer kinds the engine must get in float, for every family (profile) or this one
+    (Family.engine_float_kinds)."""
+    from dsconv.engines.profiles import Rule
+
+    own = {k: Rule(*v) for k, v in _family(family).engine_float_kinds.get(prof.name, {}).items()}
+    return {**prof.float_only, **own}
 
 
 def kv_recipe(prof: EngineProfile, types: dict[str, str], form: str | None) -> dict[str, str]:
@@ -117,18 +128,24 @@ def kv_recipe(prof: EngineProfile, types: dict[str, str], form: str | None) -> d
     return {**types, "attention": sorted(allowed)[0]}
 
 
-def assigner(prof: EngineProfile, types: dict[str, str]) -> Callable[[Any], tuple[str | None, str | None]]:
+def assigner(prof: EngineProfile, family: Any, types: dict[str, str]) -> Callable[[Any], tuple[str | None, str | None]]:
     """For quant.plan.make_plan: TensorRole -> (type or None = the scheme's, reason when it must stay float)."""
+    floats = float_only(prof, family)
+
     def assign(r: Any) -> tuple[str | None, str | None]:
         kind = layer_kind(r) or ("kv_b" if r.category == Category.MTP and r.slot == "kv_b" else None)
         if kind is None:
             return None, None
         t = types.get(kind)
         if t == FLOAT:
-            rule = prof.float_only.get(kind)
+            rule = floats.get(kind)
             return FLOAT, f"{prof.label}: {rule.text} ({rule.source})" if rule else f"{kind} kept in float"
         return t, None
     return assign
+
+
+# an --ignore pattern naming a layer kind's modules in every family
+IGNORE_PATTERN = {"shared_experts": "shared_expert", "routed_experts": r"experts\.\d+"}
 
 
 def _alternatives(prof: EngineProfile, kind: str, qtype: str) -> str:
@@ -151,8 +168,18 @@ def check_plan(prof: EngineProfile, family: Any, linears: Iterable[Any]) -> None
         if kind is None:
             continue
         by_kind.setdefault(kind, {}).setdefault(lp.qtype, lp.module)
+    fam = _family(family)
     for kind in KINDS:
         for qtype, example in by_kind.get(kind, {}).items():
+            limit = fam.engine_kind_types.get(prof.name, {}).get(kind)
+            if limit is not None and qtype not in limit[0]:
+                ok = sorted(t.lower() for t in limit[0] if t != FLOAT)
+                others = [p.name for p in ENGINES.values() if p is not prof and p.loads(qtype, kind)
+                          and qtype in fam.engine_kind_types.get(p.name, {}).get(kind, (frozenset({qtype}),))[0]]
+                raise UserError(f"--engine {prof.name}: {kind} layers (e.g. {example}) cannot be {qtype} in "
+                                f"{fam.name}: {prof.label}: {limit[1]} ({limit[2]})",
+                                hint=f"keep them float (--ignore '{IGNORE_PATTERN.get(kind, kind)}'), use "
+                                     f"--scheme {' | '.join(ok)}" + "".join(f", or --engine {o}" for o in others))
             if prof.loads(qtype, kind):
                 continue
             why = prof.why_not.get((qtype, prof.layer_type(kind)))
@@ -178,14 +205,24 @@ def check_plan(prof: EngineProfile, family: Any, linears: Iterable[Any]) -> None
                             "give them one type (drop --moe-scheme), or use --engine vllm-ascend")
 
 
-def preview(ck: Any, types: dict[str, str], default: str) -> list[Any]:
-    """The linears a plan would quantize, with their kind's type, from headers (to check before planning)."""
+def preview(ck: Any, types: dict[str, str], default: str, ignore: Iterable[str] = ()) -> list[Any]:
+    """The linears a plan would quantize, with their kind's type, from headers (to check before planning); modules
+    an --ignore pattern names stay float (an invalid pattern is make_plan's to report)."""
+    import re
     from types import SimpleNamespace
 
+    patterns = []
+    for p in ignore:
+        try:
+            patterns.append(re.compile(p))
+        except re.error:
+            pass
     out = []
     for name in ck.names():
         r = ck.role(name)
         if r.param != "weight" or not r.role.quantized_by_default or len(ck.info(name).shape) != 2:
+            continue
+        if any(p.search(r.module) for p in patterns):
             continue
         kind = layer_kind(r)
         if kind is not None:
@@ -195,8 +232,17 @@ def preview(ck: Any, types: dict[str, str], default: str) -> list[Any]:
 
 
 def check_packing(prof: EngineProfile, family: Any, linears: Iterable[Any], group_size: int) -> None:
-    """UserError (exit 2) for int4 packed along the output dim (W4A16 per group) on rows the engine permutes for
-    rope at load time (profiles: rules["rope_rows"])."""
+    """UserError (exit 2) for a W4A16 group size the engine does not run (profiles: rules["group_size"]), and for
+    int4 packed along the output dim (W4A16 per group) on rows the engine permutes for rope at load time
+    (rules["rope_rows"])."""
+    linears = list(linears)
+    w4a16 = [lp for lp in linears if lp.qtype == "W4A16"]
+    if w4a16 and prof.group_sizes is not None and group_size not in prof.group_sizes:
+        rule = prof.rules["group_size"]
+        sizes = sorted(g for g in prof.group_sizes if g and all(lp.k % g == 0 for lp in w4a16))
+        raise UserError(f"--engine {prof.name}: W4A16 with --group-size {group_size} (e.g. {w4a16[0].module}): "
+                        f"{prof.label}: {rule.text} ({rule.source})",
+                        hint=f"use --group-size {' | '.join(map(str, [0, *sizes]))}")
     if prof.rope_rows_packed_ok:
         return
     for lp in linears:
@@ -237,6 +283,39 @@ def check_kv_cache(prof: EngineProfile, family: Any, model_type: str, plan: Any)
             raise UserError(f"--engine {prof.name}: --kv-cache int8 pairs with {' / '.join(sorted(allowed))} {what}, "
                             f"this plan has {', '.join(bad)}: {why}",
                             hint=f"use --scheme {' or '.join(t.lower() for t in sorted(allowed))}")
+
+
+def check_dtype(prof: EngineProfile, dtype: str, root: Any) -> None:
+    """UserError (exit 2) for a model dtype the engine does not run (profiles: rules["dtype"])."""
+    if prof.dtypes is None or dtype in prof.dtypes:
+        return
+    names = {st: cli for cli, st in PRECISIONS.items()}  # BF16 -> bf16, as --dtype spells them
+    rule = prof.rules["dtype"]
+    raise UserError(f"--engine {prof.name}: {root} is {names.get(dtype, dtype)}: {prof.label}: {rule.text} "
+                    f"({rule.source})", hint=f"convert it first: dsconv export --format safetensors --dtype "
+                                             f"{' or '.join(names[d] for d in sorted(prof.dtypes))}")
+
+
+def engine_dtype(prof: EngineProfile, family: Any, model_dtype: str) -> str:
+    """The dtype the engine computes this family in (Family.engine_dtypes), else the model's."""
+    fact = _family(family).engine_dtypes.get(prof.name)
+    return fact[0] if fact else model_dtype
+
+
+def tokenizer_config(prof: EngineProfile, text: str) -> str | None:
+    """tokenizer_config.json's text as the engine's transformers reads it (profiles: rules["tokenizer"]): a
+    `tokenizer_class` it resolves, list-valued keys under its names; None when nothing changes. Edited as text, so
+    nothing else moves (the file may hold integers beyond dsconv's JSON reader, e.g. model_max_length 1e30)."""
+    import re
+
+    out = text
+    for old, new in prof.tokenizer_classes.items():
+        out = re.sub(r'("tokenizer_class"\s*:\s*)"' + re.escape(old) + '"', lambda m: m.group(1) + json.dumps(new),
+                     out)
+    for old, new in prof.tokenizer_list_keys.items():
+        if f'"{new}"' not in out:
+            out = re.sub(r'"' + re.escape(old) + r'"(\s*:\s*\[)', lambda m: json.dumps(new) + m.group(1), out)
+    return out if out != text else None
 
 
 def check_layout(prof: EngineProfile, layout: str) -> None:
@@ -281,8 +360,9 @@ def config_updates(prof: EngineProfile, family: Any, types: dict[str, str], kind
         return {}
     out = {"quantize": quantize}
     w4a8 = W4A8.lower() in regions.values()  # msModelSlim names every region then (profiles: rules["w4a8_regions"])
+    explicit = _family(family).engine_explicit_keys.get(prof.name, ())
     for key in prof.config_keys:
-        if key != "quantize" and key in regions and (w4a8 or regions[key] != quantize):
+        if key != "quantize" and key in regions and (w4a8 or key in explicit or regions[key] != quantize):
             out[key] = regions[key]
     if mtp_type is not None and "mtp_quantize" in prof.config_keys:
         out["mtp_quantize"] = mtp_type.lower()

@@ -36,6 +36,15 @@ class KVCacheRule:
 
 
 @dataclass(frozen=True)
+class GroupSplitRule:
+    """How many int4 groups a rank's slice of a row-parallel (input-split) per-group weight must hold."""
+
+    label: str
+    min_groups: int
+    rule: Rule
+
+
+@dataclass(frozen=True)
 class EngineProfile:
     name: str
     label: str
@@ -58,6 +67,16 @@ class EngineProfile:
     # int8 KV cache (--kv-cache int8) per form (C8, FAQuant): what the engine pairs it with; which model types load
     # it: Family.kv_int8_engines
     kv_int8: Mapping[str, "KVCacheRule"] = field(default_factory=dict)
+    # model dtypes the loader runs (None: any), and the W4A16 group sizes it runs (None: any that divides k); the
+    # rules "dtype" / "group_size" say where that was read
+    dtypes: frozenset[str] | None = None
+    group_sizes: frozenset[int] | None = None
+    # tokenizer_config.json as its pinned transformers reads it ("tokenizer"): `tokenizer_class` values it cannot
+    # resolve -> what it can; keys whose list value it reads under another name
+    tokenizer_classes: Mapping[str, str] = field(default_factory=dict)
+    tokenizer_list_keys: Mapping[str, str] = field(default_factory=dict)
+    # what a rank's share of a row-parallel per-group int4 weight must hold (None: any whole number of groups)
+    group_split: GroupSplitRule | None = None
     rules: Mapping[str, Rule] = field(default_factory=dict)
 
     def layer_type(self, kind: str) -> str:
@@ -91,7 +110,7 @@ MINDIE = EngineProfile(
         "MindIE-LLM atb/utils/layers/attention/process_mla_linear.py::preprocess_kv_weights")},
     description_names=("quant_model_description.json",),
     legacy_layout=True,
-    config_keys=("quantize", "mla_quantize", "moe_quantize", "mtp_quantize"),
+    config_keys=("quantize", "mla_quantize", "moe_quantize", "mtp_quantize", "attn_quantize"),
     regions=_MINDIE_REGIONS,
     fallback_ok=False,
     rope_rows_packed_ok=False,
@@ -116,7 +135,28 @@ MINDIE = EngineProfile(
             "(fa_quant_type); its user guide's feature page FA3 quantization"),
             attention_types=frozenset({"W8A8"}), dtypes=frozenset({"F16"})),
     },
+    dtypes=frozenset({"BF16", "F16"}),
+    group_sizes=frozenset({0, 64, 128, 256}),
+    tokenizer_classes={"TokenizersBackend": "PreTrainedTokenizerFast"},
+    tokenizer_list_keys={"extra_special_tokens": "additional_special_tokens"},
+    group_split=GroupSplitRule("MindIE", 2, Rule(
+        "a row-parallel W4A16 layer's weight_scale is split along its groups, and a rank left with one group column "
+        "[n, 1] is read as the per-channel form (packed along k), so its weights are misread (make engine-check: held "
+        "weight and scale disagree)",
+        "MindIE-LLM atb/utils/weights.py::Weights.get_multi_weights_row (W4A16 branch); atb/utils/quantize/"
+        "w4a16.py::W4A16LinearStatic.__init__ (trans_flag from weight_scale.shape[-1] == 1)")),
     rules={
+        "dtype": Rule("config.json torch_dtype must be float16 or bfloat16 (NotImplementedError otherwise)",
+                      "MindIE-LLM atb/runner/model_runner.py::ModelRunner.__init__"),
+        "group_size": Rule("W4A16 runs with group_size 0 (per channel), 64, 128 or 256 (NotImplementedError "
+                           "otherwise)", "MindIE-LLM atb/models/base/config.py::BaseConfig.__check_group_size"),
+        "tokenizer": Rule("the tokenizer is loaded by AutoTokenizer of its pinned transformers 4.x, which does not "
+                          "know transformers 5's generic TokenizersBackend class (its PreTrainedTokenizerFast reads "
+                          "the same tokenizer.json) and takes `extra_special_tokens` as a dict of named tokens, where "
+                          "transformers 5 writes the list it used to call `additional_special_tokens` (AttributeError "
+                          "'list' object has no attribute 'keys')",
+                          "MindIE-LLM atb/models/base/model_utils.py::safe_get_tokenizer_from_pretrained; "
+                          "atb/models/*/router_*.py::get_tokenizer"),
         "quantize": Rule("config.json `quantize` (lower case) selects the loader branch; without it int8 weights "
                          "are not read as quantized",
                          "MindIE-LLM atb/models/base/router.py::BaseRouter.config; atb/utils/layers/linear/"

@@ -183,6 +183,19 @@ class Family:
     #: engine -> config.json key -> the layer kinds it governs, where that engine reads one type per region
     #: (absent: the engine's default regions)
     engine_regions: dict[str, dict[str, tuple[str, ...]]] = {}
+    #: engine -> region keys written whenever their region is quantized (the engine's default for the key is not
+    #: `quantize`'s type)
+    engine_explicit_keys: dict[str, tuple[str, ...]] = {}
+    #: engine -> layer kind -> (rule, source) where the engine runs that kind of this family only in float (kept float)
+    engine_float_kinds: dict[str, dict[str, tuple[str, str]]] = {}
+    #: engine -> layer kind -> (the types the engine's loader takes for it in this family, rule, source)
+    engine_kind_types: dict[str, dict[str, tuple[frozenset[str], str, str]]] = {}
+    #: engine -> (the dtype it computes this family in whatever config.json says, rule, source): scales are
+    #: written in the form that dtype's kernels read (an fp16 run reads deq_scale as int64)
+    engine_dtypes: dict[str, tuple[str, str, str]] = {}
+    #: config.json key an engine reads -> the key this family's transformers 5 config holds the value under
+    #: (written when absent, as engine_config writes the renamed keys back)
+    engine_config_aliases: dict[str, str] = {}
     #: engine -> (rule, source) of an offline-sharded layout the engine's loader reads for this family; every
     #: other engine shards the family itself at load time
     offline_sharded: dict[str, tuple[str, str]] = {}
@@ -203,6 +216,9 @@ class Family:
         out = dict(config)
         for k, v in {**legacy_config_keys(config), **self.engine_config_defaults}.items():
             out.setdefault(k, v)
+        for k, src in self.engine_config_aliases.items():
+            if k not in out and out.get(src) is not None:
+                out[k] = out[src]
         return out
 
     @property

@@ -81,6 +81,14 @@ class DeepseekV3(Family):
     # dense MLP and shared experts read quantize
     engine_regions = {"mindie": {"mla_quantize": ("attention", "kv_b"), "quantize": ("dense_mlp", "shared_experts"),
                                  "moe_quantize": ("routed_experts",)}}
+    # MindIE builds DeepSeek's shared experts after looking their type up in its weight loader's type list, which
+    # has no weight-only type (KeyError 'W8A16' / 'W4A16')
+    engine_kind_types = {"mindie": {"shared_experts": (
+        frozenset({"FLOAT", "W8A8", "W8A8_DYNAMIC", "W4A8_DYNAMIC"}),
+        "DeepSeek's shared experts are built after their type is looked up in the weight loader's type list "
+        "(FLOAT16, BFLOAT16, W8A8, W8A8_DYNAMIC, W8A8_MIX, W4A8_DYNAMIC): a weight-only type is a KeyError",
+        "MindIE-LLM atb/models/deepseek/modeling_deepseek.py::DeepseekMoE.__init__; atb/utils/loader/"
+        "weight_loader.py::get_linear_quant_type; atb/layers/__init__.py::QuantTypeV3")}}
     offline_sharded = {"mindie": (
         "MindIE loads DeepSeek-V3/R1 from per-rank folders when model_sharded_metadata.json exists",
         "MindIE-LLM atb/utils/weights.py::Weights.__init__; atb/models/base/model_utils.py::BaseModel.save_sharded")}

@@ -14,6 +14,10 @@ class Mixtral(Family):
     tiny = {"num_local_experts": 8, "num_experts_per_tok": 2}
     fused_renames = {"mlp.gate": "block_sparse_moe.gate"}
     config_keys = {**Family.config_keys, "num_local_experts": 8, "num_experts_per_tok": 2}  # MixtralConfig's
+    engine_dtypes = {"mindie": ("F16", "MindIE runs Mixtral in float16 whatever config.json says, and casts a float "
+                                       "deq_scale to it (an fp16 W8A8 kernel reads deq_scale as the int64 word)",
+                                "MindIE-LLM atb/models/mixtral/config_mixtral.py (torch_dtype); atb/utils/weights.py::"
+                                "correct_tensor_dtype; atb/utils/quantize/w8a8.py::W8A8LinearStatic")}
 
     def _facts(self, c):
         f = every_layer_moe(super()._facts(c), c)

@@ -5,6 +5,21 @@ from dsconv.families.roles import Category
 
 MOE_TINY = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 #: the config keys of Qwen's MoE layers (see Family.config_keys); num_experts None: num_local_experts, else none
+# MindIE (both Qwen MoE model types route to its qwen2_moe model): attention reads its own region `attn_quantize`; when
+# the key is absent a w8a8_dynamic model's attention is read as static w8a8 (atb_llm/models/qwen2/modeling_qwen2.py
+# FlashQwenAttention.__init__, models/qwen2_moe/flash_causal_qwen2_moe.py), so dsconv always writes it
+MINDIE_MOE_REGIONS = {"mindie": {"attn_quantize": ("attention",),
+                                 "quantize": ("dense_mlp", "shared_experts", "routed_experts")}}
+MINDIE_EXPLICIT = {"mindie": ("attn_quantize",)}
+# MindIE's Qwen2MoeConfig reads num_experts (default 60: models/qwen2_moe/configuration_qwen2_moe.py); transformers 5
+# writes num_local_experts for Qwen3-MoE
+NUM_EXPERTS_ALIAS = {"num_experts": "num_local_experts"}
+# MindIE's Qwen-MoE layers build only these MLP packs (AssertionError "mlp.pack_type: PackType.ALL_W4A8 not supported")
+MINDIE_MOE_EXPERT_TYPES = (
+    frozenset({"FLOAT", "W8A8", "W8A8_DYNAMIC", "W8A16", "W4A16"}),
+    "its Qwen-MoE decoder layer builds W8A8, W8A8_DYNAMIC, W8A16 and W4A16 MLP packs only (AssertionError "
+    "'mlp.pack_type: PackType.ALL_W4A8 not supported')",
+    "MindIE-LLM atb/models/qwen2_moe/modeling_qwen2_moe.py::FlashQwenLayer.__init__")
 MOE_KEYS = {"num_experts": None, "num_local_experts": None, "num_experts_per_tok": 0, "moe_intermediate_size": 0,
             "decoder_sparse_step": 1, "mlp_only_layers": ()}
 
@@ -42,6 +57,16 @@ class Qwen2Moe(Family):
         *router(module=LAYER + "mlp.shared_expert_gate", key="shared_gate", out=1, when="moe")))
     tiny = {**MOE_TINY, "shared_expert_intermediate_size": 48}
     config_keys = {**Family.config_keys, **MOE_KEYS, "shared_expert_intermediate_size": 0}
+    engine_regions = MINDIE_MOE_REGIONS
+    engine_explicit_keys = MINDIE_EXPLICIT
+    engine_config_aliases = NUM_EXPERTS_ALIAS
+    engine_kind_types = {"mindie": {"routed_experts": MINDIE_MOE_EXPERT_TYPES}}
+    # MindIE hands its graph only the shared expert's weight tensors (no scales): it runs them in float
+    engine_float_kinds = {"mindie": {"shared_experts": (
+        "MindIE's Qwen2-MoE graph is given only the shared expert's gate_up/down weight tensors, no scale or offset, "
+        "so a quantized shared expert would run its int8 weights as if float (make engine-check: the scales are "
+        "not among the tensors handed to the ATB graph)",
+        "MindIE-LLM atb/models/qwen2_moe/flash_causal_qwen2_moe.py::FlashQwen2moeForCausalLM.register_layer_weights")}}
 
     def _facts(self, c):
         f = moe_facts(super()._facts(c), c)

@@ -27,6 +27,7 @@ from dsconv.quant.plan import report as rep
 from dsconv.quant.plan.options import QuantOptions, check_options, fallback_policy, needs_calibration
 from dsconv.quant.plan.plan import SCHEMES, STATIC, make_plan
 from dsconv.quant.streaming import weight_only
+from dsconv.schemas.core import decode_utf8, read_bytes
 
 
 @dataclass
@@ -68,8 +69,9 @@ def planned_output(ck: Any, scheme: str, engine: str | None = None) -> tuple[lis
     _check_family(ck)
     prof = engines.get(engine)
     ktypes = engines.kind_types(prof, ck.family, SCHEMES[scheme], bits_default=False)
-    plan = make_plan(ck, scheme, None, "rtn", (), assign=engines.assigner(prof, ktypes), mix_ok=prof.fallback_ok,
-                     mtp_type=engines.mtp_type(ktypes))
+    plan = make_plan(ck, scheme, None, "rtn", (), assign=engines.assigner(prof, ck.family, ktypes),
+                     mix_ok=prof.fallback_ok, mtp_type=engines.mtp_type(ktypes),
+                     engine_dtype=engines.engine_dtype(prof, ck.family, ck.facts.dtype))
     engines.check_plan(prof, ck.family, plan.linears.values())
     types = {m: lp.qtype for m, lp in plan.linears.items()}
     specs = final_specs(ck, plan, types)
@@ -89,6 +91,7 @@ def run(req: QuantRequest) -> QuantResult:
                         hint="quantize the original float checkpoint")
     prof = engines.get(opts.engine)
     engines.check_layout(prof, opts.layout)
+    engines.check_dtype(prof, ck.facts.dtype, model_dir)
     if opts.moe_scheme is not None and opts.moe_scheme not in SCHEMES:
         raise UserError(f"unknown --moe-scheme {opts.moe_scheme}", hint=f"choose one of {', '.join(SCHEMES)}")
     family = ck.family
@@ -96,7 +99,7 @@ def run(req: QuantRequest) -> QuantResult:
                                 SCHEMES[opts.moe_scheme] if opts.moe_scheme else None)
     if opts.kv_cache:  # the int8 cache's form (FA quant for MLA, else C8) may need its own attention type
         ktypes = engines.kv_recipe(prof, ktypes, FA_QUANT if ck.facts.is_mla else C8)
-    preview = engines.preview(ck, ktypes, SCHEMES[opts.scheme])
+    preview = engines.preview(ck, ktypes, SCHEMES[opts.scheme], opts.ignore)
     if engines.W4A8 in (SCHEMES[opts.scheme], SCHEMES.get(opts.moe_scheme or "")) and \
             not any(lp.qtype == engines.W4A8 for lp in preview):
         raise UserError(f"--engine {prof.name}: W4A8_DYNAMIC is written for routed-expert layers, and "
@@ -106,8 +109,9 @@ def run(req: QuantRequest) -> QuantResult:
                         hint="use --scheme w8a8_dynamic, or --bits 4 (W4A16)")
     engines.check_plan(prof, family, preview)  # before any work
     mtp_type = engines.mtp_type(ktypes)
-    plan = make_plan(ck, opts.scheme, opts.group_size, opts.method, opts.ignore, assign=engines.assigner(prof, ktypes),
-                     recipe=opts.recipe, mix_ok=prof.fallback_ok, mtp_type=mtp_type, kv_cache=opts.kv_cache)
+    plan = make_plan(ck, opts.scheme, opts.group_size, opts.method, opts.ignore,
+                     assign=engines.assigner(prof, family, ktypes), recipe=opts.recipe, mix_ok=prof.fallback_ok, mtp_type=mtp_type, kv_cache=opts.kv_cache,
+                     engine_dtype=engines.engine_dtype(prof, family, ck.facts.dtype))
     engines.check_plan(prof, family, plan.linears.values())
     engines.check_kv_cache(prof, family, ck.config.get("model_type", ""), plan)
     engines.check_packing(prof, ck.family, plan.linears.values(), plan.group_size)
@@ -170,7 +174,12 @@ def run(req: QuantRequest) -> QuantResult:
         if ck.facts.fp8_block:  # weights arrive dequantized: the unquantized ones are written in the model dtype
             config["torch_dtype"] = config.get("torch_dtype") or "bfloat16"
         for f in ck.copy_files():
-            if f.name != "config.json":
+            tok = engines.tokenizer_config(prof, decode_utf8(read_bytes(f, "tokenizer config", "check the model's "
+                                                                        "tokenizer files"), str(f))) \
+                if f.name == "tokenizer_config.json" else None
+            if tok is not None:
+                out.write_text(f.name, tok)
+            elif f.name != "config.json":
                 out.copy_in(f)
         out.write_text("config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
         found = cal.findings() if cal is not None else None

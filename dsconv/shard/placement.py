@@ -106,7 +106,8 @@ def _weight_split(kind: Kind, layout: Layout, facts: Any) -> tuple[str, int | No
     return scope, dim, group, 1, group, gname, ""
 
 
-def place_kind(kind: Kind, layout: Layout, facts: Any, quant_group: int = 0) -> tuple[Placement, str]:
+def place_kind(kind: Kind, layout: Layout, facts: Any, quant_group: int = 0, group_rule: Any = None
+               ) -> tuple[Placement, str]:
     """The placement of one kind on a layout, and a note worth telling the user ('' if none); Rejected if none.
 
     A follower (scale, offset, bias) whose weight cannot be split raises an empty Rejected: the weight's own kind
@@ -148,12 +149,15 @@ def place_kind(kind: Kind, layout: Layout, facts: Any, quant_group: int = 0) -> 
         else:
             block, what = math.ceil(w / a), f"blocks of {math.ceil(w / a)}"
         piece = w // parts
+        wn = kind.weights[0] or kind.names[0]
+        more = f" (and {len(kind.names) - 1} more like it)" if len(kind.names) > 1 else ""
         if a % parts or w % parts or piece % block:
-            wn = kind.weights[0] or kind.names[0]
-            more = f" (and {len(kind.names) - 1} more like it)" if len(kind.names) > 1 else ""
             raise Rejected(f"{wn}{more}: {a} {what} along {'rows' if dim == 0 else 'columns'} cannot be split "
                            f"over {gname} {group} ({a} % {parts} != 0 or a piece of {w / parts:g} is not whole "
                            f"blocks)")
+        if group_rule is not None and dim == 1 and quant_group and a // parts < group_rule.min_groups:
+            raise Rejected(f"{wn}{more}: {gname} {group} leaves each rank {a // parts} of its {a} {what}: "
+                           f"{group_rule.label}: {group_rule.rule.text} ({group_rule.rule.source})")
     elif a % parts:
         raise Rejected(f"{kind.describe()}: {a} along dim {dim} cannot follow its weight's split over {gname} {group}")
     return Placement(scope, "split", dim, parts, rep, group, gname), note
@@ -172,7 +176,7 @@ class LayoutEval:
     expert_bytes: np.ndarray                # [moe layers, experts] bytes per card of one copy of each expert
 
 
-def evaluate_layout(table: TensorTable, layout: Layout) -> LayoutEval:
+def evaluate_layout(table: TensorTable, layout: Layout, group_rule: Any = None) -> LayoutEval:
     facts = table.facts
     placements: list[Placement | None] = []
     notes: list[str] = []
@@ -184,7 +188,7 @@ def evaluate_layout(table: TensorTable, layout: Layout) -> LayoutEval:
         return LayoutEval(layout, [None] * len(table.kinds), notes, rejections, 0, {}, ebytes)
     for kind in table.kinds:
         try:
-            p, note = place_kind(kind, layout, facts, table.quant_group)
+            p, note = place_kind(kind, layout, facts, table.quant_group, group_rule)
         except Rejected as e:
             if str(e):
                 rejections.append(str(e))

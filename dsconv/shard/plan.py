@@ -27,6 +27,7 @@ class ShardOptions:
     fit: Any = None                     # memory.FitSettings
     load: np.ndarray | None = None      # [moe layers, experts] tokens, for eplb
     num_groups: int = 1                 # expert groups (DeepSeek n_group) for hierarchical EPLB
+    group_rule: Any = None              # engines.profiles.GroupSplitRule: int4 groups a rank's split must hold
 
 
 @dataclass
@@ -87,7 +88,7 @@ def make_plan(table: TensorTable, layout: Layout, opts: ShardOptions, _expert_ca
     from dsconv.shard.balance import check_balance, place_experts
     from dsconv.shard.memory import check_fit
 
-    ev = evaluate_layout(table, layout)
+    ev = evaluate_layout(table, layout, opts.group_rule)
     plan = ShardPlan(table, layout, opts, ev)
     e = table.num_experts
     plan.rejections = list(ev.rejections)

@@ -170,12 +170,13 @@ def run(req: ShardRequest) -> ShardResult:
             groups = int(src.config.get("n_group") or 1)
         except (TypeError, ValueError):
             groups = 1
-        opts = ShardOptions(placement=req.placement, redundant=req.redundant, tolerance=req.tolerance, fit=fit,
-                              load=load, num_groups=groups)
         from dsconv import engines
         from dsconv.shard.engine_formats import resolve_format
 
-        engine = engines.get(req.engine).name
+        prof = engines.get(req.engine)
+        engine = prof.name
+        opts = ShardOptions(placement=req.placement, redundant=req.redundant, tolerance=req.tolerance, fit=fit,
+                            load=load, num_groups=groups, group_rule=prof.group_split)
         fmt, note = resolve_format(engine, req.format, src.family)
         if note and not dry_run:
             warnings.append(note)

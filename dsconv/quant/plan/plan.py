@@ -93,16 +93,17 @@ class QuantPlan:
     scheme: str                      # the requested scheme, e.g. "W8A8"
     group_size: int                  # W4A16 group (0 = per channel); 0 for 8-bit schemes
     method: str                      # rtn | mse | gptq (methods.py)
-    model_dtype: str                 # BF16 / F16 / F32: decides deq_scale storage
+    model_dtype: str                 # BF16 / F16 / F32: the checkpoint's
     linears: dict[str, LinearPlan]   # by module P, checkpoint order
     floats: dict[str, FloatPlan]     # by tensor name, checkpoint order
     dropped: list[str]               # FP8 weight_scale_inv auxiliaries (consumed by dequantization)
     ignored: dict[str, str] = field(default_factory=dict)  # module -> why it stays float
     kv: dict[int, KVLayer] = field(default_factory=dict)   # layer -> its C8 cache scales (--kv-cache int8)
+    engine_dtype: str = ""           # what the engine computes in (engines.engine_dtype): decides deq_scale storage
 
     @property
     def deq_dtype(self) -> str:
-        return "I64" if self.model_dtype == "F16" else "F32"
+        return "I64" if (self.engine_dtype or self.model_dtype) == "F16" else "F32"
 
     def units(self) -> dict[str, list[LinearPlan]]:
         out: dict[str, list[LinearPlan]] = {}
@@ -140,7 +141,7 @@ def unit_of(role: Role, category: Category, layer: int | None) -> str:
 def make_plan(ck: Any, scheme: str, group_size: int | None = None, method: str = "rtn",
               ignore: Iterable[str] = (), assign: Callable[[Any], tuple[str | None, str | None]] | None = None,
               recipe: str = "mixed", mix_ok: bool = True, mtp_type: str | None = None,
-              kv_cache: str | None = None) -> QuantPlan:
+              kv_cache: str | None = None, engine_dtype: str | None = None) -> QuantPlan:
     """Decide every tensor's fate from headers; all user errors (bad group size, odd int4 rows) surface here.
 
     `assign` (from dsconv.engines) gives a layer's type by its kind: (type or None for the scheme's, why FLOAT); where
@@ -233,7 +234,8 @@ def make_plan(ck: Any, scheme: str, group_size: int | None = None, method: str =
     if any(lp.qtype == STATIC for lp in linears.values()):
         qtype = STATIC  # a recipe with static layers calibrates (plan.scheme drives calibration and fallback)
     return QuantPlan(scheme=qtype, group_size=group_size, method=method, model_dtype=model_dtype, linears=linears,
-                     floats=floats, dropped=dropped, ignored=ignored, kv=plan_kv_cache(ck, kv_cache))
+                     floats=floats, dropped=dropped, ignored=ignored, kv=plan_kv_cache(ck, kv_cache),
+                     engine_dtype=engine_dtype or model_dtype)
 
 
 # ------------------------------------------------------------------------------------------- output tensors
