@@ -24,9 +24,10 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
 
-# vLLM-Ascend's real weight loader (vLLM 0.23.0 + vLLM-Ascend 0.23.0.post1 on CPU, in its own cached venv: see
-# tests/engine_check/) loads every output `dsconv quantize --engine vllm-ascend` writes for the tiny models of every
-# family; every tensor must land in its parameter. First run ~3 min of setup (~3.3 GB), then ~3 min.
+# Both engines' own weight loaders on CPU, each in its own cached venv (docs/engine_check.md): vLLM-Ascend 0.23.0.post1
+# over every output `dsconv quantize --engine vllm-ascend` writes (first run ~3 min of setup, ~3.3 GB); MindIE-LLM,
+# from MINDIE_LLM_SRC (a checkout, an installation's atb_llm, or its source archive; .ci/run passes the archive),
+# over every MindIE output at tp 1 and 2 and DeepSeek's offline-sharded folders (first run ~1 min, ~1.2 GB).
 engine-check: install
 	bash tests/engine_check/setup_env.sh
 	$(BIN)/python -m tests.engine_check.matrix --out engine-check-out

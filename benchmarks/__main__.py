@@ -1,6 +1,7 @@
 """`python -m benchmarks [NAME ...]`: run every benchmarks/bench_*.py (or the named ones) and print their figures.
 
-`fidelity` runs only when named (`make bench-fidelity`): it needs the real-model fixtures and hours of CPU."""
+`fidelity` runs only when named (`make bench-fidelity`): it needs the real-model fixtures and hours of CPU;
+`engine_check` too: it needs MindIE-LLM's sources (MINDIE_LLM_SRC)."""
 from __future__ import annotations
 
 import importlib
@@ -9,7 +10,7 @@ import time
 from pathlib import Path
 
 
-ONLY_WHEN_NAMED = ("fidelity",)
+ONLY_WHEN_NAMED = ("fidelity", "engine_check")
 
 
 def main(argv: list[str]) -> int:
