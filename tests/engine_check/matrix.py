@@ -485,6 +485,9 @@ def main() -> int:
     ap.add_argument("--update", action="store_true", help="rewrite results.json's rows of the engines run")
     ap.add_argument("--real", type=Path, nargs="*", default=None, help="real checkpoints (engine-check-real)")
     a = ap.parse_args()
+    # absolute: MindIE's offline-sharded loader joins the folder names onto the model path it holds, and a relative
+    # model path came out doubled (out/x/out/x/model-moe-...) on a clean clone's relative --out
+    a.out = a.out.resolve()
     a.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # quantize_all forks after the tokenizer is trained
     if a.real is not None:

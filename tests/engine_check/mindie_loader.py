@@ -254,7 +254,7 @@ def run(case: dict, rank: int, world_size: int) -> dict:
     OPENED.clear()
     EDITS.clear()
     RETRIES.clear()
-    d, started = Path(case["dir"]), time.perf_counter()
+    d, started = Path(case["dir"]).resolve(), time.perf_counter()
     res: dict[str, Any] = {"id": case["id"], "rank": rank, "world_size": world_size, "loaded": False, "error": None}
     try:
         runner = load(d, rank, world_size)
