@@ -21,18 +21,35 @@ from dsconv.errors import UserError
 @click.option("--samples", type=click.IntRange(min=1), default=None, help="Evaluate the first N chunks only.")
 @click.option("--max-ppl-increase", type=click.FloatRange(min=0), default=None, metavar="PCT",
               help="Fail (exit 3) when perplexity rises by more than PCT percent.")
+@click.option("--qa", "qa", type=PATH, default=None, is_flag=False, flag_value=Path(""), metavar="[FILE]",
+              help="Compare answers: question/answer JSONL (the calibration format). `--qa` alone uses the bundled "
+                   "questions no calibration default uses.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Length of the float model's greedy answers (--qa).")
+@click.option("--generate", is_flag=True, help="With --qa: also decode the quantized model's own greedy answers with "
+                                               "a KV cache (both models in memory).")
+@click.option("--max-answer-change", type=click.FloatRange(min=0), default=None, metavar="PCT",
+              help="Fail (exit 3) when more than PCT percent of the answers change (--qa).")
 @click.option("--output", "-o", type=PATH, default=None,
               help="Write eval_report.json into this directory (default in a workspace: <root>/eval).")
 @force_option
 @json_option
 def eval_cmd(model: Path | None, quantized: Path | None, text: Path | None, seq_len: int, samples: int | None,
-             max_ppl_increase: float | None, output: Path | None, force: bool, as_json: bool) -> None:
-    """Compare a quantized output with its original: perplexity, logits error, top-1 agreement.
+             max_ppl_increase: float | None, qa: Path | None, max_new_tokens: int, generate: bool,
+             max_answer_change: float | None, output: Path | None, force: bool, as_json: bool) -> None:
+    """Compare a quantized output with its original: perplexity, logits error, top-1 agreement, and answers.
 
-    The quantized model is rebuilt from the written files (dequantized weights, activations quantized as the engine
-    does for W8A8). Both models are held in memory: an evaluation tool for small models.
+    The quantized model is rebuilt from the written files and computed as the engine computes it (int8 activations
+    of W8A8, the W4A8 kernel, the int8 KV cache). Both models run a decoder layer at a time with weights streamed
+    from the two checkpoints, so any model the other stages take can be evaluated on a CPU host.
     """
+    from dsconv.quant.evaluate.fidelity import QAOptions
     from dsconv.quant.evaluate.stage import EvalRequest, run
+
+    if qa is None and (generate or max_answer_change is not None):
+        raise UserError("--generate and --max-answer-change compare answers", hint="add --qa [FILE]")
+    qa_opts = None if qa is None else QAOptions(path=None if str(qa) in ("", ".") else qa,
+                                                max_new_tokens=max_new_tokens, generate=generate)
 
     model = workspace.resolve_model(model)
     if quantized is None:
@@ -43,7 +60,8 @@ def eval_cmd(model: Path | None, quantized: Path | None, text: Path | None, seq_
     if output is None and workspace.find() is not None:
         output = workspace.resolve_output("eval", None)
     result = run(EvalRequest(model, quantized, text=text, seq_len=seq_len, samples=samples,
-                             max_ppl_increase=max_ppl_increase, output=output, force=force, progress=not as_json))
+                             max_ppl_increase=max_ppl_increase, qa=qa_opts,
+                             max_answer_change=max_answer_change, output=output, force=force, progress=not as_json))
     if as_json:
         emit_json(result.summary)
     else:

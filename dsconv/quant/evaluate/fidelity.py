@@ -1,18 +1,19 @@
 """`dsconv eval`: fidelity of a quantized output against its original, read back from the written layout.
 
-The quantized model is rebuilt from the output directory alone: weights dequantized from int8/int4 + scales, and
-activations quantized the way the engine does - W8A8 static layers compute `(x_q @ w_q^T + quant_bias) * deq_scale`
-from the stored input_scale/input_offset/deq_scale/quant_bias (so a wrong auxiliary shows up here), W8A8_DYNAMIC
-layers quantize each token to int8, W4A8_DYNAMIC layers run the A8W4 kernel's arithmetic with the stored scale_bias
-(`EngineLinear._w4a8`). Both models then run on the same text: perplexity of each, the change in percent,
-mean/max logits error, KL divergence and top-1 agreement.
+The quantized model is rebuilt from the output directory alone and computed as the engine computes it
+(`engine_linear.EngineLinear`: static and dynamic W8A8 activations, the W4A8 kernel's arithmetic, weight-only types
+dequantized), with its int8 KV cache where it has one (`int8_cache`). Both models run on the same tokens a decoder
+layer at a time (`streamed`), so eval takes any checkpoint the other stages take: perplexity of each and the change,
+the logits error, KL and top-1 agreement on text, and with `--qa` the answers (`qa`).
 
-Evaluation holds both models in memory (float32): it is a tool for small models and for checking the pipeline, not
-for a 671B checkpoint (quantize itself never holds a model).
+The in-memory models (`load_original_model`, `load_quantized_model`) remain for what needs a whole model: greedy
+answers with a KV cache (small models), the fake-quant ONNX comparison, and tests that check the streamed pass.
 """
 from __future__ import annotations
 
 import math
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +23,21 @@ from torch import nn
 
 from dsconv.checkpoint import Checkpoint
 from dsconv.errors import UserError
-from dsconv.quant.algorithms.fake_quant import fake_quant_int8_rows, int8_rows
-from dsconv.quant.algorithms.schemes import quantize_activation
 from dsconv.quant.calibrate.data import load_tokenizer, read_texts, read_utf8
 from dsconv.quant.calibrate.layers import ExpertLoop, install_forward, load_full_model
 from dsconv.quant.evaluate import int8_cache as int8_cache_sim
-from dsconv.quant.formats.msmodelslim import QuantLinear, quantized_modules, read_linear
+from dsconv.quant.evaluate.engine_linear import EngineLinear
+from dsconv.qformat import cache_tensors
+from dsconv.quant.evaluate.qa import (DEFAULT_MAX_NEW_TOKENS, QAItem, check_lengths, greedy, prompt_ids,
+                                      read_questions, stop_ids)
+from dsconv.quant.evaluate.qa import render as qa_render
+from dsconv.quant.evaluate.qa import score as qa_score
+from dsconv.quant.evaluate.streamed import StreamedModel, run_pass, text_metrics
+from dsconv.quant.evaluate.streamed import batches as seq_batches
+from dsconv.quant.formats.msmodelslim import quantized_modules, read_linear
 
 DEFAULT_SEQ_LEN = 512
+BATCH_TOKENS = 2048  # tokens per batch through a layer: bounds the attention's temporaries
 
 
 # ------------------------------------------------------------------------------------------------ text
@@ -71,47 +79,6 @@ def token_chunks(texts: list[str], tokenizer: Any, seq_len: int, samples: int | 
 
 
 # ------------------------------------------------------------------------------------------------ quantized model
-class EngineLinear:
-    """A linear computed as the engine computes its stored type (activations included)."""
-
-    def __init__(self, ql: QuantLinear) -> None:
-        self.ql = ql
-        self.qtype = ql.qtype
-        self.w = torch.from_numpy(ql.dequantized())
-        self.bias = None if ql.bias is None else torch.from_numpy(ql.bias)
-        if ql.qtype == "W8A8":
-            self.wq = torch.from_numpy(ql.q.astype(np.float32))
-            self.deq = torch.from_numpy(ql.deq_scale.astype(np.float32))
-            self.qb = torch.from_numpy(ql.quant_bias.astype(np.float32))
-        if ql.qtype == "W4A8_DYNAMIC":
-            self.wq = torch.from_numpy(ql.q.astype(np.float32))
-            self.s = torch.from_numpy(ql.weight_scale.astype(np.float32).reshape(-1))
-            self.sb = torch.from_numpy(ql.scale_bias.astype(np.float64).sum(-1).astype(np.float32))
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qtype == "W8A8":
-            xq = quantize_activation(x, self.ql.input_scale, self.ql.input_offset).float()
-            return ((xq @ self.wq.T) + self.qb) * self.deq  # quant_bias already holds the bias
-        if self.qtype == "W4A8_DYNAMIC":
-            return self._w4a8(x)
-        if self.qtype == "W8A8_DYNAMIC":
-            x = fake_quant_int8_rows(x)
-        y = x @ self.w.T
-        return y if self.bias is None else y + self.bias
-
-
-    def _w4a8(self, x: torch.Tensor) -> torch.Tensor:
-        """The engines' A8W4 kernel (grouped_matmul a8w4 "MSD"): per-token int8 x split as 16*hi + lo + 8 (hi, lo
-        int4), two int4 x int4 products scaled per channel, plus the stored scale_bias for the +8 term, times the
-        token's scale. Equals a8 x w4 exactly when scale_bias is right; a wrong one shows here."""
-        xq, a = int8_rows(x.float())
-        hi = torch.floor(xq / 16)
-        lo = xq - 16 * hi - 8
-        y = ((16 * hi) @ self.wq.T + lo @ self.wq.T) * self.s + self.sb
-        y = y * a
-        return y if self.bias is None else y + self.bias
-
-
 def load_quantized_model(qck: Checkpoint, int8_cache: bool = True) -> tuple[nn.Module, dict[str, str]]:
     """The model of a quantized output dir: dequantized weights, engine-style activations, and (with `int8_cache`)
     its KV cache through int8 where the output has cache scales. Returns (model, types)."""
@@ -174,16 +141,6 @@ def load_original_model(ck: Checkpoint) -> nn.Module:
 LOGITS_BUDGET = 256 * 2**20
 
 
-def _batches(chunks: list[list[int]], batch_tokens: int) -> list[list[int]]:
-    order = sorted(range(len(chunks)), key=lambda j: (-len(chunks[j]), j))
-    out = []
-    while order:
-        per = max(1, batch_tokens // len(chunks[order[0]]))
-        out.append(order[:per])
-        order = order[per:]
-    return out
-
-
 def compare(original: nn.Module, quantized: nn.Module, chunks: list[list[int]], batch_tokens: int = 4096,
             progress: bool = True) -> dict[str, Any]:
     """Perplexity of both models, logits error, KL(original || quantized) and top-1 agreement over real tokens.
@@ -200,7 +157,7 @@ def compare(original: nn.Module, quantized: nn.Module, chunks: list[list[int]], 
     abs_max = 0.0
     kl_sum = 0.0
     agree = positions = 0
-    batches = _batches(chunks, batch_tokens)
+    batches = seq_batches(chunks, batch_tokens)
     with torch.no_grad():
         for batch in tqdm(batches, desc="eval", unit="batch", disable=None if progress else True, leave=False):
             L = max(len(chunks[j]) for j in batch)
@@ -237,38 +194,136 @@ def compare(original: nn.Module, quantized: nn.Module, chunks: list[list[int]], 
             "top1_agreement": round(agree / positions, 6)}
 
 
+@dataclass
+class QAOptions:
+    """`--qa`: the questions (None: the bundled held-out set), the answer length, free-running decoding."""
+
+    path: Path | None = None
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    generate: bool = False
+
+
 def evaluate(model_dir: Path, quant_dir: Path, text: Path | None = None, seq_len: int = DEFAULT_SEQ_LEN,
-             samples: int | None = None, progress: bool = True) -> dict[str, Any]:
+             samples: int | None = None, progress: bool = True, qa: QAOptions | None = None) -> dict[str, Any]:
     from dsconv.quant.evaluate.onnx_lm import OnnxLM, fakequant_path
 
     ck = Checkpoint.open(model_dir)
     onnx_path = fakequant_path(quant_dir)
     if onnx_path is not None:
+        if qa is not None:
+            raise UserError("--qa compares answers of a quantize output; a fake-quant ONNX is scored on text only",
+                            hint="drop --qa, or pass the quantize output directory")
         return _evaluate_onnx(ck, model_dir, onnx_path, OnnxLM(onnx_path), text, seq_len, samples, progress)
     qck = Checkpoint.open(quant_dir)
+    check_pair(ck, qck, model_dir, quant_dir)
+    chunks, source = _eval_chunks(ck, text, seq_len, samples)
+    items, qa_meta = (None, None) if qa is None else _qa_items(ck, qck, qa, seq_len, progress)
+    seqs = chunks + ([it.prompt + it.answer for it in items] if items else [])
+    per_layer: list[float] = []
+    started = time.perf_counter()
+    pos = run_pass(StreamedModel(ck, quantized=False), StreamedModel(qck, quantized=True), seqs, BATCH_TOKENS,
+                   progress=progress, on_layer=lambda i, s: per_layer.append(s))
+    metrics = text_metrics(pos, set(range(len(chunks))))
+    desc = qck.quant_description
+    counts: dict[str, int] = {}
+    for t in quantized_modules(desc).values():
+        counts[t] = counts.get(t, 0) + 1
+    out = {"model": str(model_dir), "quantized": str(quant_dir), "model_quant_type": desc.get("model_quant_type"),
+           "linears": dict(sorted(counts.items())), "text": source, "samples": len(chunks), "seq_len": seq_len,
+           **({"kv_cache": form} if (form := int8_cache_sim.cache_form(desc)) else {}), **metrics,
+           "seconds": round(time.perf_counter() - started, 2),
+           "seconds_per_layer": round(sum(per_layer) / max(1, len(per_layer)), 3)}
+    if items:
+        for k, it in enumerate(items):
+            rows = np.where(pos.seq == len(chunks) + k)[0]
+            at = rows[np.argsort(pos.pos[rows])][len(it.prompt) - 1: len(it.prompt) - 1 + len(it.answer)]
+            it.forced_q, it.forced_o = pos.arg_q[at].tolist(), pos.arg_o[at].tolist()
+        out["qa"] = qa_score(items, qa_meta["tokenizer"], qa_meta["answers"], qa_meta["templated"],
+                             qa_meta["source"], qa.max_new_tokens)
+    return out
+
+
+def check_pair(ck: Checkpoint, qck: Checkpoint, model_dir: Path, quant_dir: Path) -> None:
+    """The quantize output must be made from `--model`: same architecture, every tensor it holds named in the source
+    with the same shape (an int8 weight: as many values, or twice for packed int4). Checked before any work."""
     if not qck.is_quantized:
         raise UserError(f"{quant_dir} has no quant_model_description*.json", hint="pass the output of dsconv quantize")
     if ck.is_quantized:
         raise UserError(f"{model_dir} is itself quantized", hint="--model is the original float checkpoint")
-    if ck.config.get("model_type") != qck.config.get("model_type") or ck.facts.num_layers != qck.facts.num_layers:
-        raise UserError(f"{quant_dir} is not a quantization of {model_dir} (model_type / layers differ)",
-                        hint="pass the original model the quantized output was made from")
-    chunks, source = _eval_chunks(ck, text, seq_len, samples)
-    original = load_original_model(ck)
-    quantized, types = load_quantized_model(qck)
-    metrics = compare(original, quantized, chunks, progress=progress)
-    desc = qck.quant_description
-    counts: dict[str, int] = {}
-    for t in types.values():
-        counts[t] = counts.get(t, 0) + 1
-    return {"model": str(model_dir), "quantized": str(quant_dir), "model_quant_type": desc.get("model_quant_type"),
-            "linears": dict(sorted(counts.items())), "text": source, "samples": len(chunks), "seq_len": seq_len,
-            **({"kv_cache": form} if (form := int8_cache_sim.cache_form(desc)) else {}), **metrics}
+    hint = "pass the original model the quantized output was made from"
+    for key in ("model_type", "hidden_size", "vocab_size", "num_hidden_layers"):
+        if ck.config.get(key) != qck.config.get(key):
+            raise UserError(f"{quant_dir} is not a quantization of {model_dir} ({key}: {qck.config.get(key)} vs "
+                            f"{ck.config.get(key)})", hint=hint)
+    kv_cache = set(cache_tensors(qck.quant_description))
+    for name in qck.names():
+        r = qck.role(name)
+        if r.param != "weight" or name in kv_cache:
+            continue
+        if name not in ck:
+            raise UserError(f"{quant_dir}: {name} is not in {model_dir}", hint=hint)
+        qi, fi = qck.info(name), ck.info(name)
+        same = tuple(qi.shape) == tuple(fi.shape) or (qi.dtype in ("I8", "U8") and qi.numel in (fi.numel,
+                                                                                                fi.numel // 2))
+        if not same:
+            raise UserError(f"{quant_dir}: {name} has shape {list(qi.shape)}, {model_dir} has {list(fi.shape)}",
+                            hint=hint)
+
+
+def fits_in_memory(ck: Checkpoint, models: int) -> bool:
+    """Whether `models` float32 copies of the checkpoint's parameters fit in half the memory available now."""
+    import psutil
+
+    need = 4 * sum(ck.info(n).numel for n in ck.names()) * models
+    return need < psutil.virtual_memory().available // 2
+
+
+def _qa_items(ck: Checkpoint, qck: Checkpoint, qa: QAOptions, seq_len: int, progress: bool) -> tuple[list, dict]:
+    """The questions' prompts and reference answers: the float model's greedy answers where it fits in memory, else
+    the file's answers; with `qa.generate`, the quantized model's own greedy answers."""
+    from tqdm import tqdm
+
+    tokenizer = load_tokenizer(ck.root)
+    questions, source = read_questions(qa.path)
+    prompts, templated = [], False
+    for q in questions:
+        ids, templated = prompt_ids(tokenizer, q.text)
+        prompts.append(ids)
+    check_lengths(questions, prompts, qa.max_new_tokens, seq_len, ck.config.get("max_position_embeddings"))
+    stop = stop_ids(tokenizer, ck.config)
+    if qa.generate and not fits_in_memory(ck, 2):
+        raise UserError(f"--generate holds both models in memory, and {ck.root} does not fit",
+                        hint="drop --generate: the teacher-forced comparison streams the models layer by layer")
+    bar = dict(disable=None if progress else True, leave=False, unit="question")
+    if fits_in_memory(ck, 1):
+        model = load_original_model(ck)
+        answers = [greedy(model, p, qa.max_new_tokens, stop, int8_cache_sim.new_cache(model.config, None, {}))
+                   for p in tqdm(prompts, desc="float answers", **bar)]
+        del model
+        how = "float"
+    else:
+        missing = next((q for q in questions if q.reference is None), None)
+        if missing is not None:
+            raise UserError(f"{missing.where}: no reference answer, and {ck.root} is too large to generate the float "
+                            f"model's answers in memory", hint="give every question an \"answer\"")
+        answers = [[int(i) for i in tokenizer(q.reference, add_special_tokens=False)["input_ids"]][: qa.max_new_tokens]
+                   for q in questions]
+        how = "reference"
+    items = [QAItem(q, p, a) for q, p, a in zip(questions, prompts, answers)]
+    if qa.generate:
+        model, _ = load_quantized_model(qck)
+        form = int8_cache_sim.cache_form(qck.quant_description)
+        scales = int8_cache_sim.cache_scales(qck) if form else {}
+        for it in tqdm(items, desc="quantized answers", **bar):
+            it.free_q = greedy(model, it.prompt, qa.max_new_tokens, stop,
+                               int8_cache_sim.new_cache(model.config, form, scales))
+        del model
+    return items, {"tokenizer": tokenizer, "answers": how, "templated": templated, "source": source}
 
 
 def _evaluate_onnx(ck: Checkpoint, model_dir: Path, onnx_path: Path, lm: Any, text: Path | None, seq_len: int,
                    samples: int | None, progress: bool) -> dict[str, Any]:
-    """The fake-quant ONNX (onnxruntime) against the float model, on the same text and metrics."""
+    """The fake-quant ONNX (onnxruntime) against the float model, on the same text and metrics (in memory)."""
     if ck.is_quantized:
         raise UserError(f"{model_dir} is itself quantized", hint="--model is the original float checkpoint")
     chunks, source = _eval_chunks(ck, text, seq_len, samples)
@@ -300,4 +355,5 @@ def render(r: dict[str, Any]) -> str:
         f"logits: mean |error| {r['logits_mean_abs_error']:.5f} ({r['logits_relative_error'] * 100:.2f}% of mean "
         f"|logit|), max |error| {r['logits_max_abs_error']:.4f}, KL {r['kl_divergence']:.6f}",
         f"top-1 agreement: {r['top1_agreement'] * 100:.2f}%",
+        *(qa_render(r["qa"]) if "qa" in r else []),
     ])

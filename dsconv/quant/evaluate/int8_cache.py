@@ -57,7 +57,25 @@ def install(model: nn.Module, sk: Any, form: str, scales: dict[int, dict[str, to
             norm.register_forward_hook(
                 lambda mod, args, out, scale=scale: torch.clamp(torch.round(out / scale), -128, 127) * scale)
         return
+    forward = model.forward
+
+    def with_cache(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:  # a caller's cache is its own
+            kwargs["cache"] = new_cache(model.config, form, scales)
+            kwargs["use_cache"] = True
+        return forward(*args, **kwargs)
+
+    model.forward = with_cache  # type: ignore[method-assign]
+
+
+def new_cache(config: Any, form: str | None, scales: dict[int, dict[str, torch.Tensor]]) -> Any:
+    """A cache for one forward or one generation: C8 fake-quantizes every state it is handed before it stores it
+    (so decoding attends to int8-rounded keys and values, as the engines' decode does); else a plain DynamicCache
+    (FA quant rounds the latent norm's output instead: `install`)."""
     from transformers import DynamicCache
+
+    if form is None or form == FA_QUANT:
+        return DynamicCache(config=config)
 
     class C8Cache(DynamicCache):
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
@@ -68,15 +86,7 @@ def install(model: nn.Module, sk: Any, form: str, scales: dict[int, dict[str, to
                 value_states = fake_quant(value_states, s["v_kv_cache_scale"], s["v_kv_cache_offset"])
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    forward = model.forward
-
-    def with_cache(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:  # a caller's cache is its own
-            kwargs["cache"] = C8Cache(config=model.config)
-            kwargs["use_cache"] = True
-        return forward(*args, **kwargs)
-
-    model.forward = with_cache  # type: ignore[method-assign]
+    return C8Cache(config=config)
 
 
 def _latent_norm(sk: Any, layer: int) -> nn.Module:

@@ -8,7 +8,8 @@ from typing import Any
 
 from dsconv.errors import CheckFailed, UserError
 from dsconv.io.writer import MANIFEST, OutputDir, read_manifest
-from dsconv.quant.evaluate.fidelity import DEFAULT_SEQ_LEN, evaluate, render
+from dsconv.quant.evaluate.fidelity import DEFAULT_SEQ_LEN, QAOptions, evaluate, render
+from dsconv.quant.evaluate.qa import changed_fraction
 
 REPORT_FILE = "eval_report.json"
 
@@ -23,6 +24,8 @@ class EvalRequest:
     seq_len: int = DEFAULT_SEQ_LEN
     samples: int | None = None
     max_ppl_increase: float | None = None   # percent; exceeding it fails the run (exit 3)
+    qa: QAOptions | None = None             # compare answers too
+    max_answer_change: float | None = None  # percent of answers that may change (exit 3 beyond)
     output: Path | None = None              # directory for eval_report.json; None writes nothing
     force: bool = False
     progress: bool = True
@@ -49,15 +52,23 @@ def output_is_eval(path: Path) -> bool:
 def run(req: EvalRequest) -> EvalResult:
     """Run `dsconv eval`."""
     result = evaluate(req.model, req.quantized, text=req.text, seq_len=req.seq_len, samples=req.samples,
-                      progress=req.progress)
+                      progress=req.progress, qa=req.qa)
+    failed = []
     if req.max_ppl_increase is not None and result["ppl_change_pct"] > req.max_ppl_increase:
-        raise CheckFailed(f"perplexity rose {result['ppl_change_pct']:.3f}% (limit {req.max_ppl_increase}%)",
-                          details=render(result))
+        failed.append(f"perplexity rose {result['ppl_change_pct']:.3f}% (limit {req.max_ppl_increase}%)")
+    if req.max_answer_change is not None and changed_fraction(result["qa"]) > req.max_answer_change:
+        failed.append(f"{changed_fraction(result['qa']):.1f}% of the answers changed (limit "
+                      f"{req.max_answer_change}%)")
+    if failed:  # nothing is written: a failed check leaves no report to mistake for a passed one
+        raise CheckFailed("; ".join(failed), details=render(result))
     if req.output is not None:
         with OutputDir(req.output, stage="eval", inputs=[req.model, req.quantized],
                        force=True if output_is_eval(req.output) else req.force,
                        options={"text": str(req.text) if req.text else None, "seq_len": req.seq_len,
-                                "samples": req.samples}) as out:
+                                "samples": req.samples,
+                                "qa": None if req.qa is None else {"file": str(req.qa.path) if req.qa.path else None,
+                                                                   "max_new_tokens": req.qa.max_new_tokens,
+                                                                   "generate": req.qa.generate}}) as out:
             out.write_json(REPORT_FILE, result)
         result["report"] = str(Path(req.output) / REPORT_FILE)
     return EvalResult(result)

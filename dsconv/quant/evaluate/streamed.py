@@ -1,0 +1,351 @@
+"""The evaluation pass, one decoder layer at a time: any checkpoint the other stages take can be evaluated.
+
+The hidden states of every evaluated token advance through the float and the quantized model side by side: layer i of
+the float model (weights from the source checkpoint) and layer i of the quantized model (weights from the quantize
+output, computed as the engine computes them) are the only layers in memory, and neither is ever whole in float32:
+- a linear streams its output rows in blocks (`engine_linear.row_blocks`): float rows from the memory-mapped source,
+  their pages dropped after use; a quantized linear holds its int8 weight (1 byte a parameter) while it runs;
+- routed experts run one at a time (`ExpertLoop`), their weights read when the expert runs;
+- the embedding gathers the rows of the evaluated tokens from the mapped table;
+- the vocabulary projection runs in blocks of rows with online log-sum-exp, so perplexity, KL, the logits error,
+  top-1 and each position's arg-max come out without a [tokens, vocabulary] tensor.
+Padding and batching are those of the in-memory path (`fidelity.compare`), so both compute the same rows: the only
+difference is the order of float additions in a blocked matmul.
+
+The int8 KV cache of a `--kv-cache int8` output is applied on the quantized side as in-memory evaluation does: C8 by a
+cache stand-in that hands the attention its states through int8 (nothing is stored), FA quant by rounding the MLA
+latent norm's output.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from dsconv.families.roles import Role
+from dsconv.qformat import FA_QUANT
+from dsconv.quant.calibrate.layers import ExpertLoop, Skeleton, install_forward
+from dsconv.quant.evaluate import int8_cache as int8_cache_sim
+from dsconv.quant.evaluate import engine_linear
+from dsconv.quant.evaluate.engine_linear import EngineLinear, row_blocks
+from dsconv.quant.formats.msmodelslim import quantized_modules, read_linear
+
+
+# ------------------------------------------------------------------------------------------------ linears
+class FloatRows:
+    """A float linear read in blocks of output rows from the mapped checkpoint (pages dropped after each block)."""
+
+    def __init__(self, ck: Any, weight: str, bias: str | None) -> None:
+        self.ck, self.name = ck, weight
+        self.n, self.k = ck.info(weight).shape
+        self.bias = None if bias is None else ck.load(bias).float()
+
+    def rows(self, lo: int, hi: int) -> torch.Tensor:
+        w = self.ck.view(self.name)[lo:hi].float()
+        self.ck.release_rows(self.name, lo, hi)
+        return w
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).float()
+        out = torch.empty(x2.shape[0], self.n, dtype=torch.float32)
+        for lo, hi in row_blocks(self.n, self.k):
+            out[:, lo:hi] = x2 @ self.rows(lo, hi).T
+        if self.bias is not None:
+            out += self.bias
+        return out.reshape(*shape[:-1], self.n).to(x.dtype)
+
+
+class LazyEngineLinear:
+    """A quantized linear read when it runs and dropped after: one linear's int8 weight in memory at a time."""
+
+    def __init__(self, ck: Any, module: str, qtype: str) -> None:
+        self.ck, self.module, self.qtype = ck, module, qtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return EngineLinear(read_linear(self.ck, self.module, self.qtype))(x)
+
+
+class C8PassThrough:
+    """A stand-in for the attention's cache that hands back what it is given through int8, storing nothing: every
+    query of a teacher-forced pass attends to int8-rounded keys and values, as a decode step does."""
+
+    def __init__(self, scales: dict[int, dict[str, torch.Tensor]]) -> None:
+        self.scales = scales
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int | None = None,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.scales.get(layer_idx)
+        if s is None:
+            return key_states, value_states
+        return (int8_cache_sim.fake_quant(key_states, s["k_kv_cache_scale"], s["k_kv_cache_offset"]),
+                int8_cache_sim.fake_quant(value_states, s["v_kv_cache_scale"], s["v_kv_cache_offset"]))
+
+
+# ------------------------------------------------------------------------------------------------ one model
+class StreamedModel:
+    """One side of the evaluation (the float source, or a quantize output) run a decoder layer at a time."""
+
+    def __init__(self, ck: Any, quantized: bool) -> None:
+        self.ck = ck
+        self.sk = Skeleton(ck)
+        self.types = quantized_modules(ck.quant_description) if quantized else {}
+        self.form = int8_cache_sim.cache_form(ck.quant_description) if quantized else None
+        self.cache_scales = int8_cache_sim.cache_scales(ck) if self.form else {}
+        head = self._head_name()
+        self.head = self._linear(head)
+        self.vocab = int(ck.info(head + ".weight").shape[0])
+        self.softcap = getattr(self.sk.config, "final_logit_softcapping", None)
+        norm = self.sk.base.norm
+        self.sk.mat.fill(norm)
+        self.norm = norm
+
+    def _head_name(self) -> str:
+        """The vocabulary projection's module name: lm_head, or the embedding where the two are tied."""
+        head = next((n for n, r in self.ck.roles.items() if r.role == Role.LM_HEAD and r.layer is None
+                     and r.param == "weight"), None)
+        return (head or self.sk.embed_name)[: -len(".weight")]
+
+    def _linear(self, module: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        t = self.types.get(module)
+        if t is not None:
+            return LazyEngineLinear(self.ck, module, t)
+        bias = module + ".bias"
+        return FloatRows(self.ck, module + ".weight", bias if bias in self.ck else None)
+
+    def head_rows(self, lo: int, hi: int) -> torch.Tensor:
+        if isinstance(self.head, FloatRows):
+            return self.head.rows(lo, hi)
+        return EngineLinear(read_linear(self.ck, self.head.module, self.head.qtype)).rows(lo, hi)
+
+    # ---- the pass ------------------------------------------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows of `ids` gathered from the mapped table (never loaded whole), times Gemma's constant."""
+        name = self.sk.embed_name
+        table = self.ck.view(name)
+        out = table[ids.reshape(-1)].float().reshape(*ids.shape, -1)
+        self.ck.release(name)
+        scale = getattr(self.sk.model.get_input_embeddings(), "scalar_embed_scale", None)
+        return out if scale is None else out * torch.tensor(scale, dtype=torch.float32)
+
+    @contextlib.contextmanager
+    def layer(self, i: int) -> Iterator[Callable[[torch.Tensor], torch.Tensor]]:
+        """Layer i with real storage for its norms and routers, its linears and experts streamed; released after."""
+        sk = self.sk
+        layer = sk.layers[i]
+        experts = sk.experts_module(i)
+        linears = {m: sk.ck_name(sk.module_names[m]) for m in layer.modules()
+                   if isinstance(m, nn.Linear) and sk.ck_name(sk.module_names[m]) + ".weight" in self.ck}
+        sk.mat.fill(layer, lambda m: m is experts or m in linears)
+        for m, name in linears.items():
+            install_forward(m, self._linear(name))
+        if experts is not None:
+            install_forward(experts, self._experts(i, experts))
+        hooks = []
+        if self.form == FA_QUANT and i in self.cache_scales:
+            norm = int8_cache_sim._latent_norm(sk, i)
+            scale = float(self.cache_scales[i]["fa_k_scale"].reshape(-1)[0])
+            hooks.append(norm.register_forward_hook(
+                lambda mod, args, out: torch.clamp(torch.round(out / scale), -128, 127) * scale))
+        cache = C8PassThrough(self.cache_scales) if self.form and self.form != FA_QUANT else None
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            y = layer(x, **sk.layer_inputs(x, layer, cache))
+            return y[0] if isinstance(y, tuple) else y
+
+        try:
+            with torch.no_grad():
+                yield run
+        finally:
+            for h in hooks:
+                h.remove()
+            for m in [*linears, *([experts] if experts is not None else [])]:
+                m.__dict__.pop("forward", None)
+            sk.release(i)
+
+    def _experts(self, i: int, experts: nn.Module) -> ExpertLoop:
+        """The routed experts one at a time: a float expert's weights read when it runs, a quantized one's linears
+        computed as the engine does."""
+        E = int(experts.gate_up_proj.shape[0])
+
+        def names(e: int) -> dict[str, str]:
+            return self.sk.expert_weight_names(i, e)
+
+        def linear(e: int, slot: str, x: torch.Tensor, name: str) -> torch.Tensor:
+            return self._linear(name[: -len(".weight")])(x)
+
+        return ExpertLoop(experts, E, names, linear=linear)
+
+    def final(self, h: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.norm(h)
+
+
+# ------------------------------------------------------------------------------------------------ logits
+@dataclass
+class HeadStats:
+    """What the vocabulary projection gives per position, accumulated over blocks of vocabulary rows."""
+
+    n: int
+    m: dict[str, torch.Tensor] = field(default_factory=dict)        # running max logit
+    s: dict[str, torch.Tensor] = field(default_factory=dict)        # sum exp(logit - m)
+    arg: dict[str, torch.Tensor] = field(default_factory=dict)      # arg-max so far (first of equals)
+    target: dict[str, torch.Tensor] = field(default_factory=dict)   # logit of the next token
+    t: torch.Tensor | None = None                                     # sum exp(lo - m_o) * (lo - lq)
+    abs_sum: torch.Tensor | None = None                               # per position: sum |lq - lo|
+    ref_abs_sum: torch.Tensor | None = None                           # sum |lo|
+    abs_max: torch.Tensor | None = None                               # max |lq - lo|
+
+    def add(self, lo: torch.Tensor, lq: torch.Tensor, start: int, targets: torch.Tensor) -> None:
+        """Logits of vocabulary ids [start, start + block) for both models; `targets` the next ids (-1: none)."""
+        diff = (lq - lo).abs()
+        d_sum, r_sum, d_max = diff.sum(1, dtype=torch.float64), lo.abs().sum(1, dtype=torch.float64), diff.amax(1)
+        if self.abs_sum is None:
+            self.abs_sum, self.ref_abs_sum, self.abs_max = d_sum, r_sum, d_max
+        else:
+            self.abs_sum, self.ref_abs_sum = self.abs_sum + d_sum, self.ref_abs_sum + r_sum
+            self.abs_max = torch.maximum(self.abs_max, d_max)
+        old_m = self.m.get("o")
+        for key, logits in (("o", lo), ("q", lq)):
+            bmax, barg = logits.max(dim=1)
+            if key not in self.m:
+                m = bmax.double()
+                self.s[key] = torch.exp(logits.double() - m[:, None]).sum(1)
+                self.arg[key] = barg + start
+                self.target[key] = torch.full((self.n,), float("nan"), dtype=torch.float64)
+            else:
+                m = torch.maximum(self.m[key], bmax.double())
+                self.s[key] = self.s[key] * torch.exp(self.m[key] - m) + torch.exp(logits.double() - m[:, None]).sum(1)
+                self.arg[key] = torch.where(bmax.double() > self.m[key], barg + start, self.arg[key])
+            self.m[key] = m
+            inside = (targets >= start) & (targets < start + logits.shape[1])
+            rows = torch.where(inside)[0]
+            self.target[key][rows] = logits[rows, targets[rows] - start].double()
+        w = torch.exp(lo.double() - self.m["o"][:, None])
+        part = (w * (lo.double() - lq.double())).sum(1)
+        self.t = part if self.t is None else self.t * torch.exp(old_m - self.m["o"]) + part
+
+    def lse(self, key: str) -> torch.Tensor:
+        return self.m[key] + torch.log(self.s[key])
+
+    def kl(self) -> torch.Tensor:
+        """KL(original || quantized) per position: E_po[lo - lq] - lse_o + lse_q."""
+        return self.t / self.s["o"] - self.lse("o") + self.lse("q")
+
+
+def head_pass(orig: StreamedModel, quant: StreamedModel, ho: torch.Tensor, hq: torch.Tensor,
+              targets: torch.Tensor) -> HeadStats:
+    """Both vocabulary projections over final hidden rows [N, H], in blocks of vocabulary rows."""
+    V, H = orig.vocab, ho.shape[1]
+    stats = HeadStats(ho.shape[0])
+    # a block's logits (two models, float64 temporaries) stay near BLOCK_BYTES
+    budget = max(1, engine_linear.BLOCK_BYTES // (8 * max(1, ho.shape[0]))) * 4 * H
+    for lo, hi in row_blocks(V, H, budget):
+        lo_logits = ho @ orig.head_rows(lo, hi).T
+        lq_logits = hq @ quant.head_rows(lo, hi).T
+        for side, logits in ((orig, lo_logits), (quant, lq_logits)):
+            if side.softcap:
+                logits.div_(side.softcap).tanh_().mul_(side.softcap)
+        stats.add(lo_logits, lq_logits, lo, targets)
+    return stats
+
+
+# ------------------------------------------------------------------------------------------------ the pass
+@dataclass
+class Positions:
+    """Per evaluated position (real tokens only, batch order): both models' arg-max and next-token NLL, the KL."""
+
+    seq: np.ndarray          # which sequence
+    pos: np.ndarray          # position within it
+    arg_o: np.ndarray
+    arg_q: np.ndarray
+    nll_o: np.ndarray        # NaN where the position has no next token
+    nll_q: np.ndarray
+    kl: np.ndarray
+    abs_sum: np.ndarray      # per position: sum over the vocabulary of |lq - lo|
+    ref_abs_sum: np.ndarray  # sum of |lo|
+    abs_max: np.ndarray      # max |lq - lo|
+    vocab: int
+
+
+def batches(seqs: list[list[int]], batch_tokens: int) -> list[list[int]]:
+    """Sequences into padded batches: longest first, as many as fit in batch_tokens (both eval paths)."""
+    order = sorted(range(len(seqs)), key=lambda j: (-len(seqs[j]), j))
+    out = []
+    while order:
+        per = max(1, batch_tokens // len(seqs[order[0]]))
+        out.append(order[:per])
+        order = order[per:]
+    return out
+
+
+def run_pass(orig: StreamedModel, quant: StreamedModel, seqs: list[list[int]], batch_tokens: int,
+             progress: bool = True, on_layer: Callable[[int, float], None] | None = None) -> Positions:
+    """Every sequence through both models a layer at a time; the per-position results of the vocabulary projection."""
+    import time
+
+    from tqdm import tqdm
+
+    groups = batches(seqs, batch_tokens)
+    ids, masks = [], []
+    for g in groups:
+        L = max(len(seqs[j]) for j in g)
+        t = torch.zeros(len(g), L, dtype=torch.long)
+        m = torch.zeros(len(g), L, dtype=torch.bool)
+        for r, j in enumerate(g):
+            t[r, : len(seqs[j])] = torch.tensor(seqs[j])
+            m[r, : len(seqs[j])] = True
+        ids.append(t)
+        masks.append(m)
+    ho = [orig.embed(t) for t in ids]
+    hq = [quant.embed(t) for t in ids]
+    n_layers = orig.sk.num_layers
+    for i in tqdm(range(n_layers), desc="eval", unit="layer", disable=None if progress else True, leave=False):
+        started = time.perf_counter()
+        for side, hs in ((orig, ho), (quant, hq)):
+            with side.layer(i) as run:
+                for b in range(len(hs)):
+                    hs[b] = run(hs[b])
+        if on_layer is not None:
+            on_layer(i, time.perf_counter() - started)
+    seq, pos, targets, fo, fq = [], [], [], [], []
+    for g, t, m, xo, xq in zip(groups, ids, masks, ho, hq):
+        nxt = torch.full_like(t, -1)
+        nxt[:, :-1] = torch.where(m[:, 1:], t[:, 1:], torch.full_like(t[:, 1:], -1))
+        rows, cols = torch.where(m)
+        seq.append(torch.tensor(g)[rows])
+        pos.append(cols)
+        targets.append(nxt[m])
+        fo.append(orig.final(xo)[m])
+        fq.append(quant.final(xq)[m])
+    target = torch.cat(targets)
+    with torch.no_grad():
+        st = head_pass(orig, quant, torch.cat(fo).float(), torch.cat(fq).float(), target)
+    has = target >= 0
+    nll = {k: torch.where(has, st.lse(k) - st.target[k], torch.full_like(st.m[k], math.nan)) for k in ("o", "q")}
+    return Positions(seq=torch.cat(seq).numpy(), pos=torch.cat(pos).numpy(), arg_o=st.arg["o"].numpy(),
+                     arg_q=st.arg["q"].numpy(), nll_o=nll["o"].numpy(), nll_q=nll["q"].numpy(), kl=st.kl().numpy(),
+                     abs_sum=st.abs_sum.numpy(), ref_abs_sum=st.ref_abs_sum.numpy(), abs_max=st.abs_max.numpy(),
+                     vocab=orig.vocab)
+
+
+def text_metrics(p: Positions, chunk_ids: set[int] | None = None) -> dict[str, Any]:
+    """The in-memory path's metrics (`fidelity.compare`) from the per-position results of the text chunks."""
+    keep = np.ones(len(p.seq), bool) if chunk_ids is None else np.isin(p.seq, sorted(chunk_ids))
+    has = keep & ~np.isnan(p.nll_o)
+    predicted = int(has.sum())
+    positions = int(keep.sum())
+    ppl_o = math.exp(float(p.nll_o[has].sum()) / predicted)
+    ppl_q = math.exp(float(p.nll_q[has].sum()) / predicted)
+    abs_sum, ref_abs_sum = float(p.abs_sum[keep].sum()), float(p.ref_abs_sum[keep].sum())
+    return {"tokens": positions, "predicted_tokens": predicted, "ppl_original": round(ppl_o, 4),
+            "ppl_quantized": round(ppl_q, 4), "ppl_change_pct": round((ppl_q / ppl_o - 1.0) * 100.0, 4),
+            "logits_mean_abs_error": round(abs_sum / (positions * p.vocab), 6),
+            "logits_relative_error": round(abs_sum / ref_abs_sum, 6) if ref_abs_sum else 0.0,
+            "logits_max_abs_error": round(float(p.abs_max[keep].max()), 6), "kl_divergence": round(float(p.kl[keep].sum()) / positions, 6),
+            "top1_agreement": round(float((p.arg_o[keep] == p.arg_q[keep]).sum()) / positions, 6)}
