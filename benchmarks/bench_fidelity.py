@@ -337,6 +337,7 @@ def run_model(name: str, model_dir: Path, keys: list[str], a: argparse.Namespace
         cache.write_text(json.dumps({"model": str(model_dir), "ppl": ppl_float}))
     print(f"{name}: float perplexity {ppl_float:.4f} on {len(chunks)} x {SEQ} tokens of pydoc_data.topics; "
           f"load {os.getloadavg()[0]:.1f}", flush=True)
+    answers = float_answers(model_dir, work, a.qa_tokens) if a.qa_tokens else None
     from dsconv.quant.algorithms.methods import DEFAULT_METHOD
 
     rows: dict[str, dict[str, Any]] = {}
@@ -359,6 +360,7 @@ def run_model(name: str, model_dir: Path, keys: list[str], a: argparse.Namespace
         model, counts = load_quantized(out)
         ppl = perplexity(model, chunks)
         del model
+        qa = answer_agreement(model_dir, out, answers, a.qa_tokens) if answers is not None else None
         total = sum(counts.values())
         size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
         row = {"args": args + extra, "ppl": ppl, "increase_pct": 100.0 * (ppl / ppl_float - 1.0), "quantize_s": secs,
@@ -366,15 +368,54 @@ def run_model(name: str, model_dir: Path, keys: list[str], a: argparse.Namespace
                "load_before": round(load0, 2), "types": counts,
                "static_ratio": counts.get("W8A8", 0) / total if total else 0.0, "target_pct": target,
                "method": summary.get("method"), "output_bytes": size, "decisions": summary.get("decisions"),
-               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **({"answers": qa} if qa else {})}
         rows[label] = row
         print(f"{name} {label:40s} ppl {ppl:9.4f}  {row['increase_pct']:+7.2f}%  {secs:6.0f}s (cpu {cpu:.0f}s)  "
-              f"{counts}", flush=True)
+              f"{counts}" + (f"  answers {qa['identical']}/{qa['of']} identical, {qa['mean_tokens_to_divergence']}"
+                             f" tokens to divergence" if qa else ""), flush=True)
         if not a.keep:
             shutil.rmtree(out, ignore_errors=True)
     return {"model": str(model_dir), "eval_tokens": len(chunks) * SEQ, "float_ppl": ppl_float,
             "calibration": f"first {a.calib_samples} bundled QA pairs" if a.calib_samples
             else "bundled qa.jsonl (all)", "schemes": rows}
+
+
+# ------------------------------------------------------------------------------------------- answers
+def float_answers(model_dir: Path, work: Path, max_new: int) -> list[list[int]]:
+    """The float model's greedy answers to dsconv's bundled held-out questions (never in calibration), generated
+    once per model with a KV cache by `dsconv eval`'s own code and kept in the work directory."""
+    from dsconv.checkpoint import Checkpoint
+    from dsconv.quant.calibrate.data import load_tokenizer
+    from dsconv.quant.evaluate import qa as qa_mod
+    from dsconv.quant.evaluate.fidelity import load_original_model
+    from dsconv.quant.evaluate.int8_cache import new_cache
+
+    cache = work / f"float_answers_{max_new}.json"
+    if cache.exists() and json.loads(cache.read_text()).get("model") == str(model_dir):
+        return json.loads(cache.read_text())["answers"]
+    t = time.perf_counter()
+    ck = Checkpoint.open(model_dir)
+    tok = load_tokenizer(model_dir)
+    questions, _ = qa_mod.read_questions(None)
+    model = load_original_model(ck)
+    stop = qa_mod.stop_ids(tok, ck.config)
+    answers = [qa_mod.greedy(model, qa_mod.prompt_ids(tok, q.text)[0], max_new, stop, new_cache(model.config, None, {}))
+               for q in questions]
+    cache.write_text(json.dumps({"model": str(model_dir), "answers": answers}))
+    print(f"float answers to {len(questions)} held-out questions in {time.perf_counter() - t:.0f}s", flush=True)
+    return answers
+
+
+def answer_agreement(model_dir: Path, out: Path, answers: list[list[int]], max_new: int) -> dict[str, Any]:
+    """`dsconv eval --qa` (teacher-forced, layer-streamed) of one output against the float answers."""
+    from dsconv.quant.evaluate.fidelity import QAOptions, evaluate
+
+    r = evaluate(model_dir, out, samples=1, progress=False, qa=QAOptions(max_new_tokens=max_new, answers=answers))
+    tf = r["qa"]["teacher_forced"]
+    return {"identical": tf["identical"], "of": tf["of"], "mean_tokens_to_divergence":
+            tf["mean_tokens_to_divergence"], "mean_answer_tokens": tf["mean_answer_tokens"],
+            "exact_match_original": (r["qa"].get("exact_match") or {}).get("original"),
+            "eval_seconds": r["seconds"]}
 
 
 def judge(row: dict[str, Any], rtn: dict[str, Any] | None) -> tuple[str, bool | None]:
@@ -402,6 +443,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--calib-samples", type=int, default=None,
                     help="calibrate on the first N bundled QA pairs (default: all 157) - for a loaded machine")
     ap.add_argument("--table-only", action="store_true", help="print the table of bench-results/fidelity.json")
+    ap.add_argument("--qa-tokens", type=int, default=64,
+                    help="answer agreement on dsconv's held-out questions, answers of this many tokens (0: off)")
     a = ap.parse_args(argv if argv is not None else [])
     import torch
 
@@ -470,6 +513,10 @@ def print_table(models: dict[str, Any]) -> None:
             if r.get("output_bytes"):
                 extra.append(f"{r['output_bytes'] / 2**20:.0f} MiB")
             extra.append(f"{r['quantize_cpu_s']:.0f} s CPU, load {r.get('load_before', '?')}")
+            if r.get("answers"):
+                q = r["answers"]
+                extra.append(f"answers {q['identical']}/{q['of']} identical, {q['mean_tokens_to_divergence']:.1f} "
+                             f"of {q['mean_answer_tokens']:.1f} tokens to divergence")
             cells.append(f"{r['increase_pct']:+.2f}% ({'; '.join(extra)})")
         print(f"| {label} | {target_txt} | " + " | ".join(cells) + " |")
 

@@ -191,3 +191,16 @@ def test_cli_generate_needs_qa(outputs, run_cli):
     model, q = _pair(outputs)
     r = run_cli(["eval", "--model", model, "-q", q, "--generate"])
     assert r.code == 2 and "--qa" in r.err
+
+
+def test_cli_eval_split_over_workers_equals_one_process(outputs, run_cli, tmp_path):
+    """--workers 2: runs of sequences in two processes, each streaming both checkpoints; the figures equal one
+    process's to float rounding (only the batches' composition differs), answers included."""
+    model, q = _pair(outputs)
+    base = ["eval", "--model", model, "-q", q, "--samples", "6", "--seq-len", "64", "--qa", "--max-new-tokens", "6",
+            "--json"]
+    one = json.loads(run_cli(base + ["--workers", "1"]).out)
+    two = json.loads(run_cli(base + ["--workers", "2"]).out)
+    for k in ("tokens", "predicted_tokens", "ppl_original", "ppl_quantized", "kl_divergence", "top1_agreement"):
+        assert two[k] == pytest.approx(one[k], rel=2e-4, abs=2e-6), k
+    assert two["qa"]["teacher_forced"] == one["qa"]["teacher_forced"]

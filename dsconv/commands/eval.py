@@ -6,7 +6,8 @@ from pathlib import Path
 import click
 
 from dsconv import workspace
-from dsconv.commands.options import PATH, emit_json, force_option, json_option, model_option
+from dsconv.commands.options import (PATH, emit_json, exec_options, force_option, json_option, model_option,
+                                     resolve_exec)
 from dsconv.errors import UserError
 
 
@@ -33,21 +34,28 @@ from dsconv.errors import UserError
 @click.option("--output", "-o", type=PATH, default=None,
               help="Write eval_report.json into this directory (default in a workspace: <root>/eval).")
 @force_option
+@exec_options
 @json_option
 def eval_cmd(model: Path | None, quantized: Path | None, text: Path | None, seq_len: int, samples: int | None,
              max_ppl_increase: float | None, qa: Path | None, max_new_tokens: int, generate: bool,
-             max_answer_change: float | None, output: Path | None, force: bool, as_json: bool) -> None:
+             max_answer_change: float | None, output: Path | None, force: bool, workers: int | None,
+             executor: str | None, ray_address: str | None, as_json: bool) -> None:
     """Compare a quantized output with its original: perplexity, logits error, top-1 agreement, and answers.
 
     The quantized model is rebuilt from the written files and computed as the engine computes it (int8 activations
     of W8A8, the W4A8 kernel, the int8 KV cache). Both models run a decoder layer at a time with weights streamed
     from the two checkpoints, so any model the other stages take can be evaluated on a CPU host.
     """
+    from dsconv.executor import ExecOptions
     from dsconv.quant.evaluate.fidelity import QAOptions
     from dsconv.quant.evaluate.stage import EvalRequest, run
 
     if qa is None and (generate or max_answer_change is not None):
         raise UserError("--generate and --max-answer-change compare answers", hint="add --qa [FILE]")
+    execution = resolve_exec(workers, executor, ray_address)
+    if execution.workers is None and execution.executor == "local":
+        # one process by default: a job streams every weight itself, so on one host threads beat processes
+        execution = ExecOptions("local", 1)
     qa_opts = None if qa is None else QAOptions(path=None if str(qa) in ("", ".") else qa,
                                                 max_new_tokens=max_new_tokens, generate=generate)
 
@@ -61,7 +69,7 @@ def eval_cmd(model: Path | None, quantized: Path | None, text: Path | None, seq_
         output = workspace.resolve_output("eval", None)
     result = run(EvalRequest(model, quantized, text=text, seq_len=seq_len, samples=samples,
                              max_ppl_increase=max_ppl_increase, qa=qa_opts,
-                             max_answer_change=max_answer_change, output=output, force=force, progress=not as_json))
+                             max_answer_change=max_answer_change, output=output, execution=execution, force=force, progress=not as_json))
     if as_json:
         emit_json(result.summary)
     else:

@@ -32,7 +32,8 @@ from dsconv.quant.evaluate.qa import (DEFAULT_MAX_NEW_TOKENS, QAItem, check_leng
                                       read_questions, stop_ids)
 from dsconv.quant.evaluate.qa import render as qa_render
 from dsconv.quant.evaluate.qa import score as qa_score
-from dsconv.quant.evaluate.streamed import StreamedModel, run_pass, text_metrics
+from dsconv.executor import ExecOptions, make_executor
+from dsconv.quant.evaluate.streamed import EvalJob, Positions, StreamedModel, eval_job, run_pass, split, text_metrics
 from dsconv.quant.evaluate.streamed import batches as seq_batches
 from dsconv.quant.formats.msmodelslim import quantized_modules, read_linear
 
@@ -201,10 +202,12 @@ class QAOptions:
     path: Path | None = None
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     generate: bool = False
+    answers: list[list[int]] | None = None  # the float model's answers, when a caller has them (one model, many outputs)
 
 
 def evaluate(model_dir: Path, quant_dir: Path, text: Path | None = None, seq_len: int = DEFAULT_SEQ_LEN,
-             samples: int | None = None, progress: bool = True, qa: QAOptions | None = None) -> dict[str, Any]:
+             samples: int | None = None, progress: bool = True, qa: QAOptions | None = None,
+             execution: ExecOptions | None = None) -> dict[str, Any]:
     from dsconv.quant.evaluate.onnx_lm import OnnxLM, fakequant_path
 
     ck = Checkpoint.open(model_dir)
@@ -217,12 +220,11 @@ def evaluate(model_dir: Path, quant_dir: Path, text: Path | None = None, seq_len
     qck = Checkpoint.open(quant_dir)
     check_pair(ck, qck, model_dir, quant_dir)
     chunks, source = _eval_chunks(ck, text, seq_len, samples)
-    items, qa_meta = (None, None) if qa is None else _qa_items(ck, qck, qa, seq_len, progress)
+    items, qa_meta = (None, None) if qa is None else qa_items(ck, qck, qa, seq_len, progress)
     seqs = chunks + ([it.prompt + it.answer for it in items] if items else [])
-    per_layer: list[float] = []
     started = time.perf_counter()
-    pos = run_pass(StreamedModel(ck, quantized=False), StreamedModel(qck, quantized=True), seqs, BATCH_TOKENS,
-                   progress=progress, on_layer=lambda i, s: per_layer.append(s))
+    pos = streamed_positions(ck, qck, seqs, execution, progress)
+    per_layer = pos.layer_seconds
     metrics = text_metrics(pos, set(range(len(chunks))))
     desc = qck.quant_description
     counts: dict[str, int] = {}
@@ -232,7 +234,9 @@ def evaluate(model_dir: Path, quant_dir: Path, text: Path | None = None, seq_len
            "linears": dict(sorted(counts.items())), "text": source, "samples": len(chunks), "seq_len": seq_len,
            **({"kv_cache": form} if (form := int8_cache_sim.cache_form(desc)) else {}), **metrics,
            "seconds": round(time.perf_counter() - started, 2),
-           "seconds_per_layer": round(sum(per_layer) / max(1, len(per_layer)), 3)}
+           "seconds_per_layer": round(sum(per_layer) / max(1, len(per_layer)), 3),
+           "layer_seconds": [round(x, 3) for x in per_layer],
+           "expert_seconds": round(pos.expert_seconds, 3), "expert_runs": pos.expert_runs}
     if items:
         for k, it in enumerate(items):
             rows = np.where(pos.seq == len(chunks) + k)[0]
@@ -241,6 +245,22 @@ def evaluate(model_dir: Path, quant_dir: Path, text: Path | None = None, seq_len
         out["qa"] = qa_score(items, qa_meta["tokenizer"], qa_meta["answers"], qa_meta["templated"],
                              qa_meta["source"], qa.max_new_tokens)
     return out
+
+
+def streamed_positions(ck: Checkpoint, qck: Checkpoint, seqs: list[list[int]], execution: ExecOptions | None,
+                       progress: bool) -> Positions:
+    """The streamed pass in this process, or split into runs of sequences over `--workers` / Ray (each job streams
+    both checkpoints itself: more workers buy compute, not fewer weight reads)."""
+    workers = 1 if execution is None else execution.resolved_workers()
+    if workers <= 1 or len(seqs) < 2:
+        return run_pass(StreamedModel(ck, quantized=False), StreamedModel(qck, quantized=True), seqs, BATCH_TOKENS,
+                        progress=progress)
+    starts = split(seqs, workers)
+    ends = starts[1:] + [len(seqs)]
+    jobs = [EvalJob(str(ck.root), str(qck.root), seqs[a:b], BATCH_TOKENS) for a, b in zip(starts, ends)]
+    with make_executor(execution) as ex:
+        parts = list(ex.map(eval_job, jobs))
+    return Positions.concat(parts, starts)
 
 
 def check_pair(ck: Checkpoint, qck: Checkpoint, model_dir: Path, quant_dir: Path) -> None:
@@ -278,7 +298,7 @@ def fits_in_memory(ck: Checkpoint, models: int) -> bool:
     return need < psutil.virtual_memory().available // 2
 
 
-def _qa_items(ck: Checkpoint, qck: Checkpoint, qa: QAOptions, seq_len: int, progress: bool) -> tuple[list, dict]:
+def qa_items(ck: Checkpoint, qck: Checkpoint, qa: QAOptions, seq_len: int, progress: bool) -> tuple[list, dict]:
     """The questions' prompts and reference answers: the float model's greedy answers where it fits in memory, else
     the file's answers; with `qa.generate`, the quantized model's own greedy answers."""
     from tqdm import tqdm
@@ -295,7 +315,9 @@ def _qa_items(ck: Checkpoint, qck: Checkpoint, qa: QAOptions, seq_len: int, prog
         raise UserError(f"--generate holds both models in memory, and {ck.root} does not fit",
                         hint="drop --generate: the teacher-forced comparison streams the models layer by layer")
     bar = dict(disable=None if progress else True, leave=False, unit="question")
-    if fits_in_memory(ck, 1):
+    if qa.answers is not None:
+        answers, how = qa.answers, "float"
+    elif fits_in_memory(ck, 1):
         model = load_original_model(ck)
         answers = [greedy(model, p, qa.max_new_tokens, stop, int8_cache_sim.new_cache(model.config, None, {}))
                    for p in tqdm(prompts, desc="float answers", **bar)]

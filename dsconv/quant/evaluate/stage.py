@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from dsconv.errors import CheckFailed, UserError
+from dsconv.executor import ExecOptions
 from dsconv.io.writer import MANIFEST, OutputDir, read_manifest
 from dsconv.quant.evaluate.fidelity import DEFAULT_SEQ_LEN, QAOptions, evaluate, render
 from dsconv.quant.evaluate.qa import changed_fraction
@@ -26,6 +27,7 @@ class EvalRequest:
     max_ppl_increase: float | None = None   # percent; exceeding it fails the run (exit 3)
     qa: QAOptions | None = None             # compare answers too
     max_answer_change: float | None = None  # percent of answers that may change (exit 3 beyond)
+    execution: ExecOptions | None = None     # --workers / Ray: runs of sequences per job (None: this process)
     output: Path | None = None              # directory for eval_report.json; None writes nothing
     force: bool = False
     progress: bool = True
@@ -52,7 +54,7 @@ def output_is_eval(path: Path) -> bool:
 def run(req: EvalRequest) -> EvalResult:
     """Run `dsconv eval`."""
     result = evaluate(req.model, req.quantized, text=req.text, seq_len=req.seq_len, samples=req.samples,
-                      progress=req.progress, qa=req.qa)
+                      progress=req.progress, qa=req.qa, execution=req.execution)
     failed = []
     if req.max_ppl_increase is not None and result["ppl_change_pct"] > req.max_ppl_increase:
         failed.append(f"perplexity rose {result['ppl_change_pct']:.3f}% (limit {req.max_ppl_increase}%)")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -104,6 +105,8 @@ class StreamedModel:
         norm = self.sk.base.norm
         self.sk.mat.fill(norm)
         self.norm = norm
+        self.expert_seconds = 0.0   # time in routed experts, and how many expert runs (benchmarks' projection)
+        self.expert_runs = 0
 
     def _head_name(self) -> str:
         """The vocabulary projection's module name: lm_head, or the embedding where the two are tied."""
@@ -168,9 +171,9 @@ class StreamedModel:
                 m.__dict__.pop("forward", None)
             sk.release(i)
 
-    def _experts(self, i: int, experts: nn.Module) -> ExpertLoop:
+    def _experts(self, i: int, experts: nn.Module) -> Callable[..., torch.Tensor]:
         """The routed experts one at a time: a float expert's weights read when it runs, a quantized one's linears
-        computed as the engine does."""
+        computed as the engine does; timed, as the projection to 256 experts needs the cost of one."""
         E = int(experts.gate_up_proj.shape[0])
 
         def names(e: int) -> dict[str, str]:
@@ -179,7 +182,16 @@ class StreamedModel:
         def linear(e: int, slot: str, x: torch.Tensor, name: str) -> torch.Tensor:
             return self._linear(name[: -len(".weight")])(x)
 
-        return ExpertLoop(experts, E, names, linear=linear)
+        loop = ExpertLoop(experts, E, names, linear=linear)
+
+        def timed(*args: Any) -> torch.Tensor:
+            started, before = time.perf_counter(), loop.counts.clone()
+            out = loop(*args)
+            self.expert_seconds += time.perf_counter() - started
+            self.expert_runs += int((loop.counts > before).sum())
+            return out
+
+        return timed
 
     def final(self, h: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -271,6 +283,21 @@ class Positions:
     ref_abs_sum: np.ndarray  # sum of |lo|
     abs_max: np.ndarray      # max |lq - lo|
     vocab: int
+    layer_seconds: list[float] = field(default_factory=list)
+    expert_seconds: float = 0.0
+    expert_runs: int = 0
+
+    @staticmethod
+    def concat(parts: list["Positions"], offsets: list[int]) -> "Positions":
+        """The positions of jobs that each evaluated a run of sequences (sequence ids from `offsets`)."""
+        cat = lambda key: np.concatenate([getattr(p, key) for p in parts])  # noqa: E731
+        return Positions(seq=np.concatenate([p.seq + o for p, o in zip(parts, offsets)]), pos=cat("pos"),
+                         arg_o=cat("arg_o"), arg_q=cat("arg_q"), nll_o=cat("nll_o"), nll_q=cat("nll_q"), kl=cat("kl"),
+                         abs_sum=cat("abs_sum"), ref_abs_sum=cat("ref_abs_sum"), abs_max=cat("abs_max"),
+                         vocab=parts[0].vocab,
+                         layer_seconds=[sum(x) for x in zip(*(p.layer_seconds for p in parts))],
+                         expert_seconds=sum(p.expert_seconds for p in parts),
+                         expert_runs=sum(p.expert_runs for p in parts))
 
 
 def batches(seqs: list[list[int]], batch_tokens: int) -> list[list[int]]:
@@ -284,11 +311,37 @@ def batches(seqs: list[list[int]], batch_tokens: int) -> list[list[int]]:
     return out
 
 
-def run_pass(orig: StreamedModel, quant: StreamedModel, seqs: list[list[int]], batch_tokens: int,
-             progress: bool = True, on_layer: Callable[[int, float], None] | None = None) -> Positions:
-    """Every sequence through both models a layer at a time; the per-position results of the vocabulary projection."""
-    import time
+@dataclass(frozen=True)
+class EvalJob:
+    """A run of sequences for one worker (`--workers`, Ray): paths and token ids, nothing of the driver's memory."""
 
+    model: str
+    quantized: str
+    seqs: list[list[int]]
+    batch_tokens: int
+
+
+def eval_job(job: EvalJob) -> Positions:
+    """One job: both checkpoints opened by path, the job's sequences through the streamed pass."""
+    from dsconv.checkpoint import Checkpoint
+
+    return run_pass(StreamedModel(Checkpoint.open(job.model), False), StreamedModel(Checkpoint.open(job.quantized), True),
+                    job.seqs, job.batch_tokens, progress=False)
+
+
+def split(seqs: list[list[int]], parts: int) -> list[int]:
+    """Start index of each of `parts` contiguous runs of sequences with about equal token counts."""
+    total, starts, acc = sum(len(x) for x in seqs), [0], 0
+    for j, x in enumerate(seqs):
+        if acc >= total * len(starts) / parts and j > starts[-1] and len(starts) < parts:
+            starts.append(j)
+        acc += len(x)
+    return starts
+
+
+def run_pass(orig: StreamedModel, quant: StreamedModel, seqs: list[list[int]], batch_tokens: int,
+             progress: bool = True) -> Positions:
+    """Every sequence through both models a layer at a time; the per-position results of the vocabulary projection."""
     from tqdm import tqdm
 
     groups = batches(seqs, batch_tokens)
@@ -305,14 +358,14 @@ def run_pass(orig: StreamedModel, quant: StreamedModel, seqs: list[list[int]], b
     ho = [orig.embed(t) for t in ids]
     hq = [quant.embed(t) for t in ids]
     n_layers = orig.sk.num_layers
+    layer_seconds = []
     for i in tqdm(range(n_layers), desc="eval", unit="layer", disable=None if progress else True, leave=False):
         started = time.perf_counter()
         for side, hs in ((orig, ho), (quant, hq)):
             with side.layer(i) as run:
                 for b in range(len(hs)):
                     hs[b] = run(hs[b])
-        if on_layer is not None:
-            on_layer(i, time.perf_counter() - started)
+        layer_seconds.append(time.perf_counter() - started)
     seq, pos, targets, fo, fq = [], [], [], [], []
     for g, t, m, xo, xq in zip(groups, ids, masks, ho, hq):
         nxt = torch.full_like(t, -1)
@@ -331,7 +384,9 @@ def run_pass(orig: StreamedModel, quant: StreamedModel, seqs: list[list[int]], b
     return Positions(seq=torch.cat(seq).numpy(), pos=torch.cat(pos).numpy(), arg_o=st.arg["o"].numpy(),
                      arg_q=st.arg["q"].numpy(), nll_o=nll["o"].numpy(), nll_q=nll["q"].numpy(), kl=st.kl().numpy(),
                      abs_sum=st.abs_sum.numpy(), ref_abs_sum=st.ref_abs_sum.numpy(), abs_max=st.abs_max.numpy(),
-                     vocab=orig.vocab)
+                     vocab=orig.vocab, layer_seconds=layer_seconds,
+                     expert_seconds=orig.expert_seconds + quant.expert_seconds,
+                     expert_runs=orig.expert_runs + quant.expert_runs)
 
 
 def text_metrics(p: Positions, chunk_ids: set[int] | None = None) -> dict[str, Any]:

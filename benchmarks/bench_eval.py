@@ -1,0 +1,105 @@
+"""`dsconv eval` at DeepSeek-V3's layer shapes: peak memory and time per layer of the layer-streamed pass, and the
+projection of a full DeepSeek-V3 eval of 2 x 512 tokens.
+
+    python -m benchmarks eval              # ~5.7 GB checkpoint: 1 dense + 1 MoE layer (4 experts), vocab 129280
+    python -m benchmarks.bench_eval --moe-layers 2 --experts 8
+
+The checkpoint is benchmarks/bench_quantize.py's synthetic DeepSeek-V3 (real hidden size, MLA, dense MLP 18432,
+expert 2048, the real 1.85 GB embedding and lm_head) with a small trained tokenizer; the quantized side is
+`dsconv quantize --scheme w8a8_dynamic --method rtn` of it (no calibration needed). The eval runs in a child process
+whose VmHWM (anonymous and mapped file pages) is the peak. Goal: <= 1.5 GB for 2 x 512 tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.bench_quantize import _child, _load, deepseek_config, write_synthetic
+
+ROOT = Path(__file__).resolve().parent.parent
+DEEPSEEK_V3 = {"layers": 61, "dense": 3, "experts": 256, "top_k": 8}
+
+EVAL_CHILD = """
+import sys, json
+from pathlib import Path
+from dsconv.quant.evaluate.fidelity import evaluate
+r = evaluate(Path(sys.argv[1]), Path(sys.argv[2]), text=Path(sys.argv[3]), seq_len=512, samples=2, progress=False)
+RESULT = {k: r[k] for k in ("tokens", "ppl_original", "ppl_quantized", "kl_divergence", "top1_agreement", "seconds",
+                            "seconds_per_layer", "layer_seconds", "expert_seconds", "expert_runs")}
+"""
+
+
+def build(work: Path, moe_layers: int, experts: int) -> tuple[Path, Path, Path, int]:
+    """The synthetic checkpoint with a tokenizer, its W8A8_DYNAMIC output, and a text of a few thousand tokens."""
+    from dsconv.bundled import calib_texts
+    from dsconv.quant.plan.options import QuantOptions
+    from dsconv.quant.stage import QuantRequest, run
+    from dsconv.tiny import train_tokenizer
+
+    model, out = work / "deepseek", work / "deepseek-w8a8_dynamic"
+    cfg = deepseek_config(129280, moe_layers, experts)
+    nbytes = write_synthetic(model, 0, cfg=cfg)
+    train_tokenizer(calib_texts(), vocab_size=384).save_pretrained(str(model))
+    run(QuantRequest(model, out, QuantOptions(scheme="w8a8_dynamic", method="rtn"), force=True, progress=False))
+    text = work / "eval.txt"
+    text.write_text(" ".join(calib_texts())[:20000].replace("\n", " "))  # one paragraph: chunks of 512 tokens
+    return model, out, text, nbytes
+
+
+def project(r: dict[str, Any], moe_layers: int) -> dict[str, Any]:
+    """Full DeepSeek-V3 (3 dense + 58 MoE layers, 256 experts, 8 per token) from the measured layers: a MoE layer is
+    its measured time without its routed experts (attention, router, shared expert) plus 256 expert runs at the
+    measured cost of one (both models), since 2 x 512 tokens x 8 routes reach every expert. The vocabulary
+    projection and embedding are the rest of the measured time, once."""
+    layer_s = r["layer_seconds"]
+    dense = layer_s[0]
+    per_expert = r["expert_seconds"] / max(1, r["expert_runs"]) * 2  # a run is one side's: both sides run each expert
+    moe_rest = (sum(layer_s[1:]) - r["expert_seconds"]) / max(1, moe_layers)
+    moe_full = moe_rest + per_expert * DEEPSEEK_V3["experts"]
+    head = r["seconds"] - sum(layer_s)
+    one = DEEPSEEK_V3["dense"] * dense + (DEEPSEEK_V3["layers"] - DEEPSEEK_V3["dense"]) * moe_full + head
+    return {"dense_layer_s": round(dense, 2), "moe_layer_without_experts_s": round(moe_rest, 2),
+            "expert_both_models_s": round(per_expert, 3), "full_moe_layer_s": round(moe_full, 1),
+            "embedding_and_head_s": round(head, 1), "one_host_h": round(one / 3600, 2),
+            "experts_share": round((DEEPSEEK_V3["layers"] - DEEPSEEK_V3["dense"]) * per_expert
+                                   * DEEPSEEK_V3["experts"] / one, 3)}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--moe-layers", type=int, default=1)
+    ap.add_argument("--experts", type=int, default=4)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/dsconv-bench-eval"))
+    a = ap.parse_args(argv if argv is not None else sys.argv[1:])
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.common import save
+
+    shutil.rmtree(a.work, ignore_errors=True)
+    a.work.mkdir(parents=True)
+    t = time.perf_counter()
+    model, out, text, nbytes = build(a.work, a.moe_layers, a.experts)
+    print(f"[eval] DeepSeek-V3-shaped bf16 checkpoint of {nbytes / 1e9:.2f} GB (1 dense + {a.moe_layers} MoE layers "
+          f"of {a.experts} experts, vocab 129280) and its W8A8_DYNAMIC output in {time.perf_counter() - t:.0f}s; "
+          f"load {_load()}", flush=True)
+    load0 = _load()
+    r = _child(EVAL_CHILD, str(model), str(out), str(text))
+    res = {"checkpoint_bytes": nbytes, "moe_layers": a.moe_layers, "experts": a.experts, **r,
+           "peak_rss_gb": round(r["peak_rss_bytes"] / 1e9, 3), "load_before": load0, "load_after": _load(),
+           "date": time.strftime("%Y-%m-%d"), "projection": project(r, a.moe_layers)}
+    print(f"  => eval of {r['tokens']} tokens: peak RSS {res['peak_rss_gb']:.2f} GB (goal <= 1.5), {r['seconds']:.1f}s "
+          f"({', '.join(f'{s:.1f}' for s in r['layer_seconds'])} s per layer); load {load0} -> {_load()}", flush=True)
+    p = res["projection"]
+    print(f"  => full DeepSeek-V3 (61 layers, 256 experts), 2 x 512 tokens, one host: {p['one_host_h']} h "
+          f"(dense layer {p['dense_layer_s']} s, MoE layer {p['full_moe_layer_s']} s)", flush=True)
+    save("eval", res, quiet=True)
+    shutil.rmtree(a.work, ignore_errors=True)
+    return res
+
+
+if __name__ == "__main__":
+    main()
