@@ -6,7 +6,8 @@ projection of a full DeepSeek-V3 eval of 2 x 512 tokens.
 
 The checkpoint is benchmarks/bench_quantize.py's synthetic DeepSeek-V3 (real hidden size, MLA, dense MLP 18432,
 expert 2048, the real 1.85 GB embedding and lm_head) with a small trained tokenizer; the quantized side is
-`dsconv quantize --scheme w8a8_dynamic --method rtn` of it (no calibration needed). The eval runs in a child process
+`dsconv quantize --scheme w8a16 --method rtn` of it (the streamed weight-only path; no calibration, which at these
+shapes would need more memory than the eval). The eval runs in a child process
 whose VmHWM (anonymous and mapped file pages) is the peak. Goal: <= 1.5 GB for 2 x 512 tokens.
 """
 from __future__ import annotations
@@ -35,17 +36,18 @@ RESULT = {k: r[k] for k in ("tokens", "ppl_original", "ppl_quantized", "kl_diver
 
 
 def build(work: Path, moe_layers: int, experts: int) -> tuple[Path, Path, Path, int]:
-    """The synthetic checkpoint with a tokenizer, its W8A8_DYNAMIC output, and a text of a few thousand tokens."""
+    """The synthetic checkpoint with a tokenizer, its W8A16 output, and a text of a few thousand tokens."""
     from dsconv.bundled import calib_texts
     from dsconv.quant.plan.options import QuantOptions
     from dsconv.quant.stage import QuantRequest, run
     from dsconv.tiny import train_tokenizer
 
-    model, out = work / "deepseek", work / "deepseek-w8a8_dynamic"
+    model, out = work / "deepseek", work / "deepseek-w8a16"
     cfg = deepseek_config(129280, moe_layers, experts)
     nbytes = write_synthetic(model, 0, cfg=cfg)
     train_tokenizer(calib_texts(), vocab_size=384).save_pretrained(str(model))
-    run(QuantRequest(model, out, QuantOptions(scheme="w8a8_dynamic", method="rtn"), force=True, progress=False))
+    run(QuantRequest(model, out, QuantOptions(scheme="w8a16", method="rtn", ignore=("shared_expert",)), force=True,
+                     progress=False))
     text = work / "eval.txt"
     text.write_text(" ".join(calib_texts())[:20000].replace("\n", " "))  # one paragraph: chunks of 512 tokens
     return model, out, text, nbytes
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t = time.perf_counter()
     model, out, text, nbytes = build(a.work, a.moe_layers, a.experts)
     print(f"[eval] DeepSeek-V3-shaped bf16 checkpoint of {nbytes / 1e9:.2f} GB (1 dense + {a.moe_layers} MoE layers "
-          f"of {a.experts} experts, vocab 129280) and its W8A8_DYNAMIC output in {time.perf_counter() - t:.0f}s; "
+          f"of {a.experts} experts, vocab 129280) and its W8A16 output in {time.perf_counter() - t:.0f}s; "
           f"load {_load()}", flush=True)
     load0 = _load()
     r = _child(EVAL_CHILD, str(model), str(out), str(text))

@@ -18,7 +18,7 @@ from dsconv.quant.algorithms.fake_quant import fake_quant_int8_rows, int8_rows
 from dsconv.quant.algorithms.schemes import quantize_activation
 from dsconv.quant.formats.msmodelslim import QuantLinear
 
-BLOCK_BYTES = 32 * 2**20  # float32 weight rows per block: bounds the temporaries whatever the layer's size
+BLOCK_BYTES = 64 * 2**20  # float32 weight rows per block: bounds the temporaries whatever the layer's size
 
 
 def row_blocks(n: int, k: int, budget: int | None = None) -> Iterator[tuple[int, int]]:

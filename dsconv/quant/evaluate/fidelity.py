@@ -33,12 +33,12 @@ from dsconv.quant.evaluate.qa import (DEFAULT_MAX_NEW_TOKENS, QAItem, check_leng
 from dsconv.quant.evaluate.qa import render as qa_render
 from dsconv.quant.evaluate.qa import score as qa_score
 from dsconv.executor import ExecOptions, make_executor
-from dsconv.quant.evaluate.streamed import EvalJob, Positions, StreamedModel, eval_job, run_pass, split, text_metrics
+from dsconv.quant.evaluate.streamed import (EvalJob, Positions, StreamedModel, batch_tokens, eval_job, run_pass,
+                                            split, text_metrics)
 from dsconv.quant.evaluate.streamed import batches as seq_batches
 from dsconv.quant.formats.msmodelslim import quantized_modules, read_linear
 
 DEFAULT_SEQ_LEN = 512
-BATCH_TOKENS = 2048  # tokens per batch through a layer: bounds the attention's temporaries
 
 
 # ------------------------------------------------------------------------------------------------ text
@@ -253,11 +253,12 @@ def streamed_positions(ck: Checkpoint, qck: Checkpoint, seqs: list[list[int]], e
     both checkpoints itself: more workers buy compute, not fewer weight reads)."""
     workers = 1 if execution is None else execution.resolved_workers()
     if workers <= 1 or len(seqs) < 2:
-        return run_pass(StreamedModel(ck, quantized=False), StreamedModel(qck, quantized=True), seqs, BATCH_TOKENS,
+        orig = StreamedModel(ck, quantized=False)
+        return run_pass(orig, StreamedModel(qck, quantized=True), seqs, batch_tokens(orig.sk.config),
                         progress=progress)
     starts = split(seqs, workers)
     ends = starts[1:] + [len(seqs)]
-    jobs = [EvalJob(str(ck.root), str(qck.root), seqs[a:b], BATCH_TOKENS) for a, b in zip(starts, ends)]
+    jobs = [EvalJob(str(ck.root), str(qck.root), seqs[a:b]) for a, b in zip(starts, ends)]
     with make_executor(execution) as ex:
         parts = list(ex.map(eval_job, jobs))
     return Positions.concat(parts, starts)

@@ -300,6 +300,22 @@ class Positions:
                          expert_runs=sum(p.expert_runs for p in parts))
 
 
+ACTIVATION_BUDGET = 512 * 2**20  # float32 activations of one batch inside a layer
+
+
+def batch_tokens(config: Any) -> int:
+    """Tokens per batch through a layer, from the widest activation a token makes (the MLP's intermediate, or all
+    heads' q/k/v): DeepSeek-V3's 128 MLA heads make 40,960 floats a token, so 2 x 512 tokens in one batch would
+    hold 1.8 GB of temporaries; in batches of ~800 the pass stays near 1.2 GB. Small models keep 4096."""
+    heads = int(getattr(config, "num_attention_heads", 1) or 1)
+    if getattr(config, "qk_nope_head_dim", None):  # MLA: q and k (nope + rope) and v per head
+        per_head = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
+    else:
+        per_head = 3 * int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    width = max(int(getattr(config, "intermediate_size", 0) or 0), heads * per_head, config.hidden_size)
+    return int(min(4096, max(64, ACTIVATION_BUDGET // (16 * width))))
+
+
 def batches(seqs: list[list[int]], batch_tokens: int) -> list[list[int]]:
     """Sequences into padded batches: longest first, as many as fit in batch_tokens (both eval paths)."""
     order = sorted(range(len(seqs)), key=lambda j: (-len(seqs[j]), j))
@@ -318,15 +334,15 @@ class EvalJob:
     model: str
     quantized: str
     seqs: list[list[int]]
-    batch_tokens: int
 
 
 def eval_job(job: EvalJob) -> Positions:
     """One job: both checkpoints opened by path, the job's sequences through the streamed pass."""
     from dsconv.checkpoint import Checkpoint
 
-    return run_pass(StreamedModel(Checkpoint.open(job.model), False), StreamedModel(Checkpoint.open(job.quantized), True),
-                    job.seqs, job.batch_tokens, progress=False)
+    orig = StreamedModel(Checkpoint.open(job.model), False)
+    return run_pass(orig, StreamedModel(Checkpoint.open(job.quantized), True), job.seqs,
+                    batch_tokens(orig.sk.config), progress=False)
 
 
 def split(seqs: list[list[int]], parts: int) -> list[int]:
