@@ -72,6 +72,55 @@ def project(r: dict[str, Any], moe_layers: int) -> dict[str, Any]:
                                    * DEEPSEEK_V3["experts"] / one, 3)}
 
 
+REAL_CHILD = """
+import sys, json, time
+from pathlib import Path
+from dsconv.checkpoint import Checkpoint
+from dsconv.quant.evaluate.fidelity import _eval_chunks, compare, load_original_model, load_quantized_model
+from dsconv.quant.evaluate.streamed import StreamedModel, batch_tokens, run_pass, text_metrics
+ck, qck = Checkpoint.open(sys.argv[1]), Checkpoint.open(sys.argv[2])
+chunks, _ = _eval_chunks(ck, Path(sys.argv[3]), 512, 4)
+t = time.perf_counter()
+mem = compare(load_original_model(ck), load_quantized_model(qck)[0], chunks, progress=False)
+t_mem = time.perf_counter() - t
+t = time.perf_counter()
+orig = StreamedModel(ck, False)
+got = text_metrics(run_pass(orig, StreamedModel(qck, True), chunks, batch_tokens(orig.sk.config), progress=False))
+RESULT = {"in_memory": mem, "streamed": got, "in_memory_s": round(t_mem, 1),
+          "streamed_s": round(time.perf_counter() - t, 1)}
+"""
+
+
+def equivalence_real(work: Path) -> dict[str, Any]:
+    """The streamed pass against the whole-model path on the real fixtures (W8A16 RTN outputs, 4 x 512 tokens of
+    pydoc_data.topics): every figure equal to float rounding. Skipped where a fixture is not built."""
+    import pydoc_data.topics as topics
+
+    from benchmarks.bench_fidelity import fixture_dir
+    from dsconv.quant.plan.options import QuantOptions
+    from dsconv.quant.stage import QuantRequest, run
+
+    text = work / "topics.txt"
+    text.write_text(" ".join(topics.topics[k].strip().replace("\n", " ") for k in sorted(topics.topics)))
+    out: dict[str, Any] = {}
+    for name in ("qwen", "gemma"):
+        model = fixture_dir(name)
+        if not (model / "config.json").exists():
+            print(f"[eval] no fixture {model}: build it with `python -m benchmarks.real_models` - skipped")
+            continue
+        q = work / f"{name}-w8a16"
+        run(QuantRequest(model, q, QuantOptions(scheme="w8a16", method="rtn"), force=True, progress=False))
+        r = _child(REAL_CHILD, str(model), str(q), str(text))
+        worst = max(abs(r["streamed"][k] - v) / max(abs(v), 1e-12) for k, v in r["in_memory"].items() if v)
+        out[name] = {**r, "max_relative_difference": worst}
+        print(f"  => {name}: streamed vs whole-model, largest relative difference of any figure {worst:.2e}; ppl "
+              f"change {r['in_memory']['ppl_change_pct']:+.4f}% vs {r['streamed']['ppl_change_pct']:+.4f}%; "
+              f"{r['in_memory_s']} s vs {r['streamed_s']} s; peak RSS {r['peak_rss_bytes'] / 1e9:.2f} GB (both)",
+              flush=True)
+        shutil.rmtree(q, ignore_errors=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--moe-layers", type=int, default=1)
@@ -98,6 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = res["projection"]
     print(f"  => full DeepSeek-V3 (61 layers, 256 experts), 2 x 512 tokens, one host: {p['one_host_h']} h "
           f"(dense layer {p['dense_layer_s']} s, MoE layer {p['full_moe_layer_s']} s)", flush=True)
+    res["real_fixtures"] = equivalence_real(a.work)
     save("eval", res, quiet=True)
     shutil.rmtree(a.work, ignore_errors=True)
     return res

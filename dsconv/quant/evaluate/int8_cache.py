@@ -47,15 +47,22 @@ def fake_quant(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> to
     return (q - off) * sc
 
 
+def c8_states(scales: dict[int, dict[str, torch.Tensor]], layer: int | None, k: torch.Tensor,
+              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer `layer`'s keys and values as the C8 cache holds them (unchanged for a layer without cache scales)."""
+    s = scales.get(layer)
+    if s is None:
+        return k, v
+    return (fake_quant(k, s["k_kv_cache_scale"], s["k_kv_cache_offset"]),
+            fake_quant(v, s["v_kv_cache_scale"], s["v_kv_cache_offset"]))
+
+
 def install(model: nn.Module, sk: Any, form: str, scales: dict[int, dict[str, torch.Tensor]]) -> None:
     """Every forward of `model` runs with its cache through int8 (C8: a fake-quantizing cache; FA quant: the latent
     norm's output rounded)."""
     if form == FA_QUANT:
-        for i, s in scales.items():
-            norm = _latent_norm(sk, i)
-            scale = float(s["fa_k_scale"].reshape(-1)[0])
-            norm.register_forward_hook(
-                lambda mod, args, out, scale=scale: torch.clamp(torch.round(out / scale), -128, 127) * scale)
+        for i in scales:
+            fa_round(sk, i, scales)
         return
     forward = model.forward
 
@@ -80,13 +87,18 @@ def new_cache(config: Any, form: str | None, scales: dict[int, dict[str, torch.T
     class C8Cache(DynamicCache):
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                    **kwargs: Any) -> Any:
-            s = scales.get(layer_idx)
-            if s is not None:
-                key_states = fake_quant(key_states, s["k_kv_cache_scale"], s["k_kv_cache_offset"])
-                value_states = fake_quant(value_states, s["v_kv_cache_scale"], s["v_kv_cache_offset"])
+            key_states, value_states = c8_states(scales, layer_idx, key_states, value_states)
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     return C8Cache(config=config)
+
+
+def fa_round(sk: Any, layer: int, scales: dict[int, dict[str, torch.Tensor]]) -> Any:
+    """FA quant: layer `layer`'s latent (its MLA latent norm's output) rounded through int8 with fa_k's scale, as the
+    cache holds it. Returns the hook's handle."""
+    scale = float(scales[layer]["fa_k_scale"].reshape(-1)[0])
+    return _latent_norm(sk, layer).register_forward_hook(
+        lambda mod, args, out: torch.clamp(torch.round(out / scale), -128, 127) * scale)
 
 
 def _latent_norm(sk: Any, layer: int) -> nn.Module:

@@ -81,11 +81,7 @@ class C8PassThrough:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int | None = None,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.scales.get(layer_idx)
-        if s is None:
-            return key_states, value_states
-        return (int8_cache_sim.fake_quant(key_states, s["k_kv_cache_scale"], s["k_kv_cache_offset"]),
-                int8_cache_sim.fake_quant(value_states, s["v_kv_cache_scale"], s["v_kv_cache_offset"]))
+        return int8_cache_sim.c8_states(self.scales, layer_idx, key_states, value_states)
 
 
 # ------------------------------------------------------------------------------------------------ one model
@@ -151,10 +147,7 @@ class StreamedModel:
             install_forward(experts, self._experts(i, experts))
         hooks = []
         if self.form == FA_QUANT and i in self.cache_scales:
-            norm = int8_cache_sim._latent_norm(sk, i)
-            scale = float(self.cache_scales[i]["fa_k_scale"].reshape(-1)[0])
-            hooks.append(norm.register_forward_hook(
-                lambda mod, args, out: torch.clamp(torch.round(out / scale), -128, 127) * scale))
+            hooks.append(int8_cache_sim.fa_round(sk, i, self.cache_scales))
         cache = C8PassThrough(self.cache_scales) if self.form and self.form != FA_QUANT else None
 
         def run(x: torch.Tensor) -> torch.Tensor:
