@@ -41,7 +41,8 @@ PACKAGE_ROOT = str(REPO)  # the checkout: reports name bundled data files by pat
 # VARYING: values that change run to run or host to host - timings, memory, float error figures (their last bits
 # follow the thread count and the BLAS) and where the worst one sits, the MindIR export's file sizes.
 VARYING = frozenset({
-    "seconds", "seconds_per_layer", "layer_seconds", "expert_seconds", "timings", "mindspore_s", "peak_rss_bytes", "peak_rss_by_step", "available_bytes",
+    "seconds", "seconds_per_layer", "layer_seconds", "expert_seconds", "timings", "mindspore_s", "peak_rss_bytes",
+    "peak_rss_by_step", "available_bytes",
     "estimated_peak_bytes", "estimated_anonymous_bytes", "mindir_bytes", "files",
     "error", "error_by_alpha", "error_minmax", "error_off", "output_error", "weight_error", "weight_error_max",
     "weight_error_mean", "max_abs_err", "mean_abs_err", "logits_max_abs_err", "logits_max_abs_error",
