@@ -87,6 +87,13 @@ class MinMaxObserver:
         self.tokens += tokens
         return bmin, bmax
 
+    def rescale(self, s: np.ndarray) -> None:
+        """Per-channel min/max of x / s (s > 0 per channel, float32): a smoothing fold applied after the statistics
+        were gathered (calibrate/steps.py). Division by a positive number keeps the order, so these are exact."""
+        if self.channel_min is not None:
+            self.channel_min = (self.channel_min / s).astype(np.float32)
+            self.channel_max = (self.channel_max / s).astype(np.float32)
+
     @property
     def min(self) -> float:
         self._require_data()
@@ -144,6 +151,9 @@ class HistogramObserver(MinMaxObserver):
         self.e = _E_MIN
         self.i0 = 0  # grid index of counts[0]
         self.counts = np.zeros(1, np.int64)  # starts as the single bin holding 0
+
+    def rescale(self, s: np.ndarray) -> None:
+        raise NotImplementedError("a per-tensor histogram cannot be rescaled per channel: a second forward is needed")
 
     # -- grid
     def _span(self, e: int, lo: float, hi: float) -> tuple[int, int]:

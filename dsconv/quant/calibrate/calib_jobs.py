@@ -92,6 +92,7 @@ class JobResult:
     down_range: tuple[float, float] | None = None
     forward_s: float = 0.0
     quantize_s: float = 0.0
+    steps: dict[str, float] = field(default_factory=dict)  # the job's own seconds per step (steps.JOB_STEPS)
 
 
 # ---- the driver side -------------------------------------------------------------------------------------------
@@ -218,8 +219,12 @@ def _result(done: list[QuantizedLinear], decisions: list[dict[str, dict[str, str
     for d in decisions:
         for k, v in d.items():
             merged.setdefault(k, {}).update(v)
+    steps: dict[str, float] = {}
+    for part in [q.seconds for q in done] + [p.seconds for _, p, _ in kw.get("pending", [])]:
+        for k, v in part.items():
+            steps[k] = steps.get(k, 0.0) + v
     return JobResult([(q.lp, q.result) for q in done], {q.lp.module: q.record for q in done}, merged,
-                     quantize_s=quantize_s, **kw)
+                     quantize_s=quantize_s, steps=steps, **kw)
 
 
 def _load_stats(path: str) -> Any:
@@ -268,7 +273,8 @@ def run_expert(job: ExpertJob) -> JobResult:
             t = time.perf_counter()
             pending = [(s, prepare_linear(ctx.plan, lp, w[s], None, opts, load_bias(ck, lp)), None)
                        for s, lp in _in_slot_order(plans)]
-            return _result([], [p.decisions for _, p, _ in pending], time.perf_counter() - t, pending=pending)
+            return _expert_steps(_result([], [p.decisions for _, p, _ in pending], time.perf_counter() - t,
+                                         pending=pending), 0.0)
         hidden = np.load(job.hidden, mmap_mode="r")
         x = torch.from_numpy(np.array(hidden) if opts.all_experts else hidden[job.rows])
         del hidden
@@ -281,6 +287,7 @@ def run_expert(job: ExpertJob) -> JobResult:
               "down": ctx.stats.new(act.shape[-1], f"layer {i} expert {e} down")}
         st["in"].update(x)
         st["down"].update(act)
+        passes = time.perf_counter() - t  # the expert's own pass: its forward and statistics
         under = ctx.static and routed < opts.min_expert_tokens and not opts.all_experts
         down = st["down"].clip_range() if ctx.static else None
         t = time.perf_counter()
@@ -296,8 +303,14 @@ def run_expert(job: ExpertJob) -> JobResult:
                 q.record.tokens = routed
                 done.append(q)
                 decisions.append(d)
-        return _result(done, decisions, time.perf_counter() - t, pending=pending, y=y, down_range=down,
-                       forward_s=fwd)
+        return _expert_steps(_result(done, decisions, time.perf_counter() - t, pending=pending, y=y,
+                                     down_range=down, forward_s=fwd), passes)
+
+
+def _expert_steps(res: JobResult, passes: float) -> JobResult:
+    """An expert job's seconds under the experts' own step names (steps.JOB_STEPS)."""
+    res.steps = {"expert_forward": passes, **{f"expert_{k}": v for k, v in res.steps.items()}}
+    return res
 
 
 def _in_slot_order(plans: dict[str, LinearPlan]) -> list[tuple[str, LinearPlan]]:

@@ -90,6 +90,11 @@ class ExpertRecorder:
                            .clone(), pos.clone()))
         return torch.zeros_like(hidden)
 
+    def rescale(self, s: torch.Tensor) -> None:
+        """The routed tokens as the smoothed layer hands them to the experts: divided by s per channel (a fold into
+        the norm they read, decided after the forward; the experts' gate/up columns take s: calibrate/steps.py)."""
+        self.parts = [(h / s, *rest) for h, *rest in self.parts]
+
     def take(self) -> tuple[torch.Tensor, ...]:
         out = tuple(torch.cat(p) for p in zip(*self.parts))
         self.parts = []

@@ -9,6 +9,7 @@ static auxiliaries, output errors). `quantize_linear` is both, with the statisti
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,7 @@ class PreparedLinear:
     x: torch.Tensor | None
     y_ref: torch.Tensor | None
     decisions: dict[str, dict[str, str]] = field(default_factory=dict)  # for quant_report.json (gptq_or_rtn)
+    seconds: dict[str, float] = field(default_factory=dict)  # per step (calibrate/steps.py JOB_STEPS)
 
 
 @dataclass
@@ -60,6 +62,7 @@ class QuantizedLinear:
     lp: LinearPlan
     result: LinearResult
     record: LinearRecord
+    seconds: dict[str, float] = field(default_factory=dict)  # per step (calibrate/steps.py JOB_STEPS)
 
 
 def load_bias(ck: Checkpoint, lp: LinearPlan, choice: WeightChoice | None = None) -> torch.Tensor | None:
@@ -80,6 +83,7 @@ def prepare_linear(plan: QuantPlan, lp: LinearPlan, w: torch.Tensor, st: InputSt
     """The weight part: int8 values and scales by the plan's method (GPTQ with the input's Hessian), and what
     measuring the output error later needs (a few calibration rows and their float outputs) - never the float weight
     itself."""
+    t = time.perf_counter()
     hess = st.hessian.hessian() if st is not None and st.hessian is not None and st.hessian.tokens else None
     q, scale = quantize_weight(lp, w, plan, hess, opts.damp, chosen=None if choice is None else choice.weight)
     decisions: dict[str, dict[str, str]] = {}
@@ -89,6 +93,8 @@ def prepare_linear(plan: QuantPlan, lp: LinearPlan, w: torch.Tensor, st: InputSt
         cands = {"gptq": (q, scale), "rtn": quantize_weight(lp, w, plan, None, 0.0, method="rtn")}
         (q, scale), picked, picked_errors = selection.choose(x_held, w, cands)
         decisions["gptq_or_rtn"] = {lp.module: picked}
+    seconds = {"gptq" if hess is not None else "quantize": time.perf_counter() - t}
+    t = time.perf_counter()
     rec = LinearRecord(lp.module, lp.qtype, weight_error(w, dequant_weight(q, scale)),
                        tokens=st.tokens if st is not None else 0)
     if picked_errors is not None:
@@ -105,7 +111,8 @@ def prepare_linear(plan: QuantPlan, lp: LinearPlan, w: torch.Tensor, st: InputSt
             y_ref = y_ref + bias.float()
     else:
         x = None
-    return PreparedLinear(lp, q, scale, bias, rec, x, y_ref, decisions)
+    seconds["fallback_check"] = time.perf_counter() - t  # the weight error and the rows' float outputs
+    return PreparedLinear(lp, q, scale, bias, rec, x, y_ref, decisions, seconds)
 
 
 def finish_linear(p: PreparedLinear, qparams: tuple[float, float] | None, staged: bool,
@@ -114,6 +121,8 @@ def finish_linear(p: PreparedLinear, qparams: tuple[float, float] | None, staged
     errors on the sampled rows. A quant_bias overflowing int32 fails, unless the writer stages (`staged`): then the
     unit is marked to fall back and placeholders stand in, never written."""
     lp, rec = p.lp, p.record
+    seconds = dict(p.seconds)
+    t = time.perf_counter()
     rec.range_source = range_source
     res = LinearResult(q=p.q, scale=p.scale, bias=p.bias)
     if lp.qtype == STATIC:
@@ -131,12 +140,15 @@ def finish_linear(p: PreparedLinear, qparams: tuple[float, float] | None, staged
         else:
             res.deq_scale = np.ones(lp.n, np.float32)
             res.quant_bias = np.zeros(lp.n, np.int32)
+    seconds["quantize"] = seconds.get("quantize", 0.0) + time.perf_counter() - t
+    t = time.perf_counter()
     if p.x is not None:
         b = None if p.bias is None else p.bias.float()
         errs = output_errors(p.x, p.y_ref, p.q, p.scale, b, (res.input_scale, res.input_offset)
                              if lp.qtype == STATIC else None)
         rec.errors.update({k: v for k, v in errs.items() if k not in rec.errors})
-    return QuantizedLinear(lp, res, rec)
+    seconds["fallback_check"] = seconds.get("fallback_check", 0.0) + time.perf_counter() - t
+    return QuantizedLinear(lp, res, rec, seconds)
 
 
 def quantize_linear(plan: QuantPlan, lp: LinearPlan, w: torch.Tensor, st: InputStats | None, opts: QuantOptions,

@@ -69,6 +69,21 @@ class InputStats:
         lo, hi = self.observer.clip_range()
         return lo * self.clip_ratio, hi * self.clip_ratio
 
+    def rescale(self, s: torch.Tensor) -> None:
+        """These statistics as if the input had been divided by `s` [k] (s > 0) per channel: what a smoothing fold
+        decided after the statistics forward makes the linears read (the fold divides the producer's output by s).
+        Min/max, sampled rows and X^T X all scale per channel, so this equals a second forward over the smoothed
+        layer up to float rounding (never a second pass: calibrate/steps.py)."""
+        s = s.float()
+        if self.observer is not None:
+            self.observer.rescale(s.numpy())
+        if self.hessian is not None:
+            d = s.to(self.hessian.sum.dtype)
+            self.hessian.sum.div_(d[:, None] * d[None, :])
+        self.sampler.rows = [r / s for r in self.sampler.rows]
+        if self.held is not None:
+            self.held.rows = [r / s for r in self.held.rows]
+
     def free(self) -> None:
         self.hessian = None
         self.held = None
