@@ -66,9 +66,15 @@ class MinMaxObserver:
         self.channel_min: np.ndarray | None = None
         self.channel_max: np.ndarray | None = None
 
-    def update(self, x: Any) -> tuple[float, float] | None:
-        """Fold one batch in; returns the batch (min, max), or None for an empty batch."""
-        cmin, cmax, tokens = _channel_stats(x)
+    def update(self, x: Any, channel_range: Any = None) -> tuple[float, float] | None:
+        """Fold one batch in; returns the batch (min, max), or None for an empty batch. `channel_range`: x's
+        per-channel (min, max) over its rows (torch), when the caller already has them."""
+        if channel_range is not None and is_torch(x) and x.dim() == 2:
+            # copies: the observer updates them in place, and other hooks hold the same tensors
+            cmin, cmax = (np.array(r.float().numpy(), np.float32) for r in channel_range)
+            tokens = int(x.shape[0])
+        else:
+            cmin, cmax, tokens = _channel_stats(x)
         if tokens == 0:
             return None
         bmin, bmax = float(cmin.min()), float(cmax.max())
@@ -186,8 +192,8 @@ class HistogramObserver(MinMaxObserver):
             new[self.i0 - a: self.i0 - a + self.counts.size] = self.counts
             self.counts, self.i0 = new, a
 
-    def update(self, x: Any) -> tuple[float, float] | None:
-        got = super().update(x)
+    def update(self, x: Any, channel_range: Any = None) -> tuple[float, float] | None:
+        got = super().update(x, channel_range)
         if got is None:
             return None
         lo, hi = min(self.min, 0.0), max(self.max, 0.0)

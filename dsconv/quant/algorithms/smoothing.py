@@ -45,11 +45,13 @@ class SiteSample:
         self.cmin: torch.Tensor | None = None
         self.cmax: torch.Tensor | None = None
 
-    def update(self, x: torch.Tensor) -> None:
+    def update(self, x: torch.Tensor, channel_range: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Fold in rows [t, k]; `channel_range`: their per-channel (min, max), when the caller has them."""
         x = x.detach().reshape(-1, x.shape[-1]).float()
         if x.shape[0] == 0:
             return
-        lo, hi = x.amin(dim=0), x.amax(dim=0)
+        lo, hi = (x.amin(dim=0), x.amax(dim=0)) if channel_range is None else \
+            (channel_range[0].float(), channel_range[1].float())
         self.cmin = lo if self.cmin is None else torch.minimum(self.cmin, lo)
         self.cmax = hi if self.cmax is None else torch.maximum(self.cmax, hi)
         self.sampler.update(x)
@@ -181,10 +183,11 @@ def scales_in_range(s: torch.Tensor) -> torch.Tensor:
 
 class SiteProbe:
     """Hooks that fill a `SiteSample` per site during the smoothing probe's forward: a norm's output, or a
-    linear's input (down_proj). `rows(x, what)` drops padding rows (the calibrator's RowMask.apply)."""
+    linear's input (down_proj). `rows(x, what)` gives (real rows, per-channel min, per-channel max) without the
+    padding (the calibrator's RowMask.channel_range, shared with the other hooks)."""
 
     def __init__(self, outputs_of: list[torch.nn.Module], inputs_of: list[torch.nn.Module], total_tokens: int,
-                 rows: Callable[[torch.Tensor, str], torch.Tensor]) -> None:
+                 rows: Callable[[torch.Tensor, str], tuple[torch.Tensor, Any, Any]]) -> None:
         self.sites: dict[torch.nn.Module, SiteSample] = {m: SiteSample(total_tokens) for m in outputs_of + inputs_of}
         self.handles = [m.register_forward_hook(lambda mod, a, out: self._add(mod, out)) for m in outputs_of]
         self.handles += [m.register_forward_pre_hook(lambda mod, a: self._add(mod, a[0])) for m in inputs_of]
@@ -192,10 +195,10 @@ class SiteProbe:
 
     def _add(self, mod: torch.nn.Module, x: torch.Tensor) -> None:
         try:
-            rows = self._rows(x.detach(), "smoothing site")
+            rows, lo, hi = self._rows(x.detach(), "smoothing site")
         except RuntimeError:  # not one row per token (per-head q/k norms): never a smoothing site
             return
-        self.sites[mod].update(rows)
+        self.sites[mod].update(rows, None if lo is None else (lo, hi))
 
     def remove(self) -> None:
         for h in self.handles:

@@ -170,7 +170,7 @@ def _run(job: ForwardJob, sk: Any, layer: nn.Module) -> ForwardResult:
         probe = FlowProbe([mods[m] for m in n["norms"]], [mods[m] for m in n["consumers"]], rows)
         probe.record = job.first == 0
         sites = SiteProbe([mods[m] for m in n["site_out"]], [mods[m] for m in n["site_in"]], job.ctx.tokens,
-                          rows.apply)
+                          rows.channel_range)
         for s in sites.sites.values():
             s.sampler.start_at(job.offset)
     if job.kind == "smooth":

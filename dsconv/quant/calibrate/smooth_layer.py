@@ -66,7 +66,7 @@ def smoothing_probes(run: CalibContext, acts: LayerActivations, layer: nn.Module
     by_name = {lp.module: mod for mod, lp in targets.items()}
     pairs = [(by_name[u], by_name[d]) for u, d in sm.up_down_pairs(lps) if u in by_name and d in by_name
              and lps[u].bias is None] if auto else []
-    sites = sm.SiteProbe(norms if auto else [], [d for _, d in pairs], acts.tokens, acts.rows.apply)
+    sites = sm.SiteProbe(norms if auto else [], [d for _, d in pairs], acts.tokens, acts.rows.channel_range)
     return SmoothProbes(probe, sites, norms, consumers, pairs, own)
 
 

@@ -39,13 +39,15 @@ class InputStats:
         # (selection.py): their first rows, capped
         self.held: RowSampler | None = RowSampler(1, sample_tokens * 2) if held_out and hessian else None
 
-    def update(self, x: torch.Tensor, held: torch.Tensor | None = None) -> None:
-        """Fold in rows [t, k] (real tokens only); `held` marks rows of held-out prompts."""
+    def update(self, x: torch.Tensor, held: torch.Tensor | None = None,
+               channel_range: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Fold in rows [t, k] (real tokens only); `held` marks rows of held-out prompts; `channel_range`: the
+        rows' per-channel (min, max) when the caller has them (hooks.RowMask: once per tensor and batch)."""
         t = x.shape[0]
         if t == 0:
             return
         if self.observer is not None:
-            self.observer.update(x)
+            self.observer.update(x, channel_range)
         if self.hessian is not None:
             if self.held is not None and held is not None and bool(held.any()):
                 self.held.update(x[held])
