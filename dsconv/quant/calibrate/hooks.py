@@ -89,7 +89,7 @@ class LinearHooks:
         st = self.group.get(mod)
         if st is None:
             st = self.group[mod] = self.make_stats(self.targets[mod])
-        if st.observer is not None and type(st.observer) is MinMaxObserver:
+        if type(getattr(st, "observer", None)) is MinMaxObserver:  # its min/max shared with the other hooks
             rows, lo, hi = self.rows.channel_range(x.detach(), self.targets[mod].module)
             st.update(rows.float(), held=self.rows.held, channel_range=(lo, hi))
         else:
