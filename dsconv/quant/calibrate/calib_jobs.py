@@ -278,7 +278,9 @@ def run_expert(job: ExpertJob) -> JobResult:
         hidden = np.load(job.hidden, mmap_mode="r")
         x = torch.from_numpy(np.array(hidden) if opts.all_experts else hidden[job.rows])
         del hidden
-        act, y = expert_forward(sk.experts_module(i), e, x, w)
+        out: dict[str, torch.Tensor] = {}
+        act, y = expert_forward(sk.experts_module(i), e, x, w, outputs=out)
+        out["down"] = y
         if opts.all_experts:
             y = y[torch.from_numpy(job.rows)]
         fwd = time.perf_counter() - t
@@ -294,12 +296,14 @@ def run_expert(job: ExpertJob) -> JobResult:
         pending, done, decisions = [], [], []
         for slot, lp in _in_slot_order(plans):
             s = st["in"] if slot != "down" else st["down"]
+            # the fallback check's float outputs on the sampled rows: the expert's forward computed them already
+            ref = out[slot][torch.cat(s.sampler.picked)] if s.sampler.picked else None
             if under:
-                p = prepare_linear(ctx.plan, lp, w[slot], s, opts, load_bias(ck, lp))
+                p = prepare_linear(ctx.plan, lp, w[slot], s, opts, load_bias(ck, lp), y_ref=ref)
                 pending.append((slot, p, s.clip_range()))
                 decisions.append(p.decisions)
             else:
-                q, d = quantize_linear(ctx.plan, lp, w[slot], s, opts, load_bias(ck, lp), ctx.staged)
+                q, d = quantize_linear(ctx.plan, lp, w[slot], s, opts, load_bias(ck, lp), ctx.staged, y_ref=ref)
                 q.record.tokens = routed
                 done.append(q)
                 decisions.append(d)

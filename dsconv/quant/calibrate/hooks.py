@@ -117,11 +117,10 @@ class ExpertRecorder:
         self.parts: list[tuple[torch.Tensor, ...]] = []
 
     def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        keep = self.rows.rows
-        pos = self.flat_index if keep is None else self.flat_index[keep]
-        sel = (lambda t: t) if keep is None else (lambda t: t[keep])
-        self.parts.append((sel(hidden).detach().clone(), sel(top_k_index).clone(), sel(top_k_weights).detach()
-                           .clone(), pos.clone()))
+        keep = self.rows.index
+        # the real rows, copied once (a gather copies; without padding, clone: the layer's tensors are its own)
+        sel = (lambda t: t.detach().clone()) if keep is None else (lambda t: t.detach().index_select(0, keep))
+        self.parts.append((sel(hidden), sel(top_k_index), sel(top_k_weights), sel(self.flat_index)))
         return torch.zeros_like(hidden)
 
     def rescale(self, s: torch.Tensor) -> None:
@@ -130,7 +129,8 @@ class ExpertRecorder:
         self.parts = [(h / s, *rest) for h, *rest in self.parts]
 
     def take(self) -> tuple[torch.Tensor, ...]:
-        out = tuple(torch.cat(p) for p in zip(*self.parts))
+        """(hidden, index, weights, token positions) of every routed token, in batch order (one batch: no copy)."""
+        out = tuple(p[0] if len(p) == 1 else torch.cat(p) for p in zip(*self.parts))
         self.parts = []
         return out
 

@@ -25,7 +25,7 @@ from dsconv.quant.calibrate.stats import InputStats, LinearRecord, output_errors
 from dsconv.quant.formats.msmodelslim import LinearResult
 from dsconv.quant.plan.options import QuantOptions
 from dsconv.quant.plan.plan import STATIC, LinearPlan, QuantPlan
-from dsconv.quant.weights import quantize_weight
+from dsconv.quant.weights import ERROR_SAMPLE_ROWS, quantize_weight
 
 
 @dataclass(frozen=True)
@@ -79,10 +79,12 @@ def static_aux(lp: LinearPlan, q: np.ndarray, scale: np.ndarray, qparams: tuple[
 
 
 def prepare_linear(plan: QuantPlan, lp: LinearPlan, w: torch.Tensor, st: InputStats | None, opts: QuantOptions,
-                   bias: torch.Tensor | None, choice: WeightChoice | None = None) -> PreparedLinear:
+                   bias: torch.Tensor | None, choice: WeightChoice | None = None,
+                   y_ref: torch.Tensor | None = None) -> PreparedLinear:
     """The weight part: int8 values and scales by the plan's method (GPTQ with the input's Hessian), and what
     measuring the output error later needs (a few calibration rows and their float outputs) - never the float weight
-    itself."""
+    itself. `y_ref`: the sampled rows' float outputs (bias excluded) when the caller's forward already computed them
+    (a routed expert's job), else they are computed here."""
     t = time.perf_counter()
     hess = st.hessian.hessian() if st is not None and st.hessian is not None and st.hessian.tokens else None
     q, scale = quantize_weight(lp, w, plan, hess, opts.damp, chosen=None if choice is None else choice.weight)
@@ -95,7 +97,8 @@ def prepare_linear(plan: QuantPlan, lp: LinearPlan, w: torch.Tensor, st: InputSt
         decisions["gptq_or_rtn"] = {lp.module: picked}
     seconds = {"gptq" if hess is not None else "quantize": time.perf_counter() - t}
     t = time.perf_counter()
-    rec = LinearRecord(lp.module, lp.qtype, weight_error(w, dequant_weight(q, scale)),
+    rows = slice(0, lp.n, max(1, lp.n // ERROR_SAMPLE_ROWS))  # evenly spaced rows, as the weight-only path reports
+    rec = LinearRecord(lp.module, lp.qtype, weight_error(w[rows], dequant_weight(q[rows], scale[rows])),
                        tokens=st.tokens if st is not None else 0)
     if picked_errors is not None:
         rec.errors.update(picked_errors)
@@ -104,13 +107,12 @@ def prepare_linear(plan: QuantPlan, lp: LinearPlan, w: torch.Tensor, st: InputSt
         rec.errors.update(choice.errors)
         rec.note = f"awq: {choice.how} (held-out prompts)"
     x = st.sample if st is not None else None
-    y_ref = None
     if x is not None and x.shape[0]:
-        y_ref = x @ w.float().T
+        y_ref = x @ w.float().T if y_ref is None else y_ref
         if bias is not None:
             y_ref = y_ref + bias.float()
     else:
-        x = None
+        x = y_ref = None
     seconds["fallback_check"] = time.perf_counter() - t  # the weight error and the rows' float outputs
     return PreparedLinear(lp, q, scale, bias, rec, x, y_ref, decisions, seconds)
 
@@ -152,11 +154,11 @@ def finish_linear(p: PreparedLinear, qparams: tuple[float, float] | None, staged
 
 
 def quantize_linear(plan: QuantPlan, lp: LinearPlan, w: torch.Tensor, st: InputStats | None, opts: QuantOptions,
-                    bias: torch.Tensor | None, staged: bool, choice: WeightChoice | None = None
-                    ) -> tuple[QuantizedLinear, dict[str, Any]]:
+                    bias: torch.Tensor | None, staged: bool, choice: WeightChoice | None = None,
+                    y_ref: torch.Tensor | None = None) -> tuple[QuantizedLinear, dict[str, Any]]:
     """One linear with its input statistics, static activations over the statistics' own range. Returns the linear
     and the decisions it made (for quant_report.json)."""
-    p = prepare_linear(plan, lp, w, st, opts, bias, choice)
+    p = prepare_linear(plan, lp, w, st, opts, bias, choice, y_ref)
     qparams = None
     if lp.qtype == STATIC:
         rng = st.clip_range() if st is not None else None
