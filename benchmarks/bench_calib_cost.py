@@ -12,7 +12,8 @@ Per real fixture (benchmarks/real_models.py: Qwen2.5-Coder-0.5B, Gemma-3-270M; a
   lm_head's share (timed by hooks), since dsconv's layer-by-layer forward never computes logits;
 * `dsconv quantize --bits 8` (the CLI, in this process) for each engine: wall and CPU seconds, the ratio to the
   plain forward, and the per-step seconds dsconv records in quant_report.json (`timings`: the statistics forward,
-  the SmoothQuant and clip searches, GPTQ/AWQ, fallback checks, experts, writing; summed over layers).
+  the SmoothQuant and clip searches, GPTQ/AWQ, fallback checks, experts, writing; summed over layers: the driver's
+  wall and CPU, the jobs' CPU).
 
 The transformers and dsconv modules are imported before anything is timed, so neither side pays the imports. The
 load average is recorded before and after each figure: on a shared host the figures are only valid when quiet.
@@ -87,11 +88,12 @@ def quantize(model_dir: Path, out: Path, engine: str, samples: int | None) -> di
     wall, cpu = time.perf_counter() - t, time.process_time() - c
     summary = json.loads(buf.getvalue())
     report = json.loads((out / "quant_report.json").read_text())
-    steps = (report.get("timings") or {}).get("steps") or summary.get("timings") or {}
-    types = summary.get("types") or {}
+    t = report.get("timings") or {}
     return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "calibration_s": summary.get("calibration_seconds"),
-            "steps_s": steps, "tokens": (summary.get("calibration") or {}).get("tokens"),
-            "static_linears": _static(out), "types": types, "load_before": before, "load_after": load()}
+            "steps_s": t.get("steps") or summary.get("timings") or {}, "steps_cpu_s": t.get("steps_cpu", {}),
+            "in_jobs_cpu_s": t.get("in_jobs", {}), "finish_write_s": t.get("finish_write"),
+            "tokens": (summary.get("calibration") or {}).get("tokens"), "static_linears": _static(out),
+            "load_before": before, "load_after": load()}
 
 
 def _static(out: Path) -> int:
@@ -131,11 +133,13 @@ def run_model(name: str, model_dir: Path, engines: list[str], samples: int | Non
         q["target"] = "met" if q["ratio"] <= TARGET else "MISSED"
         q["goal"] = "met" if q["ratio"] <= GOAL else "missed"
         res["quantize"][engine] = q
-        steps = ", ".join(f"{k} {v:.1f}" for k, v in q["steps_s"].items() if isinstance(v, (int, float)))
+        steps = "; ".join(", ".join(f"{k} {v:.1f}" for k, v in q[part].items() if isinstance(v, (int, float)))
+                          for part in ("steps_s", "steps_cpu_s", "in_jobs_cpu_s"))
         print(f"{name} --bits 8 --engine {engine}: {q['wall_s']} s wall ({q['cpu_s']} s CPU) = {q['ratio']}x the "
               f"plain forward (target <= {TARGET}x: {q['target']}; goal {GOAL}x: {q['goal']}); "
               f"{q['ratio_to_decoder']}x its decoder without lm_head; {q['static_linears']} static linears; "
-              f"load {q['load_before']} -> {q['load_after']}\n  steps (s): {steps}", flush=True)
+              f"load {q['load_before']} -> {q['load_after']}\n  steps (driver wall; driver CPU; jobs' CPU, s): "
+              f"{steps}", flush=True)
     return res
 
 

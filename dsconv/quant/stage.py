@@ -197,7 +197,7 @@ def run(req: QuantRequest) -> QuantResult:
                          seconds=time.perf_counter() - t0, calibration_seconds=t_cal)
     if cal is not None:
         result["timings"] = {k: round(v, 3) for k, v in cal.timings.items()}
-        result["timings"]["steps"] = report["timings"]["steps"]
+        result["timings"].update({k: report["timings"][k] for k in ("steps", "steps_cpu", "in_jobs")})
         result["forward"] = cal.fwd.summary()
     result.update(engine=prof.name, config_keys=cfg_keys, execution=ran)
     return QuantResult(result)

@@ -92,7 +92,7 @@ class JobResult:
     down_range: tuple[float, float] | None = None
     forward_s: float = 0.0
     quantize_s: float = 0.0
-    steps: dict[str, float] = field(default_factory=dict)  # the job's own seconds per step (steps.JOB_STEPS)
+    steps: dict[str, float] = field(default_factory=dict)  # the job's own CPU seconds per step (steps.JOB_STEPS)
 
 
 # ---- the driver side -------------------------------------------------------------------------------------------
@@ -262,7 +262,7 @@ def run_expert(job: ExpertJob) -> JobResult:
     ctx, opts, e, i = job.ctx, job.ctx.opts, job.expert, job.layer
     with job_threads(JOB_THREADS):
         ck, sk = open_job_checkpoint(ctx, skeleton=True)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         w = {s: sk.load(job.names[s]) for s in SLOTS}
         if job.col_scale is not None:
             cs = torch.from_numpy(np.load(job.col_scale))
@@ -289,7 +289,7 @@ def run_expert(job: ExpertJob) -> JobResult:
               "down": ctx.stats.new(act.shape[-1], f"layer {i} expert {e} down")}
         st["in"].update(x)
         st["down"].update(act)
-        passes = time.perf_counter() - t  # the expert's own pass: its forward and statistics
+        passes = time.process_time() - c  # the expert's own pass (CPU): its forward and statistics
         under = ctx.static and routed < opts.min_expert_tokens and not opts.all_experts
         down = st["down"].clip_range() if ctx.static else None
         t = time.perf_counter()

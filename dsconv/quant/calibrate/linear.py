@@ -52,7 +52,7 @@ class PreparedLinear:
     x: torch.Tensor | None
     y_ref: torch.Tensor | None
     decisions: dict[str, dict[str, str]] = field(default_factory=dict)  # for quant_report.json (gptq_or_rtn)
-    seconds: dict[str, float] = field(default_factory=dict)  # per step (calibrate/steps.py JOB_STEPS)
+    seconds: dict[str, float] = field(default_factory=dict)  # CPU per step (calibrate/steps.py JOB_STEPS)
 
 
 @dataclass
@@ -62,7 +62,7 @@ class QuantizedLinear:
     lp: LinearPlan
     result: LinearResult
     record: LinearRecord
-    seconds: dict[str, float] = field(default_factory=dict)  # per step (calibrate/steps.py JOB_STEPS)
+    seconds: dict[str, float] = field(default_factory=dict)  # CPU per step (calibrate/steps.py JOB_STEPS)
 
 
 def load_bias(ck: Checkpoint, lp: LinearPlan, choice: WeightChoice | None = None) -> torch.Tensor | None:
@@ -85,7 +85,7 @@ def prepare_linear(plan: QuantPlan, lp: LinearPlan, w: torch.Tensor, st: InputSt
     measuring the output error later needs (a few calibration rows and their float outputs) - never the float weight
     itself. `y_ref`: the sampled rows' float outputs (bias excluded) when the caller's forward already computed them
     (a routed expert's job), else they are computed here."""
-    t = time.perf_counter()
+    t = time.process_time()
     hess = st.hessian.hessian() if st is not None and st.hessian is not None and st.hessian.tokens else None
     q, scale = quantize_weight(lp, w, plan, hess, opts.damp, chosen=None if choice is None else choice.weight)
     decisions: dict[str, dict[str, str]] = {}
@@ -95,8 +95,8 @@ def prepare_linear(plan: QuantPlan, lp: LinearPlan, w: torch.Tensor, st: InputSt
         cands = {"gptq": (q, scale), "rtn": quantize_weight(lp, w, plan, None, 0.0, method="rtn")}
         (q, scale), picked, picked_errors = selection.choose(x_held, w, cands)
         decisions["gptq_or_rtn"] = {lp.module: picked}
-    seconds = {"gptq" if hess is not None else "quantize": time.perf_counter() - t}
-    t = time.perf_counter()
+    seconds = {"gptq" if hess is not None else "quantize": time.process_time() - t}
+    t = time.process_time()
     rows = slice(0, lp.n, max(1, lp.n // ERROR_SAMPLE_ROWS))  # evenly spaced rows, as the weight-only path reports
     rec = LinearRecord(lp.module, lp.qtype, weight_error(w[rows], dequant_weight(q[rows], scale[rows])),
                        tokens=st.tokens if st is not None else 0)
@@ -113,7 +113,7 @@ def prepare_linear(plan: QuantPlan, lp: LinearPlan, w: torch.Tensor, st: InputSt
             y_ref = y_ref + bias.float()
     else:
         x = y_ref = None
-    seconds["fallback_check"] = time.perf_counter() - t  # the weight error and the rows' float outputs
+    seconds["fallback_check"] = time.process_time() - t  # the weight error and the rows' float outputs
     return PreparedLinear(lp, q, scale, bias, rec, x, y_ref, decisions, seconds)
 
 
@@ -124,7 +124,7 @@ def finish_linear(p: PreparedLinear, qparams: tuple[float, float] | None, staged
     unit is marked to fall back and placeholders stand in, never written."""
     lp, rec = p.lp, p.record
     seconds = dict(p.seconds)
-    t = time.perf_counter()
+    t = time.process_time()
     rec.range_source = range_source
     res = LinearResult(q=p.q, scale=p.scale, bias=p.bias)
     if lp.qtype == STATIC:
@@ -142,14 +142,14 @@ def finish_linear(p: PreparedLinear, qparams: tuple[float, float] | None, staged
         else:
             res.deq_scale = np.ones(lp.n, np.float32)
             res.quant_bias = np.zeros(lp.n, np.int32)
-    seconds["quantize"] = seconds.get("quantize", 0.0) + time.perf_counter() - t
-    t = time.perf_counter()
+    seconds["quantize"] = seconds.get("quantize", 0.0) + time.process_time() - t
+    t = time.process_time()
     if p.x is not None:
         b = None if p.bias is None else p.bias.float()
         errs = output_errors(p.x, p.y_ref, p.q, p.scale, b, (res.input_scale, res.input_offset)
                              if lp.qtype == STATIC else None)
         rec.errors.update({k: v for k, v in errs.items() if k not in rec.errors})
-    seconds["fallback_check"] = seconds.get("fallback_check", 0.0) + time.perf_counter() - t
+    seconds["fallback_check"] = seconds.get("fallback_check", 0.0) + time.process_time() - t
     return QuantizedLinear(lp, res, rec, seconds)
 
 

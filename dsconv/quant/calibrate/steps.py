@@ -21,9 +21,9 @@ A layer's steps, top to bottom (`calibrate_layer`):
    expert_quantize / expert_gptq / expert_fallback_check, their linears), then the under-covered ones;
 9. write - the layer's tensors (quantized linears as their jobs return, floats, cache scales).
 
-`StepClock` keeps the driver's seconds per step and layer, each step exclusive of the steps inside it (writing
-inside the jobs' loop counts as write), so a layer's driver steps add up to its wall time; the jobs' own seconds
-are kept apart (`in_jobs`): with --workers they overlap each other and the driver's waiting.
+`StepClock` keeps the driver's wall and CPU seconds per step and layer, each step exclusive of the steps inside it
+(writing inside the jobs' loop counts as write), so a layer's driver steps add up to its wall time; the jobs' own
+CPU seconds are kept apart (`in_jobs`): with --workers they overlap each other and the driver's waiting.
 """
 from __future__ import annotations
 
@@ -58,56 +58,62 @@ JOB_STEPS = ("quantize", "gptq", "fallback_check", "expert_forward", "expert_qua
 
 
 class StepClock:
-    """Seconds per step (STEPS) and layer in the driver, each exclusive of the steps timed inside it, and the jobs'
-    own seconds per step (JOB_STEPS) and layer."""
+    """Wall and CPU seconds per step (STEPS) and layer in the driver, each exclusive of the steps timed inside it,
+    and the jobs' own CPU seconds per step (JOB_STEPS) and layer (a job is single-threaded: its compute, whatever
+    the host's load)."""
 
     def __init__(self) -> None:
-        self.layer: Any = None                     # the layer being calibrated (a key of `driver`)
-        self.driver: dict[Any, dict[str, float]] = {}
+        self.layer: Any = None                     # the layer being calibrated (a key of `wall`)
+        self.wall: dict[Any, dict[str, float]] = {}
+        self.cpu: dict[Any, dict[str, float]] = {}
         self.jobs: dict[Any, dict[str, float]] = {}
-        self._inner: list[float] = []
+        self._inner: list[list[float]] = []
 
     @contextmanager
     def __call__(self, step: str) -> Iterator[None]:
-        t = time.perf_counter()
-        self._inner.append(0.0)
+        t, c = time.perf_counter(), time.process_time()
+        self._inner.append([0.0, 0.0])
         try:
             yield
         finally:
-            dt = time.perf_counter() - t
+            dt, dc = time.perf_counter() - t, time.process_time() - c
             inner = self._inner.pop()
-            _add(self.driver.setdefault(self.layer, {}), step, dt - inner)
+            _add(self.wall.setdefault(self.layer, {}), step, dt - inner[0])
+            _add(self.cpu.setdefault(self.layer, {}), step, dc - inner[1])
             if self._inner:
-                self._inner[-1] += dt
+                self._inner[-1][0] += dt
+                self._inner[-1][1] += dc
 
     def add_jobs(self, seconds: dict[str, float]) -> None:
-        """A job's own seconds per step, to the current layer."""
+        """A job's own CPU seconds per step, to the current layer."""
         mine = self.jobs.setdefault(self.layer, {})
         for k, v in seconds.items():
             _add(mine, k, v)
 
     def report(self) -> dict[str, Any]:
-        """For quant_report.json: totals over layers, then per layer (driver steps, and the jobs' own as in_jobs)."""
+        """For quant_report.json: totals over layers (`steps`: driver wall, `steps_cpu`, `in_jobs`), then per layer
+        (driver wall per step, with `cpu` and `in_jobs` beside)."""
         def rounded(d: dict[str, float]) -> dict[str, float]:
             return {k: round(v, 3) for k, v in d.items()}
 
-        steps: dict[str, float] = {}
-        jobs: dict[str, float] = {}
-        for d in self.driver.values():
-            for k, v in d.items():
-                _add(steps, k, v)
-        for d in self.jobs.values():
-            for k, v in d.items():
-                _add(jobs, k, v)
+        def total(per_layer: dict[Any, dict[str, float]]) -> dict[str, float]:
+            out: dict[str, float] = {}
+            for d in per_layer.values():
+                for k, v in d.items():
+                    _add(out, k, v)
+            return rounded(out)
+
         layers = {}
-        for key in sorted(set(self.driver) | set(self.jobs), key=lambda k: (isinstance(k, str), k)):
-            entry: dict[str, Any] = rounded(self.driver.get(key, {}))
+        for key in sorted(set(self.wall) | set(self.jobs), key=lambda k: (isinstance(k, str), k)):
+            entry: dict[str, Any] = {**rounded(self.wall.get(key, {})), "cpu": rounded(self.cpu.get(key, {}))}
             if self.jobs.get(key):
                 entry["in_jobs"] = rounded(self.jobs[key])
             layers[str(key)] = entry
-        return {"steps": {**rounded(steps), "in_jobs": rounded(jobs)}, "layers": layers,
-                "note": "driver wall seconds per step, each exclusive of the steps inside it; in_jobs: the jobs' own "
-                        "seconds (parallel with --workers)"}
+        return {"steps": total(self.wall), "steps_cpu": total(self.cpu), "in_jobs": total(self.jobs),
+                "layers": layers,
+                "note": "driver wall (steps) and CPU (steps_cpu, all its threads) seconds per step, each exclusive of "
+                        "the steps inside it; in_jobs: the jobs' own CPU seconds (single-threaded; in parallel with "
+                        "--workers)"}
 
 
 def _add(d: dict[str, float], key: str, value: float) -> None:
