@@ -66,10 +66,11 @@ SEQ = 512                # calibration sequence length (the CLI default)
 BATCH_TOKENS = 4096      # padded tokens per calibration batch (QuantOptions.batch_tokens)
 WORKERS_PER_NODE = 2     # a node = this host: 2 cores
 TARGETS = {1: (4.0, 2.0), 8: (0.5, None)}  # hours: target, goal (issue 32)
-RUNS = {"--bits 8": ["--bits", "8"],
-        "--bits 8 --kv-cache int8": ["--bits", "8", "--kv-cache", "int8"],
-        "W4A8 recipe (RTN experts)": ["--bits", "4", "--scheme", "w4a8_dynamic", "--engine", "vllm-ascend",
-                                      "--method", "rtn"]}
+# name -> (CLI arguments, the medium model's dtype: MindIE's FA quant wants float16 weights, as a user exports them)
+RUNS = {"--bits 8": (["--bits", "8"], "bf16"),
+        "--bits 8 --kv-cache int8": (["--bits", "8", "--kv-cache", "int8"], "fp16"),
+        "W4A8 recipe (RTN experts)": (["--bits", "4", "--scheme", "w4a8_dynamic", "--engine", "vllm-ascend",
+                                       "--method", "rtn"], "bf16")}
 SEARCH_OUT_ROWS = 2048   # smoothing.MAX_OUT_ROWS: output rows a search scores
 
 CHILD = """
@@ -78,7 +79,7 @@ from pathlib import Path
 from dsconv.bundled import calib_texts
 from dsconv.tiny import make_tiny, train_tokenizer
 tok = train_tokenizer(calib_texts(), vocab_size=384)
-make_tiny("deepseek_v3", Path(sys.argv[1]), dtype="bf16", tokenizer=tok, **json.loads(sys.argv[2]))
+make_tiny("deepseek_v3", Path(sys.argv[1]), dtype=sys.argv[3], tokenizer=tok, **json.loads(sys.argv[2]))
 """
 
 
@@ -198,13 +199,15 @@ def real_tokens() -> tuple[int, int] | None:
 def measure_costs() -> dict[str, Any]:
     root = scratch("dsconv-proj-")
     try:
-        model = root / "medium"
         env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-        subprocess.run([sys.executable, "-c", CHILD, str(model), json.dumps(MEDIUM)], check=True, env=env,
-                       cwd=str(ROOT), capture_output=True)
+        for dtype in sorted({d for _, d in RUNS.values()}):  # the same seed: the same weights, rounded to dtype
+            subprocess.run([sys.executable, "-c", CHILD, str(root / dtype), json.dumps(MEDIUM), dtype], check=True,
+                           env=env, cwd=str(ROOT), capture_output=True)
+        model = root / "bf16"
         one = {**env, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        runs = {name: _quantize(model, root / f"q{i}", args, 1, one) for i, (name, args) in enumerate(RUNS.items())}
-        split = _quantize(model, root / "q2w", RUNS["--bits 8"], 2, {**env, "DSCONV_FORWARD_SPLIT": "1"})
+        runs = {name: _quantize(root / dtype, root / f"q{i}", args, 1, one)
+                for i, (name, (args, dtype)) in enumerate(RUNS.items())}
+        split = _quantize(model, root / "q2w", RUNS["--bits 8"][0], 2, {**env, "DSCONV_FORWARD_SPLIT": "1"})
         same = all((root / "q0" / f.name).read_bytes() == f.read_bytes() for f in (root / "q2w").glob("*.safetensors"))
         cfg = json.loads((model / "config.json").read_text())
         base = runs["--bits 8"]
