@@ -215,8 +215,10 @@ def measure_costs() -> dict[str, Any]:
         jobs1, jobs2 = t1["linear_jobs"] + t1["expert_jobs"], t2["linear_jobs"] + t2["expert_jobs"]
         return {"medium_config": cfg, "calib_tokens": int(base["calibration"]["tokens"]),
                 "calib_samples": base["calibration"]["samples"], "batches": base["forward"]["batches"],
-                "runs": {k: {"seconds": round(r["seconds"], 2), "timings": r["timings"], "report": r["report"],
-                             "load_before": r["load_before"], "load_after": r["load_after"]} for k, r in runs.items()},
+                # a run that needs no calibration (the W4A8 recipe with RTN experts) streams: no timings
+                "runs": {k: {"seconds": round(r["seconds"], 2), "timings": r.get("timings"), "report": r["report"],
+                             "calibrated": "timings" in r, "load_before": r["load_before"],
+                             "load_after": r["load_after"]} for k, r in runs.items()},
                 "split_2_workers": {"seconds": round(split["seconds"], 2), "timings": t2, "forward": split["forward"],
                                     "load_before": split["load_before"]},
                 "bytes_identical_1_vs_2": same,
@@ -230,8 +232,11 @@ def measure_costs() -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------------ projecting
 def rates(m: dict[str, Any], name: str, io_s_per_gb: float) -> dict[str, float]:
-    """Seconds per unit of work of each step, for run `name`, from its medium run (CPU seconds, one thread)."""
+    """Seconds per unit of work of each step, for run `name`, from its medium run (CPU seconds, one thread). A run
+    without calibration streams the weights: its own seconds per GB of model, all I/O."""
     r = m["runs"][name]
+    if not r["calibrated"]:  # the weight-only path's rate (the medium model is too small to time it: start-up)
+        return {"io_s_per_gb": io_s_per_gb}
     t = r["report"]["timings"]
     cpu, jobs = t["steps_cpu"], t["in_jobs"]
     w = work(r["report"], m["medium_config"]["first_k_dense_replace"], m["medium_config"], m["calib_tokens"])
@@ -267,7 +272,7 @@ def project(m: dict[str, Any], io_s_per_gb: float, nodes: tuple[int, ...] = (1, 
         rate = rates(m, name, io_s_per_gb)
         for basis, (tokens, samples, nb) in bases.items():
             w = work(m["runs"][name]["report"], m["medium_config"]["first_k_dense_replace"],
-                     {**m["medium_config"], **REAL}, tokens)
+                     {**m["medium_config"], **REAL}, tokens) if m["runs"][name]["calibrated"] else {}
             for n in nodes:
                 rows.append({"run": name, "tokens": basis, "calib_tokens": tokens, "nodes": n,
                              **_hours(rate, w, tokens, nb, n, fgain, gain)})
@@ -292,6 +297,9 @@ def _hours(rate: dict[str, float], w: dict[str, float], tokens: int, nb: int, n:
     wb = weight_bytes(REAL)
     workers = n * WORKERS_PER_NODE
     jobs = min(workers, nb)
+    rate = {k: rate.get(k, 0.0) for k in ("forward", "kv_cache", "smooth_search", "clip_search", "linear_jobs",
+                                         "expert_forward", "expert_weights", "io_s_per_gb")}
+    w = {k: w.get(k, 0.0) for k in rate}
     layer_fwd = (rate["forward"] * w["forward"] + rate["kv_cache"] * w["kv_cache"]) / layers  # one worker
     fwd = layer_fwd * math.ceil(nb / jobs) / nb * WORKERS_PER_NODE / fgain
     h_bytes = tokens * REAL["hidden_size"] * 4
@@ -326,6 +334,10 @@ def _text(m: dict[str, Any], rows: list[dict[str, Any]], io_s_per_gb: float) -> 
             f"{m['calib_samples']} samples, {m['batches']} batches); checkpoint I/O {io_s_per_gb:.2f} s/GB",
             "  medium runs (--workers 1, one thread; CPU s per step, from quant_report.json):"]
     for name, r in runs.items():
+        if not r["calibrated"]:
+            text.append(f"    {name}: {r['seconds']} s wall (load {r['load_before']}); no calibration: the weights "
+                        "stream (weight-only path), I/O alone")
+            continue
         t = r["report"]["timings"]
         steps = ", ".join(f"{k} {v:.1f}" for k, v in {**t["steps_cpu"], **t["in_jobs"]}.items() if v >= 0.05)
         text.append(f"    {name}: {r['seconds']} s wall (load {r['load_before']}); {steps}")
