@@ -233,7 +233,7 @@ def measure_costs() -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ projecting
 def rates(m: dict[str, Any], name: str, io_s_per_gb: float) -> dict[str, float]:
     """Seconds per unit of work of each step, for run `name`, from its medium run (CPU seconds, one thread). A run
-    without calibration streams the weights: its own seconds per GB of model, all I/O."""
+    without calibration streams the weights: I/O alone, at the weight-only quantize's rate."""
     r = m["runs"][name]
     if not r["calibrated"]:  # the weight-only path's rate (the medium model is too small to time it: start-up)
         return {"io_s_per_gb": io_s_per_gb}
