@@ -304,8 +304,8 @@ def _hours(rate: dict[str, float], w: dict[str, float], tokens: int, nb: int, n:
     fwd = layer_fwd * math.ceil(nb / jobs) / nb * WORKERS_PER_NODE / fgain
     h_bytes = tokens * REAL["hidden_size"] * 4
     layer_weights = (wb["total"] - moe * E * wb["per_expert"] - 4 * REAL["vocab_size"] * REAL["hidden_size"]) / layers
-    fwd_io = 0.0 if n == 1 else h_bytes / (STORAGE_GBPS * 1e9) + h_bytes / (NET_GBPS * 1e9) + \
-        jobs * layer_weights / (STORAGE_GBPS * 1e9)
+    fwd_io = 0.0 if n == 1 or not w["forward"] else h_bytes / (STORAGE_GBPS * 1e9) + \
+        h_bytes / (NET_GBPS * 1e9) + jobs * layer_weights / (STORAGE_GBPS * 1e9)
     searches = rate["smooth_search"] * w["smooth_search"] + rate["clip_search"] * w["clip_search"]
     lin = rate["linear_jobs"] * w["linear_jobs"] / layers / min(n * gain, 8)
     expert_s = (rate["expert_forward"] * w["expert_forward"] + rate["expert_weights"] * w["expert_weights"]) / \
