@@ -38,6 +38,7 @@ driver; a layer's linear jobs spread over at most its linears' count of workers,
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -55,6 +56,12 @@ MEDIUM = dict(hidden_size=1024, intermediate_size=2816, moe_intermediate_size=51
               first_k_dense_replace=1, n_routed_experts=32, num_experts_per_tok=8, n_group=4, topk_group=2,
               n_shared_experts=1, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=384, kv_lora_rank=256,
               qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, head_dim=32)
+# real DeepSeek-V3 widths, one MoE layer of 8 experts (every token to each): the step rates at the real widths
+WIDE = dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=1,
+            first_k_dense_replace=0, n_routed_experts=8, num_experts_per_tok=8, n_group=1, topk_group=1,
+            n_shared_experts=1, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, head_dim=64)
+WIDE_SAMPLES = 24        # calibration samples of the wide probe (its forward is 70x the medium model's per token)
 REAL = dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
             first_k_dense_replace=3, n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1,
             num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
@@ -179,6 +186,8 @@ def _quantize(model: Path, out: Path, args: list[str], workers: int, env: dict) 
         raise RuntimeError(p.stderr[-3000:])
     s = json.loads(p.stdout)
     s["report"] = json.loads((out / "quant_report.json").read_text())
+    s["_files"] = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(out.glob("*.safetensors"))}
+    shutil.rmtree(out, ignore_errors=True)
     s["load_before"], s["load_after"] = load, " ".join(f"{x:.2f}" for x in os.getloadavg())
     return s
 
@@ -196,29 +205,46 @@ def real_tokens() -> tuple[int, int] | None:
     return c.tokens, len(c.samples)
 
 
+def _build(root: Path, name: str, config: dict[str, Any], dtype: str, env: dict) -> Path:
+    subprocess.run([sys.executable, "-c", CHILD, str(root / name), json.dumps(config), dtype], check=True, env=env,
+                   cwd=str(ROOT), capture_output=True)
+    return root / name
+
+
+def _kept(r: dict[str, Any]) -> dict[str, Any]:
+    """What a run keeps for the projection (a run that needs no calibration - the W4A8 recipe with RTN experts -
+    streams the weights: no timings)."""
+    return {"seconds": round(r["seconds"], 2), "timings": r.get("timings"), "report": r["report"],
+            "calibrated": "timings" in r, "tokens": (r.get("calibration") or {}).get("tokens"),
+            "load_before": r["load_before"], "load_after": r["load_after"]}
+
+
 def measure_costs() -> dict[str, Any]:
+    """The medium model's runs (the per-layer pattern, what two workers buy) and the wide probe's (each step's rate
+    at the real widths), every calibrated one with --workers 1 in one thread."""
     root = scratch("dsconv-proj-")
     try:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-        for dtype in sorted({d for _, d in RUNS.values()}):  # the same seed: the same weights, rounded to dtype
-            subprocess.run([sys.executable, "-c", CHILD, str(root / dtype), json.dumps(MEDIUM), dtype], check=True,
-                           env=env, cwd=str(ROOT), capture_output=True)
-        model = root / "bf16"
         one = {**env, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        runs = {name: _quantize(root / dtype, root / f"q{i}", args, 1, one)
-                for i, (name, (args, dtype)) in enumerate(RUNS.items())}
-        split = _quantize(model, root / "q2w", RUNS["--bits 8"][0], 2, {**env, "DSCONV_FORWARD_SPLIT": "1"})
-        same = all((root / "q0" / f.name).read_bytes() == f.read_bytes() for f in (root / "q2w").glob("*.safetensors"))
-        cfg = json.loads((model / "config.json").read_text())
+        medium = _build(root, "medium", MEDIUM, "bf16", env)
+        runs = {name: _quantize(medium, root / "q", args, 1, one)
+                for name, (args, dtype) in RUNS.items() if dtype == "bf16"}
+        split = _quantize(medium, root / "q", RUNS["--bits 8"][0], 2, {**env, "DSCONV_FORWARD_SPLIT": "1"})
         base = runs["--bits 8"]
+        same = base["report"]["linears"] == split["report"]["linears"] and base["_files"] == split["_files"]
+        wide = {}
+        for dtype in sorted({d for _, d in RUNS.values()}):  # the same seed: the same weights, rounded to dtype
+            model = _build(root, f"wide-{dtype}", WIDE, dtype, env)
+            for name, (args, want) in RUNS.items():
+                if want == dtype and name != "W4A8 recipe (RTN experts)":
+                    wide[name] = _quantize(model, root / "q", [*args, "--calib-samples", str(WIDE_SAMPLES)], 1, one)
+            shutil.rmtree(model, ignore_errors=True)
+        cfg = json.loads((medium / "config.json").read_text())
         t1, t2 = base["timings"], split["timings"]
         jobs1, jobs2 = t1["linear_jobs"] + t1["expert_jobs"], t2["linear_jobs"] + t2["expert_jobs"]
-        return {"medium_config": cfg, "calib_tokens": int(base["calibration"]["tokens"]),
+        return {"medium_config": cfg, "wide_config": {**cfg, **WIDE}, "calib_tokens": int(base["calibration"]["tokens"]),
                 "calib_samples": base["calibration"]["samples"], "batches": base["forward"]["batches"],
-                # a run that needs no calibration (the W4A8 recipe with RTN experts) streams: no timings
-                "runs": {k: {"seconds": round(r["seconds"], 2), "timings": r.get("timings"), "report": r["report"],
-                             "calibrated": "timings" in r, "load_before": r["load_before"],
-                             "load_after": r["load_after"]} for k, r in runs.items()},
+                "runs": {k: _kept(r) for k, r in runs.items()}, "wide_runs": {k: _kept(r) for k, r in wide.items()},
                 "split_2_workers": {"seconds": round(split["seconds"], 2), "timings": t2, "forward": split["forward"],
                                     "load_before": split["load_before"]},
                 "bytes_identical_1_vs_2": same,
@@ -231,18 +257,21 @@ def measure_costs() -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ projecting
-def rates(m: dict[str, Any], name: str, io_s_per_gb: float) -> dict[str, float]:
-    """Seconds per unit of work of each step, for run `name`, from its medium run (CPU seconds, one thread). A run
-    without calibration streams the weights: I/O alone, at the weight-only quantize's rate."""
-    r = m["runs"][name]
-    if not r["calibrated"]:  # the weight-only path's rate (the medium model is too small to time it: start-up)
+def rates(m: dict[str, Any], name: str, io_s_per_gb: float, probe: str = "wide") -> dict[str, float]:
+    """Seconds per unit of work of each step for run `name`: CPU seconds, one thread, of the wide probe (`probe`
+    "wide": the real widths) or of the medium model ("medium"). A run without calibration streams the weights: I/O
+    alone, at the weight-only quantize's rate."""
+    runs = m["wide_runs"] if probe == "wide" else m["runs"]
+    config = m["wide_config"] if probe == "wide" else m["medium_config"]
+    r = runs.get(name)
+    if r is None or not r["calibrated"]:  # the weight-only path's rate (a small model times start-up)
         return {"io_s_per_gb": io_s_per_gb}
     t = r["report"]["timings"]
     cpu, jobs = t["steps_cpu"], t["in_jobs"]
-    w = work(r["report"], m["medium_config"]["first_k_dense_replace"], m["medium_config"], m["calib_tokens"])
+    w = work(r["report"], config["first_k_dense_replace"], config, r["tokens"])
     fwd = cpu.get("forward", 0.0)
     if name.endswith("--kv-cache int8"):  # FA quant's statistics: what the forward took beyond --bits 8's
-        plain = m["runs"]["--bits 8"]["report"]["timings"]["steps_cpu"].get("forward", 0.0)
+        plain = runs["--bits 8"]["report"]["timings"]["steps_cpu"].get("forward", 0.0)
         kv, fwd = max(0.0, fwd - plain), plain
     else:
         kv = 0.0
@@ -261,21 +290,29 @@ def rates(m: dict[str, Any], name: str, io_s_per_gb: float) -> dict[str, float]:
 
 
 def project(m: dict[str, Any], io_s_per_gb: float, nodes: tuple[int, ...] = (1, 8, 32)) -> dict[str, Any]:
-    """Hours of each run on each node count, at a real tokenizer's calibration tokens and at the medium model's."""
+    """Hours of each run on each node count - at a real tokenizer's calibration tokens (and, for comparison with the
+    earlier projection, the medium model's), at the wide probe's rates (and, for comparison, the medium model's)."""
     rows = []
     bases = {"medium tokenizer": (m["calib_tokens"], m["calib_samples"], m["batches"])}
     if m.get("real_tokens"):
         tok, samples = m["real_tokens"]
         bases = {"real tokenizer": (tok, samples, _batches(tok, samples)), **bases}
     fgain, gain = max(1.0, m["fwd_speedup"]), max(1.0, m["job_speedup"])
+    pattern = m["runs"]["--bits 8"]["report"]  # the per-layer pattern: both layer kinds' linears and searches
     for name in RUNS:
-        rate = rates(m, name, io_s_per_gb)
-        for basis, (tokens, samples, nb) in bases.items():
-            w = work(m["runs"][name]["report"], m["medium_config"]["first_k_dense_replace"],
-                     {**m["medium_config"], **REAL}, tokens) if m["runs"][name]["calibrated"] else {}
-            for n in nodes:
-                rows.append({"run": name, "tokens": basis, "calib_tokens": tokens, "nodes": n,
-                             **_hours(rate, w, tokens, nb, n, fgain, gain)})
+        calibrated = m["runs"][name]["calibrated"] if name in m["runs"] else True
+        for probe in ("wide", "medium"):
+            if probe == "medium" and name not in m["runs"]:
+                continue
+            rate = rates(m, name, io_s_per_gb, probe)
+            for basis, (tokens, samples, nb) in bases.items():
+                if probe == "medium" and basis != "medium tokenizer":
+                    continue
+                w = work(pattern, m["medium_config"]["first_k_dense_replace"], {**m["medium_config"], **REAL},
+                         tokens) if calibrated else {}
+                for n in nodes:
+                    rows.append({"run": name, "rates": probe, "tokens": basis, "calib_tokens": tokens, "nodes": n,
+                                 **_hours(rate, w, tokens, nb, n, fgain, gain)})
     text = _text(m, rows, io_s_per_gb)
     return {"rows": rows, "assumptions": {"net_gbps": NET_GBPS, "storage_gbps": STORAGE_GBPS, "seq": SEQ,
                                           "workers_per_node": WORKERS_PER_NODE,
@@ -301,7 +338,10 @@ def _hours(rate: dict[str, float], w: dict[str, float], tokens: int, nb: int, n:
                                          "expert_forward", "expert_weights", "io_s_per_gb")}
     w = {k: w.get(k, 0.0) for k in rate}
     layer_fwd = (rate["forward"] * w["forward"] + rate["kv_cache"] * w["kv_cache"]) / layers  # one worker
-    fwd = layer_fwd * math.ceil(nb / jobs) / nb * WORKERS_PER_NODE / fgain
+    if n == 1:  # one node: the driver's threads on each batch (dsconv's default on one host)
+        fwd = layer_fwd * WORKERS_PER_NODE / fgain / WORKERS_PER_NODE
+    else:  # split over jobs of whole batches, in rounds
+        fwd = layer_fwd * math.ceil(nb / jobs) / nb * WORKERS_PER_NODE / fgain
     h_bytes = tokens * REAL["hidden_size"] * 4
     layer_weights = (wb["total"] - moe * E * wb["per_expert"] - 4 * REAL["vocab_size"] * REAL["hidden_size"]) / layers
     fwd_io = 0.0 if n == 1 or not w["forward"] else h_bytes / (STORAGE_GBPS * 1e9) + \
@@ -328,40 +368,61 @@ def _hours(rate: dict[str, float], w: dict[str, float], tokens: int, nb: int, n:
 
 
 def _text(m: dict[str, Any], rows: list[dict[str, Any]], io_s_per_gb: float) -> list[str]:
-    runs = m["runs"]
-    text = [f"DeepSeek-V3 projection; node = this host ({WORKERS_PER_NODE} cores) at the rates measured on a medium "
-            f"DeepSeek-shaped model ({m['calib_tokens']} calibration tokens of its toy tokenizer, "
-            f"{m['calib_samples']} samples, {m['batches']} batches); checkpoint I/O {io_s_per_gb:.2f} s/GB",
-            "  medium runs (--workers 1, one thread; CPU s per step, from quant_report.json):"]
-    for name, r in runs.items():
-        if not r["calibrated"]:
-            text.append(f"    {name}: {r['seconds']} s wall (load {r['load_before']}); no calibration: the weights "
-                        "stream (weight-only path), I/O alone")
-            continue
-        t = r["report"]["timings"]
-        steps = ", ".join(f"{k} {v:.1f}" for k, v in {**t["steps_cpu"], **t["in_jobs"]}.items() if v >= 0.05)
-        text.append(f"    {name}: {r['seconds']} s wall (load {r['load_before']}); {steps}")
-    text.append(f"  --workers 2, forward split: {m['split_2_workers']['seconds']} s; forward {m['fwd_speedup']}x on "
-                f"free cores ({m['fwd_speedup_wall']}x wall here), jobs {m['job_speedup']}x; bytes identical to "
+    text = [f"DeepSeek-V3 projection; node = this host ({WORKERS_PER_NODE} cores); checkpoint I/O {io_s_per_gb:.2f} "
+            f"s/GB; the per-layer pattern from a medium DeepSeek-shaped model ({m['calib_tokens']} calibration tokens "
+            f"of its toy tokenizer, {m['calib_samples']} samples, {m['batches']} batches), each step's rate from the "
+            f"wide probe (DeepSeek-V3's widths, one MoE layer, {WIDE_SAMPLES} samples)",
+            "  runs with --workers 1 in one thread (CPU s per step, from quant_report.json):"]
+    for probe, runs in (("medium", m["runs"]), ("wide", m["wide_runs"])):
+        for name, r in runs.items():
+            if not r["calibrated"]:
+                text.append(f"    {probe} {name}: {r['seconds']} s wall (load {r['load_before']}); no calibration: "
+                            "the weights stream (the weight-only path), I/O alone")
+                continue
+            t = r["report"]["timings"]
+            steps = ", ".join(f"{k} {v:.1f}" for k, v in {**t["steps_cpu"], **t["in_jobs"]}.items() if v >= 0.05)
+            text.append(f"    {probe} {name}: {r['tokens']} tokens, {r['seconds']} s wall (load {r['load_before']}); "
+                        f"{steps}")
+    text.append(f"  medium --workers 2, forward split: {m['split_2_workers']['seconds']} s; forward {m['fwd_speedup']}x "
+                f"on free cores ({m['fwd_speedup_wall']}x wall here), jobs {m['job_speedup']}x; bytes identical to "
                 f"--workers 1: {m['bytes_identical_1_vs_2']}")
-    text.append("  | run | tokens | nodes | hours | forward | searches | linear jobs | experts | I/O | routed "
-                "transfer | dominant | target |")
+    text.append("  | run | rates | calibration tokens | nodes | hours | forward | searches | linear jobs | experts | "
+                "I/O | routed transfer | dominant | target |")
     for r in rows:
         tgt = "" if r["target_h"] is None else (f"<= {r['target_h']} h: {'met' if r['met'] else 'MISSED'}" +
                                                 ("" if r["goal_h"] is None else
                                                  f"; goal {r['goal_h']} h: {'met' if r['goal_met'] else 'missed'}"))
-        text.append(f"  | {r['run']} | {r['calib_tokens']} ({r['tokens']}) | {r['nodes']} | {r['hours']} | "
-                    f"{r['forward_h']} | {r['searches_h']} | {r['linear_jobs_h']} | {r['experts_h']} | {r['io_h']} | "
-                    f"{r['routed_transfer_h']} | {r['dominant']} | {tgt} |")
+        text.append(f"  | {r['run']} | {r['rates']} | {r['calib_tokens']} ({r['tokens']}) | {r['nodes']} | "
+                    f"{r['hours']} | {r['forward_h']} | {r['searches_h']} | {r['linear_jobs_h']} | {r['experts_h']} | "
+                    f"{r['io_h']} | {r['routed_transfer_h']} | {r['dominant']} | {tgt} |")
     return text
 
 
-if __name__ == "__main__":  # the projection alone, with the I/O rate of the last bench_scale run (or 3.2 s/GB)
-    from benchmarks.common import save
+def main(argv: list[str] | None = None) -> None:
+    """Measure and project; `--from FILE` projects a saved measurement again (bench-results/projection.json)."""
+    import argparse
 
-    costs = measure_costs()
-    proj = project(costs, float(os.environ.get("DSCONV_IO_S_PER_GB", "3.2")))
+    from benchmarks.common import RESULTS, save
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--from", dest="source", type=Path, default=None, help="a saved projection.json to re-project")
+    ap.add_argument("--io-s-per-gb", type=float, default=None,
+                    help="checkpoint I/O seconds per GB (default: the last scale.json's weight-only quantize, else 3.2)")
+    a = ap.parse_args(argv)
+    io = a.io_s_per_gb
+    scale = RESULTS / "scale.json"
+    if io is None and scale.is_file():
+        fan = json.loads(scale.read_text()).get("fanout_2p5gb_deepseek_shaped") or {}
+        if fan.get("source_gb"):
+            io = fan["workers_1"]["quantize_s"] / fan["source_gb"]
+    io = io if io is not None else float(os.environ.get("DSCONV_IO_S_PER_GB", "3.2"))
+    costs = json.loads(a.source.read_text())["measured_costs"] if a.source else measure_costs()
+    proj = project(costs, io)
     print(proj["text"], flush=True)
-    save("projection", {"measured_costs": costs, "projection_deepseek_v3": {k: v for k, v in proj.items()
-                                                                             if k != "text"},
-                        "projection_text": proj["text"].splitlines()})
+    save("projection", {"measured_costs": costs, "io_s_per_gb": io,
+                        "projection_deepseek_v3": {k: v for k, v in proj.items() if k != "text"},
+                        "projection_text": proj["text"].splitlines()}, quiet=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
