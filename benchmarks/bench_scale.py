@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     proj = project(costs, io_s_per_gb)
     print(proj["text"], flush=True)
     save("scale", {"load_before": _load(), "fanout_2p5gb_deepseek_shaped": fan, "measured_costs": costs,
-                   "projection_deepseek_v3_w8a8": {k: v for k, v in proj.items() if k != "text"},
+                   "projection_deepseek_v3": {k: v for k, v in proj.items() if k != "text"},
                    "projection_text": proj["text"].splitlines()})
 
 

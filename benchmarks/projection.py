@@ -1,38 +1,48 @@
-"""The FULL DeepSeek-V3 W8A8 job (`quantize --bits 8`: static attention calibrated, MLP and routed experts dynamic)
-projected on 1, 8 and 32 nodes from costs and a parallel split MEASURED on this host (bench_scale part 2).
+"""The FULL DeepSeek-V3 calibrated quantization projected on 1, 8 and 32 nodes from the per-step costs MEASURED on
+this host, for three runs in one table:
 
-Measured here, on a medium DeepSeek-shaped model (random weights, the bundled calibration set), with `--workers 1`
-and `--workers 2` (the calibrated path's jobs: dsconv/quant/calibrate/calib_jobs.py):
-  * c_fwd  - seconds per FLOP of the calibration forward outside the routed experts (attention, dense and
-             shared MLP, router), one single-threaded worker: its CPU seconds with `--workers 1` and one thread
-             (`forward_cpu`),
-             which the host's load does not inflate;
-  * fwd_speedup - the forward split over the calibration batches (dsconv/quant/calibrate/forward_jobs.py; over local
-             processes with DSCONV_FORWARD_SPLIT=1, as Ray workers on other nodes run it by default) on one node:
-             `forward_cpu` with 1 worker over `forward_cpu_critical` with 2 (each pass's driver CPU plus its
-             longest job's: the pass's wall on free cores, per-job overheads - layer materialised per job, input
-             rows by file, results back - included). The wall ratio (`forward_wall`) is printed beside it: on a
-             loaded shared host two workers do not get two cores;
-  * c_lin  - seconds per (non-expert forward) FLOP of the per-linear jobs (statistics -> activation parameters,
-             smoothing/range searches, output-error measurement, writing): `linear_jobs` wall with one worker;
-  * c_exp  - seconds per FLOP of the routed-expert jobs (each expert's forward, statistics, quantization):
-             `expert_jobs` wall with one worker;
-  * job_speedup - the jobs' wall with 1 worker over 2 workers: what one node (this host) gains by running them
-             in parallel, measured under whatever load the host has (printed);
-  * the rest of the run as a fixed cost; checkpoint I/O per byte from bench_scale's weight-only quantize.
-Scaled to the real shapes (61 layers, 3 dense, 256 experts top-8, hidden 7168, moe_intermediate 2048, MLA) with the
-same calibration tokens (so the same calibration batches). On N nodes: a layer's forward splits over at most as many
-jobs as there are batches (whole batches, in rounds); its input rows go to the jobs through shared storage, its
-output rows back through the driver's link, and each job reads the layer's non-expert weights; a layer's linear jobs
-spread over at most as many workers as the layer has linears, its experts over every worker (whole experts, in
-rounds), routed activations go to the jobs and their outputs back through the driver's link, and the expert weights
-are read by the jobs.
+* `--bits 8` (MindIE's recipe: attention static W8A8 - smoothing and clip searches -, MLP and routed experts
+  W8A8_DYNAMIC, kv_b_proj float);
+* `--bits 8 --kv-cache int8` (FA quant's statistics in the same forward);
+* the W4A8 recipe, `--bits 4 --scheme w4a8_dynamic --engine vllm-ascend --method rtn` (routed experts int4
+  round-to-nearest, every other linear W8A8_DYNAMIC).
+
+Measured: each run on a medium DeepSeek-shaped model (random weights, the bundled calibration set) with
+`--workers 1` in one thread - every step's CPU seconds as quant_report.json records them (calibrate/steps.py:
+the driver's `steps_cpu`, the jobs' `in_jobs`), the plan (every linear's type) and the smoothing sites searched -,
+and `--bits 8` again with `--workers 2` and the forward split over local processes (DSCONV_FORWARD_SPLIT=1, as Ray
+splits it), for what two workers buy one node.
+
+Scaled per step, each by the work it does (the same formula for the medium and the real shapes, from the plan and
+the config: `work()`), rate = medium seconds / medium work:
+  forward         forward FLOPs outside the routed experts (attention, dense and shared MLPs, router)
+  kv_cache        FA quant's absorbed query: tokens x heads x qk_nope x kv_lora (its share of the forward's CPU)
+  smooth_search   per searched site, input width x the output rows scored (at most ~2048) x clips (3 static, 1)
+  clip_search     per static input, input width x the output rows scored
+  linear_jobs     the quantized non-expert weights (rounding; fallback checks on 128 rows per input)
+  expert_forward  the routed experts' forward FLOPs
+  expert_weights  the routed experts' weights (rounding, fallback checks; loading)
+  io              reading the checkpoint and writing the output: the weight-only quantize's seconds per GB (the
+                  driver's materialising, writing and job transport are I/O of this kind; the medium runs print
+                  them)
+Real shapes: 61 layers (3 dense), 256 experts top-8, hidden 7168, moe_intermediate 2048, MLA. Calibration tokens:
+the bundled set through a real tokenizer (Qwen2.5's, from the real-model fixture, when present: about 18.7k
+tokens; DeepSeek-V3's 128k vocabulary cuts text alike) - and, for comparison with the earlier projection, the
+medium model's own toy tokenizer (384 tokens of vocabulary, about 2.7x as many tokens).
+
+On N nodes (WORKERS_PER_NODE workers each, Ray): a layer's forward splits over at most as many jobs as there are
+calibration batches (whole batches, in rounds); its input rows go to the jobs through shared storage, its output
+rows back through the driver's link, and each job reads the layer's non-expert weights; the searches run in the
+driver; a layer's linear jobs spread over at most its linears' count of workers, its experts over every worker
+(whole experts, in rounds); routed activations and expert outputs go through the driver's link.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -46,13 +56,29 @@ MEDIUM = dict(hidden_size=1024, intermediate_size=2816, moe_intermediate_size=51
               first_k_dense_replace=1, n_routed_experts=32, num_experts_per_tok=8, n_group=4, topk_group=2,
               n_shared_experts=1, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=384, kv_lora_rank=256,
               qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, head_dim=32)
+# real DeepSeek-V3 widths, one MoE layer of 8 experts (every token to each): the step rates at the real widths
+WIDE = dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=1,
+            first_k_dense_replace=0, n_routed_experts=8, num_experts_per_tok=8, n_group=1, topk_group=1,
+            n_shared_experts=1, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, head_dim=64)
+WIDE_SAMPLES = 24        # calibration samples of the wide probe (its forward is 70x the medium model's per token)
 REAL = dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
             first_k_dense_replace=3, n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1,
-            num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-            v_head_dim=128, vocab_size=129280)
+            num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+            qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, head_dim=64, vocab_size=129280, n_group=8,
+            topk_group=4)
 NET_GBPS = 12.5          # assumed driver NIC: 100 Gb/s
 STORAGE_GBPS = 10.0      # assumed shared storage aggregate bandwidth
 SEQ = 512                # calibration sequence length (the CLI default)
+BATCH_TOKENS = 4096      # padded tokens per calibration batch (QuantOptions.batch_tokens)
+WORKERS_PER_NODE = 2     # a node = this host: 2 cores
+TARGETS = {1: (4.0, 2.0), 8: (0.5, None)}  # hours: target, goal (issue 32)
+# name -> (CLI arguments, the medium model's dtype: MindIE's FA quant wants float16 weights, as a user exports them)
+RUNS = {"--bits 8": (["--bits", "8"], "bf16"),
+        "--bits 8 --kv-cache int8": (["--bits", "8", "--kv-cache", "int8"], "fp16"),
+        "W4A8 recipe (RTN experts)": (["--bits", "4", "--scheme", "w4a8_dynamic", "--engine", "vllm-ascend",
+                                       "--method", "rtn"], "bf16")}
+SEARCH_OUT_ROWS = 2048   # smoothing.MAX_OUT_ROWS: output rows a search scores
 
 CHILD = """
 import json, sys
@@ -60,10 +86,11 @@ from pathlib import Path
 from dsconv.bundled import calib_texts
 from dsconv.tiny import make_tiny, train_tokenizer
 tok = train_tokenizer(calib_texts(), vocab_size=384)
-make_tiny("deepseek_v3", Path(sys.argv[1]), dtype="bf16", tokenizer=tok, **json.loads(sys.argv[2]))
+make_tiny("deepseek_v3", Path(sys.argv[1]), dtype=sys.argv[3], tokenizer=tok, **json.loads(sys.argv[2]))
 """
 
 
+# ------------------------------------------------------------------------------------------------ work per step
 def flops(c: dict[str, Any], tokens: int, seq: int) -> dict[str, float]:
     """Forward FLOPs (2 per multiply-add) of the calibration tokens: outside the routed experts, and in them."""
     h, H = c["hidden_size"], c["num_attention_heads"]
@@ -94,149 +121,308 @@ def weight_bytes(c: dict[str, Any]) -> dict[str, float]:
             "per_expert": 2.0 * expert, "attn_per_layer": 2.0 * f["attn_params"]}
 
 
-def _quantize(model: Path, out: Path, workers: int, env: dict) -> dict[str, Any]:
+def _scored(n: int) -> int:
+    """Output rows a search scores out of n (every step-th, smoothing.MAX_OUT_ROWS)."""
+    return len(range(0, n, max(1, n // SEARCH_OUT_ROWS)))
+
+
+def work(report: dict[str, Any], first_moe: int, config: dict[str, Any], tokens: int) -> dict[str, float]:
+    """Each step's work for `config`, from a medium run's plan and searches (`report`: its quant_report.json; its
+    first MoE layer `first_moe`): its per-layer pattern - a dense layer's and a MoE layer's linears, types and
+    searched sites - repeated over the config's layers, every shape from the config."""
+    from dsconv.checkpoint import ConfigOnly
+
+    cfg_dir = scratch("dsconv-proj-cfg-")
+    try:
+        (cfg_dir / "config.json").write_text(json.dumps(config))
+        ck = ConfigOnly.open(cfg_dir / "config.json")
+    finally:
+        shutil.rmtree(cfg_dir, ignore_errors=True)
+    L, dense = config["num_hidden_layers"], config["first_k_dense_replace"]
+    pattern = {"dense": (0, dense), "moe": (first_moe, L - dense)}   # (medium layer, layers of its kind)
+    real_layer = {"dense": 0, "moe": dense}
+
+    def shape(module: str, kind: str) -> tuple[int, int]:
+        name = re.sub(r"\.layers\.\d+\.", f".layers.{real_layer[kind]}.", module) + ".weight"
+        return tuple(ck.info(name).shape)
+
+    types = {m: v.get("type", v.get("planned")) for m, v in report["linears"].items()}
+    seq = min(SEQ, max(1, tokens // max(1, report["calibration"]["samples"])))  # the mean sample length
+    f = flops(config, tokens, seq)
+    w = {"forward": f["other"], "expert_forward": f["experts"],
+         "kv_cache": tokens * L * config["num_attention_heads"] * config["qk_nope_head_dim"] * config["kv_lora_rank"],
+         "smooth_search": 0.0, "clip_search": 0.0, "linear_jobs": 0.0, "expert_weights": 0.0}
+    for kind, (med, count) in pattern.items():
+        prefix = f".layers.{med}."
+        for m, t in types.items():
+            if prefix not in m or t in (None, "FLOAT"):
+                continue
+            n, k = shape(m, kind)
+            w["expert_weights" if ".experts." in m and "shared" not in m else "linear_jobs"] += count * n * k
+        groups = []
+        for e in report.get("smoothing", []):
+            if prefix not in e["norm"] or "search" not in e:
+                continue
+            shapes = [shape(c, kind) for c in e["consumers"]]
+            static = any(types.get(c) == "W8A8" for c in e["consumers"])
+            w["smooth_search"] += count * shapes[0][1] * _scored(sum(s[0] for s in shapes)) * (3 if static else 1)
+            groups.append(e["consumers"])
+        for first, c in report.get("clipping", {}).items():
+            if prefix not in first:
+                continue
+            mods = next((g for g in groups if g[0] == first and len(g) == c["consumers"]), [first])
+            shapes = [shape(m, kind) for m in mods]
+            w["clip_search"] += count * shapes[0][1] * _scored(sum(s[0] for s in shapes))
+    return w
+
+
+# ------------------------------------------------------------------------------------------------ measuring
+def _quantize(model: Path, out: Path, args: list[str], workers: int, env: dict) -> dict[str, Any]:
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    p = subprocess.run([sys.executable, "-m", "dsconv", "quantize", "-m", str(model), "-o", str(out), "--bits", "8",
+    p = subprocess.run([sys.executable, "-m", "dsconv", "quantize", "-m", str(model), "-o", str(out), *args,
                         "--seq-len", str(SEQ), "--workers", str(workers), "--force", "--json"], env=env,
                        cwd=str(ROOT), capture_output=True, text=True)
     if p.returncode:
         raise RuntimeError(p.stderr[-3000:])
     s = json.loads(p.stdout)
+    s["report"] = json.loads((out / "quant_report.json").read_text())
+    s["_files"] = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(out.glob("*.safetensors"))}
+    shutil.rmtree(out, ignore_errors=True)
     s["load_before"], s["load_after"] = load, " ".join(f"{x:.2f}" for x in os.getloadavg())
     return s
 
 
+def real_tokens() -> tuple[int, int] | None:
+    """(tokens, samples) of the bundled calibration set through a real tokenizer (the Qwen2.5 fixture's), if built."""
+    from benchmarks.bench_fidelity import fixture_dir
+
+    d = fixture_dir("qwen")
+    if not (d / "tokenizer.json").exists():
+        return None
+    from dsconv.quant.calibrate.data import DEFAULT_SEQ_LEN, load_calib, load_tokenizer
+
+    c = load_calib(None, load_tokenizer(d), None, DEFAULT_SEQ_LEN)
+    return c.tokens, len(c.samples)
+
+
+def _build(root: Path, name: str, config: dict[str, Any], dtype: str, env: dict) -> Path:
+    subprocess.run([sys.executable, "-c", CHILD, str(root / name), json.dumps(config), dtype], check=True, env=env,
+                   cwd=str(ROOT), capture_output=True)
+    return root / name
+
+
+def _kept(r: dict[str, Any]) -> dict[str, Any]:
+    """What a run keeps for the projection (a run that needs no calibration - the W4A8 recipe with RTN experts -
+    streams the weights: no timings)."""
+    return {"seconds": round(r["seconds"], 2), "timings": r.get("timings"), "report": r["report"],
+            "calibrated": "timings" in r, "tokens": (r.get("calibration") or {}).get("tokens"),
+            "load_before": r["load_before"], "load_after": r["load_after"]}
+
+
 def measure_costs() -> dict[str, Any]:
+    """The medium model's runs (the per-layer pattern, what two workers buy) and the wide probe's (each step's rate
+    at the real widths), every calibrated one with --workers 1 in one thread."""
     root = scratch("dsconv-proj-")
     try:
-        model = root / "medium"
         env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-        subprocess.run([sys.executable, "-c", CHILD, str(model), json.dumps(MEDIUM)], check=True, env=env,
-                       cwd=str(ROOT), capture_output=True)
-        # one worker: the forward single-threaded (the rate per worker); two: the forward split over local processes,
-        # which dsconv does only on request (DSCONV_FORWARD_SPLIT=1; Ray splits by default)
-        runs = {1: _quantize(model, root / "q1", 1, {**env, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}),
-                2: _quantize(model, root / "q2", 2, {**env, "DSCONV_FORWARD_SPLIT": "1"})}
-        same = all((root / "q1" / f.name).read_bytes() == f.read_bytes() for f in (root / "q2").glob("*.safetensors"))
-        s = runs[1]
-        cfg = {**json.loads((model / "config.json").read_text())}
-        tokens = int(s["calibration"]["tokens"])
-        f = flops(cfg, tokens, min(SEQ, max(1, tokens // max(1, s["calibration"]["samples"]))))
-        w = weight_bytes(cfg)
-        t, t2 = s["timings"], runs[2]["timings"]
-        jobs1, jobs2 = t["linear_jobs"] + t["expert_jobs"], t2["linear_jobs"] + t2["expert_jobs"]
-        rest = max(0.0, s["seconds"] - t["forward_wall"] - jobs1)  # start-up, reading, writing, saving job inputs
-        moe, E = f["moe_layers"], cfg["n_routed_experts"]
-        return {"load_before": s["load_before"], "medium_config": MEDIUM, "calib_tokens": tokens,
-                "calib_samples": s["calibration"]["samples"],
-                "workers_1": {"total_s": round(s["seconds"], 2), "timings_s": t, "load": s["load_before"]},
-                "workers_2": {"total_s": round(runs[2]["seconds"], 2), "timings_s": t2,
-                              "load": runs[2]["load_before"], "ran": runs[2].get("execution")},
+        one = {**env, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        medium = _build(root, "medium", MEDIUM, "bf16", env)
+        runs = {name: _quantize(medium, root / "q", args, 1, one)
+                for name, (args, dtype) in RUNS.items() if dtype == "bf16"}
+        split = _quantize(medium, root / "q", RUNS["--bits 8"][0], 2, {**env, "DSCONV_FORWARD_SPLIT": "1"})
+        base = runs["--bits 8"]
+        same = base["report"]["linears"] == split["report"]["linears"] and base["_files"] == split["_files"]
+        wide = {}
+        for dtype in sorted({d for _, d in RUNS.values()}):  # the same seed: the same weights, rounded to dtype
+            model = _build(root, f"wide-{dtype}", WIDE, dtype, env)
+            for name, (args, want) in RUNS.items():
+                if want == dtype and name != "W4A8 recipe (RTN experts)":
+                    wide[name] = _quantize(model, root / "q", [*args, "--calib-samples", str(WIDE_SAMPLES)], 1, one)
+            shutil.rmtree(model, ignore_errors=True)
+        cfg = json.loads((medium / "config.json").read_text())
+        t1, t2 = base["timings"], split["timings"]
+        jobs1, jobs2 = t1["linear_jobs"] + t1["expert_jobs"], t2["linear_jobs"] + t2["expert_jobs"]
+        return {"medium_config": cfg, "wide_config": {**cfg, **WIDE}, "calib_tokens": int(base["calibration"]["tokens"]),
+                "calib_samples": base["calibration"]["samples"], "batches": base["forward"]["batches"],
+                "runs": {k: _kept(r) for k, r in runs.items()}, "wide_runs": {k: _kept(r) for k, r in wide.items()},
+                "split_2_workers": {"seconds": round(split["seconds"], 2), "timings": t2, "forward": split["forward"],
+                                    "load_before": split["load_before"]},
                 "bytes_identical_1_vs_2": same,
-                "speedup_total_2_workers": round(s["seconds"] / runs[2]["seconds"], 2),
                 "job_speedup": round(jobs1 / jobs2, 2) if jobs2 else 1.0,
-                "forward_1_vs_2": {"wall_1_s": round(t["forward_wall"], 2), "wall_2_s": round(t2["forward_wall"], 2),
-                                   "cpu_1_s": round(t["forward_cpu"], 2), "cpu_2_s": round(t2["forward_cpu"], 2),
-                                   "cpu_critical_2_s": round(t2["forward_cpu_critical"], 2),
-                                   "split": runs[2]["forward"]},
-                "fwd_speedup_wall": round(t["forward_wall"] / t2["forward_wall"], 2) if t2["forward_wall"] else 1.0,
-                "fwd_speedup": round(t["forward_cpu"] / t2["forward_cpu_critical"], 2),
-                "fwd_cpu_overhead_2": round(t2["forward_cpu"] / t["forward_cpu"], 3),
-                "batches": s["forward"]["batches"],
-                "serial_fraction_1_worker": round(rest / s["seconds"], 3),
-                "per_layer_s": round((t["forward_wall"] + t["linear_jobs"]) / cfg["num_hidden_layers"], 3),
-                "per_expert_s": round(t["expert_jobs"] / max(1, moe * E), 4),
-                "c_fwd_s_per_gflop": t["forward_cpu"] / f["other"] * 1e9,
-                "c_lin_s_per_gflop": t["linear_jobs"] / f["other"] * 1e9,
-                "c_exp_s_per_gflop": t["expert_jobs"] / f["experts"] * 1e9,
-                "fixed_s": rest, "medium_weight_gb": round(w["total"] / 1e9, 3)}
+                "fwd_speedup": round(t1["forward_cpu"] / t2["forward_cpu_critical"], 2),
+                "fwd_speedup_wall": round(t1["forward_wall"] / t2["forward_wall"], 2) if t2["forward_wall"] else 1.0,
+                "real_tokens": real_tokens()}
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-WORKERS_PER_NODE = 2     # a node = this host: 2 cores, the measured job_speedup with 2 workers
-LINEARS_PER_LAYER = 8    # DeepSeek-V3 MoE layer outside the experts: 5 attention + 3 shared-expert linears
+# ------------------------------------------------------------------------------------------------ projecting
+def rates(m: dict[str, Any], name: str, io_s_per_gb: float, probe: str = "wide") -> dict[str, float]:
+    """Seconds per unit of work of each step for run `name`: CPU seconds, one thread, of the wide probe (`probe`
+    "wide": the real widths) or of the medium model ("medium"). A run without calibration streams the weights: I/O
+    alone, at the weight-only quantize's rate."""
+    runs = m["wide_runs"] if probe == "wide" else m["runs"]
+    config = m["wide_config"] if probe == "wide" else m["medium_config"]
+    r = runs.get(name)
+    if r is None or not r["calibrated"]:  # the weight-only path's rate (a small model times start-up)
+        return {"io_s_per_gb": io_s_per_gb}
+    t = r["report"]["timings"]
+    cpu, jobs = t["steps_cpu"], t["in_jobs"]
+    w = work(r["report"], config["first_k_dense_replace"], config, r["tokens"])
+    fwd = cpu.get("forward", 0.0)
+    if name.endswith("--kv-cache int8"):  # FA quant's statistics: what the forward took beyond --bits 8's
+        plain = runs["--bits 8"]["report"]["timings"]["steps_cpu"].get("forward", 0.0)
+        kv, fwd = max(0.0, fwd - plain), plain
+    else:
+        kv = 0.0
+
+    def per(seconds: float, units: float) -> float:
+        return seconds / units if units else 0.0
+
+    expert_weights = sum(v for k, v in jobs.items() if k.startswith("expert_") and k != "expert_forward")
+    return {"forward": per(fwd, w["forward"]), "kv_cache": per(kv, w["kv_cache"]),
+            "smooth_search": per(cpu.get("smooth_search", 0.0), w["smooth_search"]),
+            "clip_search": per(cpu.get("clip_search", 0.0), w["clip_search"]),
+            "linear_jobs": per(sum(jobs.get(k, 0.0) for k in ("quantize", "gptq", "fallback_check")),
+                               w["linear_jobs"]),
+            "expert_forward": per(jobs.get("expert_forward", 0.0), w["expert_forward"]),
+            "expert_weights": per(expert_weights, w["expert_weights"]), "io_s_per_gb": io_s_per_gb}
 
 
 def project(m: dict[str, Any], io_s_per_gb: float, nodes: tuple[int, ...] = (1, 8, 32)) -> dict[str, Any]:
-    """Hours of the real job on each node count, from the measured rates and split (see the module docstring)."""
-    tokens = m["calib_tokens"]
-    seq = min(SEQ, max(1, tokens // max(1, m["calib_samples"])))
-    f = flops(REAL, tokens, seq)
-    w = weight_bytes(REAL)
-    moe, E = f["moe_layers"], REAL["n_routed_experts"]
-    layers = REAL["num_hidden_layers"]
-    gain = max(1.0, m["job_speedup"])  # one node's job throughput, in single-worker units
-    fgain = max(1.0, m["fwd_speedup"])  # one node's split forward, likewise
-    nb = m["batches"]                   # calibration batches: the most jobs a layer's forward splits into
-    layer_fwd = f["other"] / layers * m["c_fwd_s_per_gflop"] / 1e9     # one worker: the layer's forward
-    layer_lin = f["other"] / layers * m["c_lin_s_per_gflop"] / 1e9     # the layer's linear jobs, one worker
-    expert_s = f["experts"] / (moe * E) * m["c_exp_s_per_gflop"] / 1e9  # one expert's job, one worker
-    expert_bytes = moe * E * w["per_expert"]
-    dense_bytes = w["total"] - expert_bytes
-    routed = 2 * tokens * REAL["num_experts_per_tok"] * REAL["hidden_size"] * 4  # rows to the jobs, outputs back
-    h_bytes = tokens * REAL["hidden_size"] * 4  # a layer's input (and output) rows, float32
-    layer_weights = (dense_bytes - 4 * REAL["vocab_size"] * REAL["hidden_size"]) / layers  # non-expert, per layer
+    """Hours of each run on each node count - at a real tokenizer's calibration tokens (and, for comparison with the
+    earlier projection, the medium model's), at the wide probe's rates (and, for comparison, the medium model's)."""
     rows = []
-    for n in nodes:
-        workers = n * WORKERS_PER_NODE
-        jobs = min(workers, nb)
-        fwd = layer_fwd * math.ceil(nb / jobs) / nb * WORKERS_PER_NODE / fgain  # rounds of whole batches
-        fwd_io = 0.0 if n == 1 else h_bytes / (STORAGE_GBPS * 1e9) + h_bytes / (NET_GBPS * 1e9) + \
-            2 * jobs * layer_weights / (STORAGE_GBPS * 1e9)  # rows out and back; 2 passes of weights per job
-        lin = layer_lin / min(n * gain, LINEARS_PER_LAYER)
-        exp = math.ceil(E / workers) * expert_s * WORKERS_PER_NODE / gain  # rounds of whole experts
-        io = dense_bytes * io_s_per_gb / 1e9 + max(expert_bytes * io_s_per_gb / 1e9 / n,
-                                                   expert_bytes / (STORAGE_GBPS * 1e9) if n > 1 else 0.0)
-        parts = {"forward_h": layers * (fwd + fwd_io), "linear_jobs_h": layers * lin, "expert_jobs_h": moe * exp,
-                 "io_h": io, "routed_transfer_h": 0.0 if n == 1 else moe * routed / (NET_GBPS * 1e9),
-                 "fixed_h": m["fixed_s"]}
-        total = sum(parts.values())
-        serial = total - parts["forward_h"] + layers * layer_fwd  # the same run with the forward serial
-        rows.append({"nodes": n, "hours": round(total / 3600, 2), **{k: round(v / 3600, 3) for k, v in parts.items()},
-                     "forward_jobs_per_layer": jobs, "hours_with_serial_forward": round(serial / 3600, 2)})
+    bases = {"medium tokenizer": (m["calib_tokens"], m["calib_samples"], m["batches"])}
+    if m.get("real_tokens"):
+        tok, samples = m["real_tokens"]
+        bases = {"real tokenizer": (tok, samples, _batches(tok, samples)), **bases}
+    fgain, gain = max(1.0, m["fwd_speedup"]), max(1.0, m["job_speedup"])
+    pattern = m["runs"]["--bits 8"]["report"]  # the per-layer pattern: both layer kinds' linears and searches
+    for name in RUNS:
+        calibrated = m["runs"][name]["calibrated"] if name in m["runs"] else True
+        for probe in ("wide", "medium"):
+            if probe == "medium" and name not in m["runs"]:
+                continue
+            rate = rates(m, name, io_s_per_gb, probe)
+            for basis, (tokens, samples, nb) in bases.items():
+                if probe == "medium" and basis != "medium tokenizer":
+                    continue
+                w = work(pattern, m["medium_config"]["first_k_dense_replace"], {**m["medium_config"], **REAL},
+                         tokens) if calibrated else {}
+                for n in nodes:
+                    rows.append({"run": name, "rates": probe, "tokens": basis, "calib_tokens": tokens, "nodes": n,
+                                 **_hours(rate, w, tokens, nb, n, fgain, gain)})
+    text = _text(m, rows, io_s_per_gb)
+    return {"rows": rows, "assumptions": {"net_gbps": NET_GBPS, "storage_gbps": STORAGE_GBPS, "seq": SEQ,
+                                          "workers_per_node": WORKERS_PER_NODE,
+                                          "node": "this host (measured rates and 2-worker speedups)"},
+            "real_tb_bf16": round(weight_bytes(REAL)["total"] / 1e12, 3), "text": "\n".join(text)}
+
+
+def _batches(tokens: int, samples: int) -> int:
+    """Calibration batches of BATCH_TOKENS padded tokens for `samples` samples of about equal length."""
+    per = max(1, BATCH_TOKENS // max(1, min(SEQ, -(-tokens // samples))))
+    return -(-samples // per)
+
+
+def _hours(rate: dict[str, float], w: dict[str, float], tokens: int, nb: int, n: int, fgain: float,
+           gain: float) -> dict[str, Any]:
+    """One run on n nodes: hours per term (see the module docstring)."""
+    layers, moe, E = REAL["num_hidden_layers"], REAL["num_hidden_layers"] - REAL["first_k_dense_replace"], \
+        REAL["n_routed_experts"]
+    wb = weight_bytes(REAL)
+    workers = n * WORKERS_PER_NODE
+    jobs = min(workers, nb)
+    rate = {k: rate.get(k, 0.0) for k in ("forward", "kv_cache", "smooth_search", "clip_search", "linear_jobs",
+                                         "expert_forward", "expert_weights", "io_s_per_gb")}
+    w = {k: w.get(k, 0.0) for k in rate}
+    layer_fwd = (rate["forward"] * w["forward"] + rate["kv_cache"] * w["kv_cache"]) / layers  # one worker
+    if n == 1:  # one node: the driver's threads on each batch (dsconv's default on one host)
+        fwd = layer_fwd * WORKERS_PER_NODE / fgain / WORKERS_PER_NODE
+    else:  # split over jobs of whole batches, in rounds
+        fwd = layer_fwd * math.ceil(nb / jobs) / nb * WORKERS_PER_NODE / fgain
+    h_bytes = tokens * REAL["hidden_size"] * 4
+    layer_weights = (wb["total"] - moe * E * wb["per_expert"] - 4 * REAL["vocab_size"] * REAL["hidden_size"]) / layers
+    fwd_io = 0.0 if n == 1 or not w["forward"] else h_bytes / (STORAGE_GBPS * 1e9) + \
+        h_bytes / (NET_GBPS * 1e9) + jobs * layer_weights / (STORAGE_GBPS * 1e9)
+    searches = rate["smooth_search"] * w["smooth_search"] + rate["clip_search"] * w["clip_search"]
+    lin = rate["linear_jobs"] * w["linear_jobs"] / layers / min(n * gain, 8)
+    expert_s = (rate["expert_forward"] * w["expert_forward"] + rate["expert_weights"] * w["expert_weights"]) / \
+        (moe * E)
+    exp = moe * math.ceil(E / workers) * expert_s * WORKERS_PER_NODE / gain
+    expert_bytes = moe * E * wb["per_expert"]
+    io = (wb["total"] - expert_bytes) * rate["io_s_per_gb"] / 1e9 + max(
+        expert_bytes * rate["io_s_per_gb"] / 1e9 / n, expert_bytes / (STORAGE_GBPS * 1e9) if n > 1 else 0.0)
+    routed = 0.0 if n == 1 else moe * 2 * tokens * REAL["num_experts_per_tok"] * REAL["hidden_size"] * 4 / \
+        (NET_GBPS * 1e9)
+    parts = {"forward": layers * (fwd + fwd_io), "searches": searches, "linear_jobs": layers * lin,
+             "experts": exp, "io": io, "routed_transfer": routed}
+    total = sum(parts.values())
+    hours = {f"{k}_h": round(v / 3600, 3) for k, v in parts.items()}
+    target, goal = TARGETS.get(n, (None, None))
+    return {"hours": round(total / 3600, 2), **hours, "dominant": max(parts, key=parts.get),
+            "forward_jobs_per_layer": jobs, "batches": nb,
+            "target_h": target, "met": None if target is None else total / 3600 <= target,
+            "goal_h": goal, "goal_met": None if goal is None else total / 3600 <= goal}
+
+
+def _text(m: dict[str, Any], rows: list[dict[str, Any]], io_s_per_gb: float) -> list[str]:
+    text = [f"DeepSeek-V3 projection; node = this host ({WORKERS_PER_NODE} cores); checkpoint I/O {io_s_per_gb:.2f} "
+            f"s/GB; the per-layer pattern from a medium DeepSeek-shaped model ({m['calib_tokens']} calibration tokens "
+            f"of its toy tokenizer, {m['calib_samples']} samples, {m['batches']} batches), each step's rate from the "
+            f"wide probe (DeepSeek-V3's widths, one MoE layer, {WIDE_SAMPLES} samples)",
+            "  runs with --workers 1 in one thread (CPU s per step, from quant_report.json):"]
+    for probe, runs in (("medium", m["runs"]), ("wide", m["wide_runs"])):
+        for name, r in runs.items():
+            if not r["calibrated"]:
+                text.append(f"    {probe} {name}: {r['seconds']} s wall (load {r['load_before']}); no calibration: "
+                            "the weights stream (the weight-only path), I/O alone")
+                continue
+            t = r["report"]["timings"]
+            steps = ", ".join(f"{k} {v:.1f}" for k, v in {**t["steps_cpu"], **t["in_jobs"]}.items() if v >= 0.05)
+            text.append(f"    {probe} {name}: {r['tokens']} tokens, {r['seconds']} s wall (load {r['load_before']}); "
+                        f"{steps}")
+    text.append(f"  medium --workers 2, forward split: {m['split_2_workers']['seconds']} s; forward {m['fwd_speedup']}x "
+                f"on free cores ({m['fwd_speedup_wall']}x wall here), jobs {m['job_speedup']}x; bytes identical to "
+                f"--workers 1: {m['bytes_identical_1_vs_2']}")
+    text.append("  | run | rates | calibration tokens | nodes | hours | forward | searches | linear jobs | experts | "
+                "I/O | routed transfer | dominant | target |")
     for r in rows:
-        r["speedup"] = round(rows[0]["hours"] / r["hours"], 1) if r["hours"] else None
-    fw = m["forward_1_vs_2"]
-    text = [f"DeepSeek-V3 W8A8 (--bits 8) projection; node = this host (2 cores) at the measured rates "
-            f"(load {m['load_before']} before the 1-worker run, {m['workers_2']['load']} before the 2-worker run)",
-            f"  measured on a medium DeepSeek-shaped model ({tokens} calibration tokens, {m['calib_samples']} samples): "
-            f"--workers 1 {m['workers_1']['total_s']} s, --workers 2 {m['workers_2']['total_s']} s "
-            f"({m['speedup_total_2_workers']}x; jobs alone {m['job_speedup']}x; bytes identical: "
-            f"{m['bytes_identical_1_vs_2']}); serial share with 1 worker {m['serial_fraction_1_worker']:.0%}; "
-            f"per layer {m['per_layer_s']} s (forward + linear jobs), per routed expert {m['per_expert_s']} s",
-            f"  forward split over {m['forward_1_vs_2']['split']['jobs_per_pass']} jobs of its {nb} batches: "
-            f"{m['fwd_speedup']}x on free cores (CPU s {fw['cpu_1_s']} with 1 worker -> critical path "
-            f"{fw['cpu_critical_2_s']} with 2; all jobs {fw['cpu_2_s']}, {m['fwd_cpu_overhead_2']}x); wall here "
-            f"{fw['wall_1_s']} -> {fw['wall_2_s']} s ({m['fwd_speedup_wall']}x at this load)",
-            f"  rates: forward (one worker) {m['c_fwd_s_per_gflop']:.4f} s/GFLOP, linear jobs "
-            f"{m['c_lin_s_per_gflop']:.4f} s/GFLOP, expert jobs {m['c_exp_s_per_gflop']:.4f} s/GFLOP; checkpoint I/O "
-            f"{io_s_per_gb:.2f} s/GB",
-            f"  real shapes: {w['total'] / 1e12:.2f} TB BF16; {layers} layers at {layer_fwd / 60:.1f} min of "
-            f"forward (one worker) + {layer_lin / 60:.1f} min of linear jobs each; {moe} x {E} routed experts at "
-            f"{expert_s:.1f} s of one worker each",
-            "  scheme (what dsconv runs today): per layer, the calibration forward as jobs over the calibration "
-            f"batches (at most {nb}), then the layer's linears and routed experts as jobs over every node's workers "
-            "(--executor ray); routed "
-            f"activations and expert outputs through the driver's {NET_GBPS} GB/s link; expert weights read by the "
-            f"jobs from shared storage (up to {STORAGE_GBPS} GB/s), the rest by the driver."]
-    text += [f"  {r['nodes']:>3} node(s): {r['hours']:8.2f} h  speedup {r['speedup']}x  (forward {r['forward_h']} h, "
-             f"linear jobs {r['linear_jobs_h']} h, expert jobs {r['expert_jobs_h']} h, I/O {r['io_h']} h, "
-             f"routed transfer {r['routed_transfer_h']} h; forward in {r['forward_jobs_per_layer']} jobs per pass); "
-             f"with the forward serial (one worker): {r['hours_with_serial_forward']} h" for r in rows]
-    return {"rows": rows, "per_layer_serial_s": round(layer_fwd, 1), "per_layer_linear_jobs_s": round(layer_lin, 1),
-            "per_expert_s": round(expert_s, 2),
-            "assumptions": {"net_gbps": NET_GBPS, "storage_gbps": STORAGE_GBPS, "seq": seq,
-                            "workers_per_node": WORKERS_PER_NODE, "linears_per_layer": LINEARS_PER_LAYER,
-                            "node": "this host (measured rates and 2-worker job speedup)"},
-            "real_tb_bf16": round(w["total"] / 1e12, 3), "text": "\n".join(text)}
+        tgt = "" if r["target_h"] is None else (f"<= {r['target_h']} h: {'met' if r['met'] else 'MISSED'}" +
+                                                ("" if r["goal_h"] is None else
+                                                 f"; goal {r['goal_h']} h: {'met' if r['goal_met'] else 'missed'}"))
+        text.append(f"  | {r['run']} | {r['rates']} | {r['calib_tokens']} ({r['tokens']}) | {r['nodes']} | "
+                    f"{r['hours']} | {r['forward_h']} | {r['searches_h']} | {r['linear_jobs_h']} | {r['experts_h']} | "
+                    f"{r['io_h']} | {r['routed_transfer_h']} | {r['dominant']} | {tgt} |")
+    return text
 
 
-if __name__ == "__main__":  # the projection alone, with the I/O rate of the last bench_scale run (or 3.2 s/GB)
-    from benchmarks.common import save
+def main(argv: list[str] | None = None) -> None:
+    """Measure and project; `--from FILE` projects a saved measurement again (bench-results/projection.json)."""
+    import argparse
 
-    costs = measure_costs()
-    proj = project(costs, float(os.environ.get("DSCONV_IO_S_PER_GB", "3.2")))
+    from benchmarks.common import RESULTS, save
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--from", dest="source", type=Path, default=None, help="a saved projection.json to re-project")
+    ap.add_argument("--io-s-per-gb", type=float, default=None,
+                    help="checkpoint I/O seconds per GB (default: the last scale.json's weight-only quantize, else 3.2)")
+    a = ap.parse_args(argv)
+    io = a.io_s_per_gb
+    scale = RESULTS / "scale.json"
+    if io is None and scale.is_file():
+        fan = json.loads(scale.read_text()).get("fanout_2p5gb_deepseek_shaped") or {}
+        if fan.get("source_gb"):
+            io = fan["workers_1"]["quantize_s"] / fan["source_gb"]
+    io = io if io is not None else float(os.environ.get("DSCONV_IO_S_PER_GB", "3.2"))
+    costs = json.loads(a.source.read_text())["measured_costs"] if a.source else measure_costs()
+    proj = project(costs, io)
     print(proj["text"], flush=True)
-    save("projection", {"measured_costs": costs, "projection_deepseek_v3_w8a8":
-                        {k: v for k, v in proj.items() if k != "text"}, "projection_text": proj["text"].splitlines()})
+    save("projection", {"measured_costs": costs, "io_s_per_gb": io,
+                        "projection_deepseek_v3": {k: v for k, v in proj.items() if k != "text"},
+                        "projection_text": proj["text"].splitlines()}, quiet=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -27,14 +27,17 @@ def _drop(obj):
 
 
 def tree(out: Path) -> dict[str, str]:
-    """Every file's sha256; the manifest by its per-file hashes, JSON reports without timings."""
+    """Every file's sha256; the manifest by its per-file hashes (JSON files' as "-": they are compared on their own,
+without timings - quant_report.json records each calibration step's seconds), JSON reports without timings."""
     res = {}
     for p in sorted(out.rglob("*")):
         if not p.is_file():
             continue
         rel = p.relative_to(out).as_posix()
         if p.name == "dsconv_manifest.json":
-            data = json.dumps(json.loads(p.read_text())["files"], sort_keys=True).encode()
+            files = json.loads(p.read_text())["files"]
+            data = json.dumps({k: "-" if k.endswith(".json") else v for k, v in files.items()},
+                              sort_keys=True).encode()
         elif p.suffix == ".json":
             data = json.dumps(_drop(json.loads(p.read_text().replace(str(out), "<OUT>"))), sort_keys=True).encode()
         else:

@@ -162,7 +162,9 @@ def run(req: QuantRequest) -> QuantResult:
             ran = ex.summary()
         t_cal = time.perf_counter() - t_cal
         decision = rep.decide(plan, records, policy, SCHEMES[opts.fallback_to])
-        desc = qw.finish(decision.types)
+        t_finish = time.perf_counter()
+        desc = qw.finish(decision.types)  # staged layers assembled under their final types, untouched tensors copied
+        t_finish = time.perf_counter() - t_finish
         desc.update(engines.description_updates(prof, desc))
         cfg_keys = engines.config_updates(prof, family, decision.types, kinds, mtp)
         if cfg_keys:  # MindIE: the description's global type is config's `quantize` (its own exporter's rule)
@@ -184,6 +186,9 @@ def run(req: QuantRequest) -> QuantResult:
         out.write_text("config.json", json.dumps(config, indent=2, ensure_ascii=False) + "\n")
         found = cal.findings() if cal is not None else None
         report = rep.build_report(ck, plan, opts, records, decision, policy, found, calib)
+        if cal is not None:  # seconds per calibration step and layer (calibrate/steps.py)
+            report["timings"] = {**cal.clock.report(), "finish_write": round(t_finish, 3),
+                                 "calibration": round(t_cal, 3)}
         out.write_json(rep.REPORT_FILE, report)
         if cal is not None and cal.expert_counts:
             out.write_json(rep.EXPERT_LOAD_FILE, {"layers": {str(k): v for k, v in sorted(cal.expert_counts.items())}})
@@ -192,6 +197,7 @@ def run(req: QuantRequest) -> QuantResult:
                          seconds=time.perf_counter() - t0, calibration_seconds=t_cal)
     if cal is not None:
         result["timings"] = {k: round(v, 3) for k, v in cal.timings.items()}
+        result["timings"].update({k: report["timings"][k] for k in ("steps", "steps_cpu", "in_jobs")})
         result["forward"] = cal.fwd.summary()
     result.update(engine=prof.name, config_keys=cfg_keys, execution=ran)
     return QuantResult(result)

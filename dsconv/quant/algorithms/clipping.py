@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dsconv.quant.algorithms.error_metrics import relative_error
-from dsconv.quant.algorithms.fake_quant import fake_quant_int8_rows, fake_quant_static
+from dsconv.quant.algorithms.fake_quant import fake_quant_int8_rows
+from dsconv.quant.algorithms.schemes import activation_qparams
 from dsconv.quant.algorithms.smoothing import MAX_OUT_ROWS
 
 METHOD = "search"  # --act-method value: min/max, then the clip ratio with the smallest output error
@@ -24,12 +24,20 @@ STATIC = "W8A8"
 
 
 def best_clip(x: torch.Tensor, lo: float, hi: float, weights: list[torch.Tensor]) -> tuple[float, float, float]:
-    """(ratio, error at ratio, error at 1.0) for rows x [m, k], the unclipped range and the consumers' weights."""
+    """(ratio, error at ratio, error at 1.0) for rows x [m, k], the unclipped range and the consumers' weights.
+    Every ratio's rows are fake-quantized at once and go through one matmul."""
     w = torch.cat([t.detach().float() for t in weights])
     w = w[:: max(1, w.shape[0] // MAX_OUT_ROWS)]
     ref = x @ w.T
     wq = fake_quant_int8_rows(w)
-    errs = {c: relative_error(fake_quant_static(x, lo * c, hi * c) @ wq.T, ref, zero_ref="absolute") for c in CLIPS}
+    q = [activation_qparams(lo * c, hi * c) for c in CLIPS]
+    sc = torch.tensor([float(a) for a, _ in q])[:, None, None]
+    off = torch.tensor([float(b) for _, b in q])[:, None, None]
+    xq = (torch.round(x[None] / sc + off).clamp_(-128, 127) - off) * sc        # [clips, m, k]
+    y = (xq.reshape(-1, x.shape[1]) @ wq.T).view(len(CLIPS), *ref.shape)
+    den = float(torch.linalg.vector_norm(ref))
+    num = torch.linalg.vector_norm(y.sub_(ref), dim=(1, 2)).tolist()
+    errs = {c: e / den if den else e for c, e in zip(CLIPS, num)}  # a zero reference: the absolute error
     ratio = min(CLIPS, key=lambda c: errs[c])
     if errs[ratio] >= errs[1.0] * 0.995:
         ratio = 1.0

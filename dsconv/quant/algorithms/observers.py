@@ -66,9 +66,15 @@ class MinMaxObserver:
         self.channel_min: np.ndarray | None = None
         self.channel_max: np.ndarray | None = None
 
-    def update(self, x: Any) -> tuple[float, float] | None:
-        """Fold one batch in; returns the batch (min, max), or None for an empty batch."""
-        cmin, cmax, tokens = _channel_stats(x)
+    def update(self, x: Any, channel_range: Any = None) -> tuple[float, float] | None:
+        """Fold one batch in; returns the batch (min, max), or None for an empty batch. `channel_range`: x's
+        per-channel (min, max) over its rows (torch), when the caller already has them."""
+        if channel_range is not None and is_torch(x) and x.dim() == 2:
+            # copies: the observer updates them in place, and other hooks hold the same tensors
+            cmin, cmax = (np.array(r.float().numpy(), np.float32) for r in channel_range)
+            tokens = int(x.shape[0])
+        else:
+            cmin, cmax, tokens = _channel_stats(x)
         if tokens == 0:
             return None
         bmin, bmax = float(cmin.min()), float(cmax.max())
@@ -86,6 +92,13 @@ class MinMaxObserver:
             np.maximum(self.channel_max, cmax, out=self.channel_max)
         self.tokens += tokens
         return bmin, bmax
+
+    def rescale(self, s: np.ndarray) -> None:
+        """Per-channel min/max of x / s (s > 0 per channel, float32): a smoothing fold applied after the statistics
+        were gathered (calibrate/steps.py). Division by a positive number keeps the order, so these are exact."""
+        if self.channel_min is not None:
+            self.channel_min = (self.channel_min / s).astype(np.float32)
+            self.channel_max = (self.channel_max / s).astype(np.float32)
 
     @property
     def min(self) -> float:
@@ -145,6 +158,9 @@ class HistogramObserver(MinMaxObserver):
         self.i0 = 0  # grid index of counts[0]
         self.counts = np.zeros(1, np.int64)  # starts as the single bin holding 0
 
+    def rescale(self, s: np.ndarray) -> None:
+        raise NotImplementedError("a per-tensor histogram cannot be rescaled per channel: a second forward is needed")
+
     # -- grid
     def _span(self, e: int, lo: float, hi: float) -> tuple[int, int]:
         return math.floor(math.ldexp(lo, -e)), math.floor(math.ldexp(hi, -e))
@@ -176,8 +192,8 @@ class HistogramObserver(MinMaxObserver):
             new[self.i0 - a: self.i0 - a + self.counts.size] = self.counts
             self.counts, self.i0 = new, a
 
-    def update(self, x: Any) -> tuple[float, float] | None:
-        got = super().update(x)
+    def update(self, x: Any, channel_range: Any = None) -> tuple[float, float] | None:
+        got = super().update(x, channel_range)
         if got is None:
             return None
         lo, hi = min(self.min, 0.0), max(self.max, 0.0)

@@ -15,6 +15,7 @@ class RowSampler:
         self.stride, self.cap = max(1, int(stride)), cap
         self.seen = self.kept = 0
         self.rows: list[torch.Tensor] = []
+        self.picked: list[torch.Tensor] = []  # the kept rows' global indices (a caller that has their outputs)
 
     def update(self, x: torch.Tensor) -> None:
         t = x.shape[0]
@@ -23,6 +24,7 @@ class RowSampler:
             idx = torch.arange(min(first, t), t, self.stride)[: self.cap - self.kept]  # none: batch < gap
             if idx.numel():
                 self.rows.append(x[idx].detach().to(torch.float32).clone())
+                self.picked.append(idx + self.seen)
                 self.kept += int(idx.numel())
         self.seen += t
 
@@ -35,6 +37,7 @@ class RowSampler:
         if self.seen != offset:
             raise RuntimeError(f"forward jobs: {what} saw {self.seen} tokens before a job starting at {offset}")
         self.rows += other.rows
+        self.picked += other.picked
         self.kept, self.seen = other.kept, other.seen
 
     @property

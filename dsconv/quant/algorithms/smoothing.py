@@ -26,10 +26,9 @@ from typing import Any, Callable
 import torch
 
 from dsconv.errors import UserError
-from dsconv.quant.algorithms.error_metrics import relative_error
-from dsconv.quant.algorithms.fake_quant import fake_quant_int8_rows, fake_quant_static
+from dsconv.quant.algorithms.fake_quant import fake_quant_int8_rows
 from dsconv.quant.algorithms.sampling import RowSampler
-from dsconv.quant.algorithms.schemes import smooth_scales
+from dsconv.quant.algorithms.schemes import activation_qparams, smooth_scales
 
 ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)   # candidates besides "off" (s = 1)
 SEARCH_CLIPS = (1.0, 0.85, 0.7)                 # clip ratios tried with each alpha for static sites
@@ -46,11 +45,13 @@ class SiteSample:
         self.cmin: torch.Tensor | None = None
         self.cmax: torch.Tensor | None = None
 
-    def update(self, x: torch.Tensor) -> None:
+    def update(self, x: torch.Tensor, channel_range: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Fold in rows [t, k]; `channel_range`: their per-channel (min, max), when the caller has them."""
         x = x.detach().reshape(-1, x.shape[-1]).float()
         if x.shape[0] == 0:
             return
-        lo, hi = x.amin(dim=0), x.amax(dim=0)
+        lo, hi = (x.amin(dim=0), x.amax(dim=0)) if channel_range is None else \
+            (channel_range[0].float(), channel_range[1].float())
         self.cmin = lo if self.cmin is None else torch.minimum(self.cmin, lo)
         self.cmax = hi if self.cmax is None else torch.maximum(self.cmax, hi)
         self.sampler.update(x)
@@ -71,35 +72,19 @@ class SiteSample:
 def search_scales(site: SiteSample, weights: list[torch.Tensor], static: bool,
                   alphas: tuple[float, ...] = ALPHAS) -> tuple[torch.Tensor | None, dict[str, Any]]:
     """The smoothing factors s [k] with the smallest output error of the consumers (None: smoothing off is best),
-    and what was measured (for quant_report.json)."""
+    and what was measured (for quant_report.json). Every candidate (off, each alpha; with each clip for static
+    sites) is scored at once: one batched matmul (`candidate_errors`)."""
     x = site.x
     w_all = torch.cat([w.detach().float() for w in weights])
     w_absmax = w_all.abs().amax(dim=0)
     step = max(1, w_all.shape[0] // MAX_OUT_ROWS)
     w = w_all[::step]
-    ref = x @ w.T
-    act_absmax = site.absmax
-
-    def error(s: torch.Tensor | None) -> tuple[float, float]:
-        xs = x if s is None else x / s
-        ws = fake_quant_int8_rows(w if s is None else w * s)
-        if not static:
-            return relative_error(fake_quant_int8_rows(xs) @ ws.T, ref), 1.0
-        lo = float((site.cmin if s is None else site.cmin / s).min())
-        hi = float((site.cmax if s is None else site.cmax / s).max())
-        best = (float("inf"), 1.0)
-        for c in SEARCH_CLIPS:
-            e = relative_error(fake_quant_static(xs, lo * c, hi * c) @ ws.T, ref)
-            best = min(best, (e, c))
-        return best
-
-    tried: dict[str, float] = {}
-    base, _ = error(None)
-    tried["off"] = round(base, 6)
+    scales = [torch.from_numpy(smooth_scales(site.absmax.numpy(), w_absmax.numpy(), a)) for a in alphas]
+    errs = candidate_errors(x, w, torch.stack([torch.ones_like(w_absmax), *scales]), site.cmin, site.cmax, static)
+    base = errs[0]
+    tried: dict[str, float] = {"off": round(base, 6)}
     best_err, best_alpha, best_s = float("inf"), None, None
-    for a in alphas:
-        s = torch.from_numpy(smooth_scales(act_absmax.numpy(), w_absmax.numpy(), a))
-        e, _ = error(s)
+    for a, s, e in zip(alphas, scales, errs[1:]):
         tried[str(a)] = round(e, 6)
         if e < best_err:
             best_err, best_alpha, best_s = e, a, s
@@ -107,6 +92,32 @@ def search_scales(site: SiteSample, weights: list[torch.Tensor], static: bool,
         best_err, best_alpha, best_s = base, None, None
     return best_s, {"alpha": best_alpha, "error": round(best_err, 6), "error_off": round(base, 6),
                     "error_by_alpha": tried, "rows": int(x.shape[0])}
+
+
+def candidate_errors(x: torch.Tensor, w: torch.Tensor, S: torch.Tensor, cmin: torch.Tensor, cmax: torch.Tensor,
+                     static: bool) -> list[float]:
+    """Relative output error of each candidate s (rows of S [C, k]; ones = off) on rows x [m, k] against x @ w.T:
+    weights w * s rounded per channel, activations x / s rounded per token (dynamic) or per tensor over the range of
+    every calibration token (static: [min/max of cmin / s, cmax / s], the smallest error over `SEARCH_CLIPS`).
+    All candidates and clips go through one batched matmul: the same arithmetic as scoring them one by one, in a
+    few large operations instead of a few hundred small ones."""
+    C, (m, k), n = S.shape[0], x.shape, w.shape[0]
+    ref = x @ w.T
+    den = float(torch.linalg.vector_norm(ref))
+    ws = fake_quant_int8_rows(w[None] * S[:, None])                    # [C, n, k]
+    xs = x[None] / S[:, None]                                           # [C, m, k]
+    if static:
+        lo, hi = (cmin[None] / S).amin(dim=1).tolist(), (cmax[None] / S).amax(dim=1).tolist()
+        q = [[activation_qparams(lo[c] * r, hi[c] * r) for r in SEARCH_CLIPS] for c in range(C)]
+        sc = torch.tensor([[float(a) for a, _ in row] for row in q])[..., None, None]   # [C, clips, 1, 1]
+        off = torch.tensor([[float(b) for _, b in row] for row in q])[..., None, None]
+        xq = ((torch.round(xs[:, None] / sc + off).clamp_(-128, 127) - off) * sc).reshape(C, -1, k)
+        clips = len(SEARCH_CLIPS)
+    else:
+        xq, clips = fake_quant_int8_rows(xs), 1
+    y = torch.bmm(xq, ws.transpose(1, 2)).view(C, clips, m, n)
+    num = torch.linalg.vector_norm(y.sub_(ref), dim=(2, 3)).tolist()   # [C][clips]
+    return [min(e / den if den else 0.0 for e in row) for row in num]  # each candidate's best clip
 
 
 def up_down_pairs(lps: dict[str, Any]) -> list[tuple[str, str]]:
@@ -125,9 +136,11 @@ def up_down_pairs(lps: dict[str, Any]) -> list[tuple[str, str]]:
 
 def smooth_up_down(pairs: list[tuple[torch.nn.Module, torch.nn.Module]], probe: "SiteProbe",
                    is_static: Callable[[torch.nn.Module], bool], name: Callable[[torch.nn.Module], str]
-                   ) -> list[dict[str, Any]]:
-    """Search and fold each (up_proj, down_proj) pair; the report entries (same shape as the norms')."""
+                   ) -> tuple[list[dict[str, Any]], dict[torch.nn.Module, torch.Tensor]]:
+    """Search and fold each (up_proj, down_proj) pair; the report entries (same shape as the norms') and the s each
+    folded down_proj's input is now divided by."""
     out = []
+    folded = {}
     for up, down in pairs:
         s, info = search_scales(probe.sites[down], [down.weight], is_static(down))
         entry: dict[str, Any] = {"norm": f"{name(up)} -> {name(down)}", "consumers": [name(down)],
@@ -136,9 +149,10 @@ def smooth_up_down(pairs: list[tuple[torch.nn.Module, torch.nn.Module]], probe: 
             entry["reason"] = "search: no smoothing has the smallest output error"
         else:
             fold_up_down(up, down, s)
+            folded[down] = s
             entry.update(max_scale=round(float(s.max()), 4), min_scale=round(float(s.min()), 4))
         out.append(entry)
-    return out
+    return out, folded
 
 
 def fold_up_down(up: torch.nn.Linear, down: torch.nn.Linear, s: torch.Tensor) -> None:
@@ -169,10 +183,11 @@ def scales_in_range(s: torch.Tensor) -> torch.Tensor:
 
 class SiteProbe:
     """Hooks that fill a `SiteSample` per site during the smoothing probe's forward: a norm's output, or a
-    linear's input (down_proj). `rows(x, what)` drops padding rows (the calibrator's RowMask.apply)."""
+    linear's input (down_proj). `rows(x, what)` gives (real rows, per-channel min, per-channel max) without the
+    padding (the calibrator's RowMask.channel_range, shared with the other hooks)."""
 
     def __init__(self, outputs_of: list[torch.nn.Module], inputs_of: list[torch.nn.Module], total_tokens: int,
-                 rows: Callable[[torch.Tensor, str], torch.Tensor]) -> None:
+                 rows: Callable[[torch.Tensor, str], tuple[torch.Tensor, Any, Any]]) -> None:
         self.sites: dict[torch.nn.Module, SiteSample] = {m: SiteSample(total_tokens) for m in outputs_of + inputs_of}
         self.handles = [m.register_forward_hook(lambda mod, a, out: self._add(mod, out)) for m in outputs_of]
         self.handles += [m.register_forward_pre_hook(lambda mod, a: self._add(mod, a[0])) for m in inputs_of]
@@ -180,10 +195,10 @@ class SiteProbe:
 
     def _add(self, mod: torch.nn.Module, x: torch.Tensor) -> None:
         try:
-            rows = self._rows(x.detach(), "smoothing site")
+            rows, lo, hi = self._rows(x.detach(), "smoothing site")
         except RuntimeError:  # not one row per token (per-head q/k norms): never a smoothing site
             return
-        self.sites[mod].update(rows)
+        self.sites[mod].update(rows, None if lo is None else (lo, hi))
 
     def remove(self) -> None:
         for h in self.handles:

@@ -92,6 +92,7 @@ class JobResult:
     down_range: tuple[float, float] | None = None
     forward_s: float = 0.0
     quantize_s: float = 0.0
+    steps: dict[str, float] = field(default_factory=dict)  # the job's own CPU seconds per step (steps.JOB_STEPS)
 
 
 # ---- the driver side -------------------------------------------------------------------------------------------
@@ -218,8 +219,12 @@ def _result(done: list[QuantizedLinear], decisions: list[dict[str, dict[str, str
     for d in decisions:
         for k, v in d.items():
             merged.setdefault(k, {}).update(v)
+    steps: dict[str, float] = {}
+    for part in [q.seconds for q in done] + [p.seconds for _, p, _ in kw.get("pending", [])]:
+        for k, v in part.items():
+            steps[k] = steps.get(k, 0.0) + v
     return JobResult([(q.lp, q.result) for q in done], {q.lp.module: q.record for q in done}, merged,
-                     quantize_s=quantize_s, **kw)
+                     quantize_s=quantize_s, steps=steps, **kw)
 
 
 def _load_stats(path: str) -> Any:
@@ -257,7 +262,7 @@ def run_expert(job: ExpertJob) -> JobResult:
     ctx, opts, e, i = job.ctx, job.ctx.opts, job.expert, job.layer
     with job_threads(JOB_THREADS):
         ck, sk = open_job_checkpoint(ctx, skeleton=True)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         w = {s: sk.load(job.names[s]) for s in SLOTS}
         if job.col_scale is not None:
             cs = torch.from_numpy(np.load(job.col_scale))
@@ -268,11 +273,14 @@ def run_expert(job: ExpertJob) -> JobResult:
             t = time.perf_counter()
             pending = [(s, prepare_linear(ctx.plan, lp, w[s], None, opts, load_bias(ck, lp)), None)
                        for s, lp in _in_slot_order(plans)]
-            return _result([], [p.decisions for _, p, _ in pending], time.perf_counter() - t, pending=pending)
+            return _expert_steps(_result([], [p.decisions for _, p, _ in pending], time.perf_counter() - t,
+                                         pending=pending), 0.0)
         hidden = np.load(job.hidden, mmap_mode="r")
         x = torch.from_numpy(np.array(hidden) if opts.all_experts else hidden[job.rows])
         del hidden
-        act, y = expert_forward(sk.experts_module(i), e, x, w)
+        out: dict[str, torch.Tensor] = {}
+        act, y = expert_forward(sk.experts_module(i), e, x, w, outputs=out)
+        out["down"] = y
         if opts.all_experts:
             y = y[torch.from_numpy(job.rows)]
         fwd = time.perf_counter() - t
@@ -281,23 +289,32 @@ def run_expert(job: ExpertJob) -> JobResult:
               "down": ctx.stats.new(act.shape[-1], f"layer {i} expert {e} down")}
         st["in"].update(x)
         st["down"].update(act)
+        passes = time.process_time() - c  # the expert's own pass (CPU): its forward and statistics
         under = ctx.static and routed < opts.min_expert_tokens and not opts.all_experts
         down = st["down"].clip_range() if ctx.static else None
         t = time.perf_counter()
         pending, done, decisions = [], [], []
         for slot, lp in _in_slot_order(plans):
             s = st["in"] if slot != "down" else st["down"]
+            # the fallback check's float outputs on the sampled rows: the expert's forward computed them already
+            ref = out[slot][torch.cat(s.sampler.picked)] if s.sampler.picked else None
             if under:
-                p = prepare_linear(ctx.plan, lp, w[slot], s, opts, load_bias(ck, lp))
+                p = prepare_linear(ctx.plan, lp, w[slot], s, opts, load_bias(ck, lp), y_ref=ref)
                 pending.append((slot, p, s.clip_range()))
                 decisions.append(p.decisions)
             else:
-                q, d = quantize_linear(ctx.plan, lp, w[slot], s, opts, load_bias(ck, lp), ctx.staged)
+                q, d = quantize_linear(ctx.plan, lp, w[slot], s, opts, load_bias(ck, lp), ctx.staged, y_ref=ref)
                 q.record.tokens = routed
                 done.append(q)
                 decisions.append(d)
-        return _result(done, decisions, time.perf_counter() - t, pending=pending, y=y, down_range=down,
-                       forward_s=fwd)
+        return _expert_steps(_result(done, decisions, time.perf_counter() - t, pending=pending, y=y,
+                                     down_range=down, forward_s=fwd), passes)
+
+
+def _expert_steps(res: JobResult, passes: float) -> JobResult:
+    """An expert job's seconds under the experts' own step names (steps.JOB_STEPS)."""
+    res.steps = {"expert_forward": passes, **{f"expert_{k}": v for k, v in res.steps.items()}}
+    return res
 
 
 def _in_slot_order(plans: dict[str, LinearPlan]) -> list[tuple[str, LinearPlan]]:

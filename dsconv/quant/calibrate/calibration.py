@@ -32,21 +32,19 @@ from torch import nn
 from dsconv.checkpoint import Checkpoint
 from dsconv.errors import UserError
 from dsconv.executor import Executor
-from dsconv.quant.algorithms import clipping
-from dsconv.quant.algorithms.schemes import activation_qparams, dequant_weight
-from dsconv.quant.calibrate import awq
+from dsconv.quant.algorithms.schemes import activation_qparams
 from dsconv.quant.calibrate.calib_jobs import Dispatch, JobResult
 from dsconv.quant.calibrate.context import CalibContext, LayerActivations
 from dsconv.quant.calibrate.data import CalibSet
 from dsconv.quant.calibrate.forward_jobs import Forward
-from dsconv.quant.calibrate.hooks import ExpertRecorder, LinearHooks
-from dsconv.quant.calibrate.kv_cache import CacheStats, cache_stats
+from dsconv.quant.calibrate.hooks import ExpertRecorder
+from dsconv.quant.calibrate.kv_cache import CacheStats
 from dsconv.quant.calibrate.layers import Skeleton, install_forward
 from dsconv.quant.calibrate.linear import QuantizedLinear, finish_linear, load_bias, quantize_linear
-from dsconv.quant.calibrate.smooth_layer import smooth_layer
 from dsconv.quant.calibrate.stats import InputStats, LinearRecord
+from dsconv.quant.calibrate.steps import StepClock, calibrate_layer
 from dsconv.quant.formats.output import QuantWriter
-from dsconv.quant.plan.options import QuantOptions, smoothing_of
+from dsconv.quant.plan.options import QuantOptions
 from dsconv.quant.plan.plan import LinearPlan, QuantPlan
 from dsconv.quant.plan.report import Findings
 
@@ -70,6 +68,7 @@ class Calibrator:
         # seconds: the forward passes with statistics hooks (driver and jobs); summed over jobs, the routed experts'
         # forward and quantizing + measuring linears; after run(), the driver's wall time in linear and expert jobs
         self.timings = {"forward": 0.0, "experts": 0.0, "quantize": 0.0}
+        self.clock = StepClock()  # seconds per step and layer (steps.py), for quant_report.json
 
     # ---- the run --------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -93,6 +92,7 @@ class Calibrator:
         """Linears past the decoder layers (DeepSeek's MTP layer under the W4A8 recipe): transformers has no module
         to run them, so they are rounded to nearest from their weights alone, as the recipe's dynamic types allow."""
         ctx = self.ctx
+        self.clock.layer = "beyond"
         for lp in ctx.plan.linears.values():
             if lp.layer is None or lp.layer < ctx.sk.num_layers:
                 continue
@@ -106,8 +106,10 @@ class Calibrator:
 
     def merge(self, res: JobResult) -> None:
         """A job's result, in job order: its linears written, its records and decisions kept."""
-        for lp, r in res.written:
-            self.qw.linear(lp, r)
+        with self.clock("write"):
+            for lp, r in res.written:
+                self.qw.linear(lp, r)
+        self.clock.add_jobs(res.steps)
         self.records.update(res.records)
         for k, v in res.decisions.items():
             if isinstance(v, dict):
@@ -118,72 +120,12 @@ class Calibrator:
         self.timings["quantize"] += res.quantize_s
 
     def write(self, out: QuantizedLinear) -> None:
-        self.qw.linear(out.lp, out.result)
+        with self.clock("write"):
+            self.qw.linear(out.lp, out.result)
         self.records[out.lp.module] = out.record
 
     def layer(self, i: int) -> None:
-        run, sk, plan, qw = self.ctx, self.ctx.sk, self.ctx.plan, self.qw
-        layer = sk.materialise(i)
-        self.fwd.begin(i, layer)
-        lps = {lp.module: lp for lp in self.by_layer.get(i, [])}
-        floats = [fp for fp in plan.floats.values() if fp.layer == i]
-        qw.open_layer(i, list(lps.values()), floats)
-        experts = sk.experts_module(i)
-        targets: dict[nn.Module, LinearPlan] = {}
-        for mod in layer.modules():
-            if isinstance(mod, nn.Linear):
-                lp = lps.get(sk.ck_name(sk.module_names[mod]))
-                if lp is not None:
-                    targets[mod] = lp
-        modified: dict[str, torch.Tensor] = {}
-        col_scale = None
-        if smoothing_of(run.opts, plan) is not None:
-            modified, col_scale, log = smooth_layer(run, self.acts, self.fwd, i, layer, targets, experts, lps)
-            self.smoothing += log
-        # --kv-cache int8: what the attention caches, measured during the statistics pass
-        cache = cache_stats(plan.kv[i], sk, layer, self.acts.rows) if i in plan.kv else None
-        chosen = awq.AwqLayer()  # --method awq: scales folded, weights chosen, outputs propagated by its probe
-        if plan.method == "awq":
-            # the probe overwrites the layer's input rows with its outputs when it propagates (dense layers)
-            layer_input = self.acts.h.clone() if cache is not None and experts is None else None
-            chosen = awq.run_layer(run, self.acts, self.fwd.serial_batch, i, layer, targets, lps, experts)
-            modified.update(chosen.modified)
-            if chosen.log is not None:
-                self.decisions.setdefault("awq", []).extend(chosen.log)
-            if cache is not None and chosen.written:  # no statistics pass follows: the cache gets a pass of its
-                # own, on the layer as AWQ left it (its v -> o fold rescales what v_proj writes to the cache) and
-                # on the layer's input (the probe has replaced it by the outputs)
-                self.acts.h, layer_output = layer_input, self.acts.h
-                self.kv_pass(layer, experts, cache)
-                self.acts.h = layer_output
-            del layer_input
-
-        hooks = LinearHooks(targets, lambda lp: self.stats.new(lp.k, lp.module), self.acts.rows)
-        recorder = ExpertRecorder(self.acts.rows) if experts is not None else None
-        if experts is not None:
-            install_forward(experts, recorder)
-        propagate = plan.method == "gptq" and experts is None and bool(targets)
-        if not chosen.written:
-            self.fwd.stats_pass(i, layer, hooks, recorder, write=not propagate, cache=cache, kv=plan.kv.get(i))
-        hooks.remove()
-        if cache is not None:
-            cache.remove()
-            qw.kv_cache(cache.tensors(plan.kv[i]))
-        if run.static and run.opts.act_method == clipping.METHOD:
-            clipping.choose_clips(hooks.group, targets, self.decisions.setdefault("clipping", {}))
-        order = sorted(targets.items(), key=lambda kv: list(lps).index(kv[1].module))
-        for mod, res in self.jobs.linears(i, order, hooks.group, chosen.choices):
-            if propagate:
-                mod.weight.copy_(torch.from_numpy(dequant_weight(res.q, res.scale)))  # versioned: jobs see it
-        if propagate:  # the next layer calibrates on what this quantized layer outputs
-            self.fwd.plain_pass(i, layer)
-        if experts is not None:
-            self.run_experts(i, experts, recorder, lps, col_scale)
-        for fp in floats:
-            t = modified.get(fp.name)
-            qw.float(fp.name, t if t is not None else run.ck.load(fp.name, dequantize=True))
-        qw.close_layer(i)
-        sk.release(i)
+        calibrate_layer(self, i)
 
     def kv_pass(self, layer: nn.Module, experts: nn.Module | None, cache: CacheStats) -> None:
         """The layer's forward over every batch for its cache statistics alone (--method awq, whose probe

@@ -166,15 +166,16 @@ def _run(job: ForwardJob, sk: Any, layer: nn.Module) -> ForwardResult:
     n = job.names
     res = ForwardResult()
     probe = sites = hooks = recorder = cache = None
-    if job.kind == "smooth":
-        if experts is not None:
-            install_forward(experts, lambda h, idx, wts: torch.zeros_like(h))
+    if "norms" in n:  # the smoothing probes: alone ("smooth") or beside the statistics hooks ("stats")
         probe = FlowProbe([mods[m] for m in n["norms"]], [mods[m] for m in n["consumers"]], rows)
         probe.record = job.first == 0
         sites = SiteProbe([mods[m] for m in n["site_out"]], [mods[m] for m in n["site_in"]], job.ctx.tokens,
-                          rows.apply)
+                          rows.channel_range)
         for s in sites.sites.values():
             s.sampler.start_at(job.offset)
+    if job.kind == "smooth":
+        if experts is not None:
+            install_forward(experts, lambda h, idx, wts: torch.zeros_like(h))
     elif job.kind == "stats":
         targets = {mods[m]: lp for m, lp in n["targets"].items()}
 
@@ -221,7 +222,7 @@ def _run(job: ForwardJob, sk: Any, layer: nn.Module) -> ForwardResult:
         if job.first == 0:
             res.consumers = {names[m]: [names[c] for c in cs] for m, cs in probe.consumers.items()}
         res.sites = {names[m]: s for m, s in sites.sites.items()}
-    elif hooks is not None:
+    if hooks is not None:
         hooks.remove()
         index: dict[int, int] = {}
         for mod, st in hooks.group.items():
@@ -349,37 +350,37 @@ class Forward:
 
     def smooth_pass(self, i: int, layer: nn.Module, probe: FlowProbe, sites: SiteProbe, norms: list[nn.Module],
                     consumers: list[nn.Module]) -> None:
-        """The smoothing probe over every batch; fills `probe` (absmax, consumers) and `sites` as the serial loop."""
+        """The smoothing probe alone over every batch (the runs that smooth before their statistics forward: see
+        calibrate/steps.py); fills `probe` (absmax, consumers) and `sites` as the serial loop."""
         with self._pass():
             if len(self.runs()) == 1:
                 for samples in self.acts.batches:
                     self.serial_batch(layer, samples, write=False)
                     probe.end_batch()
                 return
-            names = self.run.sk.module_names
-            nm = {"norms": [names[m] for m in norms], "consumers": [names[c] for c in consumers],
-                  "site_out": [names[m] for m in sites.sites if m in set(norms)],
-                  "site_in": [names[m] for m in sites.sites if m not in set(norms)]}
-            by_name = {names[m]: m for m in layer.modules()}
-            for job, r in self._submit(i, layer, "smooth", nm, write=False):
-                for n, a in r.absmax.items():
-                    prev = probe.absmax.get(by_name[n])
-                    probe.absmax[by_name[n]] = a if prev is None else torch.maximum(prev, a)
-                for n, cs in r.consumers.items():
-                    probe.consumers[by_name[n]] = [by_name[c] for c in cs]
-                for n, part in r.sites.items():
-                    _merge_site(sites.sites[by_name[n]], part, job.offset)
+            by_name = {n: m for m, n in self.run.sk.module_names.items()}
+            for job, r in self._submit(i, layer, "smooth", self._smooth_names(norms, consumers, sites), write=False):
+                _merge_probes(probe, sites, r, job.offset, by_name)
+
+    def _smooth_names(self, norms: list[nn.Module], consumers: list[nn.Module], sites: SiteProbe) -> dict[str, Any]:
+        names = self.run.sk.module_names
+        return {"norms": [names[m] for m in norms], "consumers": [names[c] for c in consumers],
+                "site_out": [names[m] for m in sites.sites if m in set(norms)],
+                "site_in": [names[m] for m in sites.sites if m not in set(norms)]}
 
     def stats_pass(self, i: int, layer: nn.Module, hooks: LinearHooks, recorder: ExpertRecorder | None,
-                   write: bool, cache: CacheStats | None = None, kv: Any = None) -> None:
+                   write: bool, cache: CacheStats | None = None, kv: Any = None, probes: Any = None) -> None:
         """The statistics pass over every batch; fills `hooks.group`, `recorder`, `cache` (the KV-cache statistics
-        of the layer's `kv` plan) and (with `write`) `acts.h`."""
+        of the layer's `kv` plan), `probes` (smooth_layer.SmoothProbes: the smoothing searches' inputs, gathered in
+        the same forward) and (with `write`) `acts.h`."""
         with self._pass():
             if len(self.runs()) == 1:
                 for samples in self.acts.batches:
                     self.serial_batch(layer, samples, write=write, recorder=recorder,
                                       cache=cache.cache if cache is not None else None)
                     hooks.end_batch()
+                    if probes is not None:
+                        probes.probe.end_batch()
                 return
             names = self.run.sk.module_names
             by_name = {names[m]: m for m in hooks.targets}
@@ -387,7 +388,12 @@ class Forward:
             base: list[InputStats] = []
             group: dict[str, int] = {}
             hooked = {"targets": targets, "kv": kv if cache is not None else None}
+            if probes is not None:
+                hooked.update(self._smooth_names(probes.norms, probes.consumers, probes.sites))
+                every = {n: m for m, n in names.items()}
             for job, r in self._submit(i, layer, "stats", hooked, write):
+                if probes is not None:
+                    _merge_probes(probes.probe, probes.sites, r, job.offset, every)
                 if not job.first:
                     base, group = r.stats, r.group
                     for st in base:
@@ -429,6 +435,18 @@ class Forward:
             driver = time.process_time() - c
             self.cpu += driver + sum(self._job_cpu)
             self.cpu_critical += driver + max(self._job_cpu, default=0.0)
+
+
+def _merge_probes(probe: FlowProbe, sites: SiteProbe, r: ForwardResult, offset: int,
+                  by_name: dict[str, nn.Module]) -> None:
+    """Fold a job's smoothing probes (norm maxima, consumers from batch 0, site samples) into the driver's."""
+    for n, a in r.absmax.items():
+        prev = probe.absmax.get(by_name[n])
+        probe.absmax[by_name[n]] = a if prev is None else torch.maximum(prev, a)
+    for n, cs in r.consumers.items():
+        probe.consumers[by_name[n]] = [by_name[c] for c in cs]
+    for n, part in r.sites.items():
+        _merge_site(sites.sites[by_name[n]], part, offset)
 
 
 def _merge_site(a: SiteSample, b: SiteSample, offset: int) -> None:

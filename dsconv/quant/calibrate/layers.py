@@ -145,11 +145,15 @@ def plain_linear(e: int, slot: str, x: torch.Tensor, w: torch.Tensor) -> torch.T
 
 
 def expert_forward(module: nn.Module, e: int, x: torch.Tensor, w: dict[str, torch.Tensor],
-                   linear: ExpertLinear = plain_linear) -> tuple[torch.Tensor, torch.Tensor]:
+                   linear: ExpertLinear = plain_linear, outputs: dict[str, torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """One routed expert on rows x: (act(gate) * up - the down_proj input -, its output), the gate nonlinearity the
-    fused module's own `_apply_gate`. Shared by the in-process loop and the calibrated path's expert jobs."""
+    fused module's own `_apply_gate`. Shared by the in-process loop and the calibrated path's expert jobs, which
+    take the gate and up projections' outputs too (`outputs`)."""
     gate = linear(e, "gate", x, w["gate"])
     up = linear(e, "up", x, w["up"])
+    if outputs is not None:
+        outputs.update(gate=gate, up=up)
     act = module._apply_gate(torch.cat([gate, up], dim=-1))
     return act, linear(e, "down", act, w["down"])
 

@@ -9,6 +9,7 @@ static auxiliaries, output errors). `quantize_linear` is both, with the statisti
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,7 @@ from dsconv.quant.calibrate.stats import InputStats, LinearRecord, output_errors
 from dsconv.quant.formats.msmodelslim import LinearResult
 from dsconv.quant.plan.options import QuantOptions
 from dsconv.quant.plan.plan import STATIC, LinearPlan, QuantPlan
-from dsconv.quant.weights import quantize_weight
+from dsconv.quant.weights import ERROR_SAMPLE_ROWS, quantize_weight
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class PreparedLinear:
     x: torch.Tensor | None
     y_ref: torch.Tensor | None
     decisions: dict[str, dict[str, str]] = field(default_factory=dict)  # for quant_report.json (gptq_or_rtn)
+    seconds: dict[str, float] = field(default_factory=dict)  # CPU per step (calibrate/steps.py JOB_STEPS)
 
 
 @dataclass
@@ -60,6 +62,7 @@ class QuantizedLinear:
     lp: LinearPlan
     result: LinearResult
     record: LinearRecord
+    seconds: dict[str, float] = field(default_factory=dict)  # CPU per step (calibrate/steps.py JOB_STEPS)
 
 
 def load_bias(ck: Checkpoint, lp: LinearPlan, choice: WeightChoice | None = None) -> torch.Tensor | None:
@@ -76,10 +79,13 @@ def static_aux(lp: LinearPlan, q: np.ndarray, scale: np.ndarray, qparams: tuple[
 
 
 def prepare_linear(plan: QuantPlan, lp: LinearPlan, w: torch.Tensor, st: InputStats | None, opts: QuantOptions,
-                   bias: torch.Tensor | None, choice: WeightChoice | None = None) -> PreparedLinear:
+                   bias: torch.Tensor | None, choice: WeightChoice | None = None,
+                   y_ref: torch.Tensor | None = None) -> PreparedLinear:
     """The weight part: int8 values and scales by the plan's method (GPTQ with the input's Hessian), and what
     measuring the output error later needs (a few calibration rows and their float outputs) - never the float weight
-    itself."""
+    itself. `y_ref`: the sampled rows' float outputs (bias excluded) when the caller's forward already computed them
+    (a routed expert's job), else they are computed here."""
+    t = time.process_time()
     hess = st.hessian.hessian() if st is not None and st.hessian is not None and st.hessian.tokens else None
     q, scale = quantize_weight(lp, w, plan, hess, opts.damp, chosen=None if choice is None else choice.weight)
     decisions: dict[str, dict[str, str]] = {}
@@ -89,7 +95,10 @@ def prepare_linear(plan: QuantPlan, lp: LinearPlan, w: torch.Tensor, st: InputSt
         cands = {"gptq": (q, scale), "rtn": quantize_weight(lp, w, plan, None, 0.0, method="rtn")}
         (q, scale), picked, picked_errors = selection.choose(x_held, w, cands)
         decisions["gptq_or_rtn"] = {lp.module: picked}
-    rec = LinearRecord(lp.module, lp.qtype, weight_error(w, dequant_weight(q, scale)),
+    seconds = {"gptq" if hess is not None else "quantize": time.process_time() - t}
+    t = time.process_time()
+    rows = slice(0, lp.n, max(1, lp.n // ERROR_SAMPLE_ROWS))  # evenly spaced rows, as the weight-only path reports
+    rec = LinearRecord(lp.module, lp.qtype, weight_error(w[rows], dequant_weight(q[rows], scale[rows])),
                        tokens=st.tokens if st is not None else 0)
     if picked_errors is not None:
         rec.errors.update(picked_errors)
@@ -98,14 +107,14 @@ def prepare_linear(plan: QuantPlan, lp: LinearPlan, w: torch.Tensor, st: InputSt
         rec.errors.update(choice.errors)
         rec.note = f"awq: {choice.how} (held-out prompts)"
     x = st.sample if st is not None else None
-    y_ref = None
     if x is not None and x.shape[0]:
-        y_ref = x @ w.float().T
+        y_ref = x @ w.float().T if y_ref is None else y_ref
         if bias is not None:
             y_ref = y_ref + bias.float()
     else:
-        x = None
-    return PreparedLinear(lp, q, scale, bias, rec, x, y_ref, decisions)
+        x = y_ref = None
+    seconds["fallback_check"] = time.process_time() - t  # the weight error and the rows' float outputs
+    return PreparedLinear(lp, q, scale, bias, rec, x, y_ref, decisions, seconds)
 
 
 def finish_linear(p: PreparedLinear, qparams: tuple[float, float] | None, staged: bool,
@@ -114,6 +123,8 @@ def finish_linear(p: PreparedLinear, qparams: tuple[float, float] | None, staged
     errors on the sampled rows. A quant_bias overflowing int32 fails, unless the writer stages (`staged`): then the
     unit is marked to fall back and placeholders stand in, never written."""
     lp, rec = p.lp, p.record
+    seconds = dict(p.seconds)
+    t = time.process_time()
     rec.range_source = range_source
     res = LinearResult(q=p.q, scale=p.scale, bias=p.bias)
     if lp.qtype == STATIC:
@@ -131,20 +142,23 @@ def finish_linear(p: PreparedLinear, qparams: tuple[float, float] | None, staged
         else:
             res.deq_scale = np.ones(lp.n, np.float32)
             res.quant_bias = np.zeros(lp.n, np.int32)
+    seconds["quantize"] = seconds.get("quantize", 0.0) + time.process_time() - t
+    t = time.process_time()
     if p.x is not None:
         b = None if p.bias is None else p.bias.float()
         errs = output_errors(p.x, p.y_ref, p.q, p.scale, b, (res.input_scale, res.input_offset)
                              if lp.qtype == STATIC else None)
         rec.errors.update({k: v for k, v in errs.items() if k not in rec.errors})
-    return QuantizedLinear(lp, res, rec)
+    seconds["fallback_check"] = seconds.get("fallback_check", 0.0) + time.process_time() - t
+    return QuantizedLinear(lp, res, rec, seconds)
 
 
 def quantize_linear(plan: QuantPlan, lp: LinearPlan, w: torch.Tensor, st: InputStats | None, opts: QuantOptions,
-                    bias: torch.Tensor | None, staged: bool, choice: WeightChoice | None = None
-                    ) -> tuple[QuantizedLinear, dict[str, Any]]:
+                    bias: torch.Tensor | None, staged: bool, choice: WeightChoice | None = None,
+                    y_ref: torch.Tensor | None = None) -> tuple[QuantizedLinear, dict[str, Any]]:
     """One linear with its input statistics, static activations over the statistics' own range. Returns the linear
     and the decisions it made (for quant_report.json)."""
-    p = prepare_linear(plan, lp, w, st, opts, bias, choice)
+    p = prepare_linear(plan, lp, w, st, opts, bias, choice, y_ref)
     qparams = None
     if lp.qtype == STATIC:
         rng = st.clip_range() if st is not None else None

@@ -39,13 +39,15 @@ class InputStats:
         # (selection.py): their first rows, capped
         self.held: RowSampler | None = RowSampler(1, sample_tokens * 2) if held_out and hessian else None
 
-    def update(self, x: torch.Tensor, held: torch.Tensor | None = None) -> None:
-        """Fold in rows [t, k] (real tokens only); `held` marks rows of held-out prompts."""
+    def update(self, x: torch.Tensor, held: torch.Tensor | None = None,
+               channel_range: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Fold in rows [t, k] (real tokens only); `held` marks rows of held-out prompts; `channel_range`: the
+        rows' per-channel (min, max) when the caller has them (hooks.RowMask: once per tensor and batch)."""
         t = x.shape[0]
         if t == 0:
             return
         if self.observer is not None:
-            self.observer.update(x)
+            self.observer.update(x, channel_range)
         if self.hessian is not None:
             if self.held is not None and held is not None and bool(held.any()):
                 self.held.update(x[held])
@@ -68,6 +70,21 @@ class InputStats:
             return None
         lo, hi = self.observer.clip_range()
         return lo * self.clip_ratio, hi * self.clip_ratio
+
+    def rescale(self, s: torch.Tensor) -> None:
+        """These statistics as if the input had been divided by `s` [k] (s > 0) per channel: what a smoothing fold
+        decided after the statistics forward makes the linears read (the fold divides the producer's output by s).
+        Min/max, sampled rows and X^T X all scale per channel, so this equals a second forward over the smoothed
+        layer up to float rounding (never a second pass: calibrate/steps.py)."""
+        s = s.float()
+        if self.observer is not None:
+            self.observer.rescale(s.numpy())
+        if self.hessian is not None:
+            d = s.to(self.hessian.sum.dtype)
+            self.hessian.sum.div_(d[:, None] * d[None, :])
+        self.sampler.rows = [r / s for r in self.sampler.rows]
+        if self.held is not None:
+            self.held.rows = [r / s for r in self.held.rows]
 
     def free(self) -> None:
         self.hessian = None
@@ -106,11 +123,12 @@ def output_errors(x: torch.Tensor, y_ref: torch.Tensor, q: np.ndarray, scale: np
     activations, and - given (input_scale, input_offset) - static per-tensor activations."""
     w_hat = torch.from_numpy(dequant_weight(q, scale))
     b = 0 if bias is None else bias
-    out = {"weight_only": _rel(x @ w_hat.T + b, y_ref), "dynamic": _rel(fake_quant_int8_rows(x) @ w_hat.T + b, y_ref)}
+    names, rows = ["weight_only", "dynamic"], [x, fake_quant_int8_rows(x)]
     if qparams is not None:
-        xs = fake_quant_activation(x, float(qparams[0]), float(qparams[1]))
-        out["static"] = _rel(xs @ w_hat.T + b, y_ref)
-    return out
+        names.append("static")
+        rows.append(fake_quant_activation(x, float(qparams[0]), float(qparams[1])))
+    y = (torch.cat(rows) @ w_hat.T + b).view(len(rows), *y_ref.shape)  # the variants' rows in one matmul
+    return {name: _rel(y[j], y_ref) for j, name in enumerate(names)}
 
 
 def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
