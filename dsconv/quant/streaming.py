@@ -75,7 +75,10 @@ class PartResult:
 
 
 def part_jobs(ck: Checkpoint, plan: QuantPlan, qw: QuantWriter, workers: int) -> list[PartJob]:
-    """One job per output part; parts are cut into runs of whole sources when there are fewer than 2 per worker."""
+    """One job per output part; parts are cut into runs of whole sources only when there are fewer parts than workers:
+    a job that writes a whole part hashes it on the way, while a part written in runs is hashed by reading it back
+    at close, on one core after everything else (for a 5.7 GB DeepSeek-shaped checkpoint in 2 parts on 2 workers,
+    the 2-per-worker rule cut both parts and left 4.7 GB to hash at the end)."""
     params = Params(plan.group_size, plan.method, plan.deq_dtype, tuple(ck.facts.fp8_block or (128, 128)))
     weights = {lp.weight: lp for lp in plan.linears.values()}
     owner: dict[str, int] = {}  # output tensor -> index of the source producing it
@@ -97,7 +100,7 @@ def part_jobs(ck: Checkpoint, plan: QuantPlan, qw: QuantWriter, workers: int) ->
             owner[o] = len(sources)
         sources.append(src)
     layouts = qw.ts.layout()
-    pieces = max(1, -(-2 * workers // len(layouts))) if workers > 1 else 1
+    pieces = max(1, -(-workers // len(layouts)))
     jobs = []
     for i, part in enumerate(layouts):
         idx = list(dict.fromkeys(owner[s.name] for s in part.slots if s.name in owner))

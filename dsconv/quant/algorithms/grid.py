@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dsconv.quant.algorithms.scale_grid import absmax, quantize_block
+from dsconv.quant.algorithms.scale_grid import absmax, quantize_rows
 
 # 1.0 first (ties keep max|w|), then down to 0.5 in steps of 1/40 (0.875 = 7/8 is on it)
 RATIOS = tuple(1.0 - i / 40 for i in range(21))
@@ -35,7 +35,7 @@ def search(w: torch.Tensor, qmin: int, qmax: int, importance: torch.Tensor | Non
     squared error, or with ``hblocks [groups, g, g]`` (a Hessian block per group: awq's clip search) the output
     error ``d^T H_g d`` of the rounding error ``d``. The first ratio wins ties (list 1.0 first). Each ratio's scale
     is the engines' grid value next to ``max|w| / qmax * r`` that round-to-nearest would choose for that range
-    (scale_grid.quantize_block), so ratio 1.0 is exactly round-to-nearest's weight."""
+    (scale_grid.quantize_rows), so ratio 1.0 is exactly round-to-nearest's weight."""
     n, groups, g = w.shape
     out = torch.empty(n, groups, dtype=torch.float32)
     chosen = torch.empty(n, groups, dtype=torch.float32)
@@ -43,14 +43,14 @@ def search(w: torch.Tensor, qmin: int, qmax: int, importance: torch.Tensor | Non
     step = max(1, ROW_BLOCK_ELEMS // max(1, groups * g))
     for s in range(0, n, step):
         blk = w[s:s + step].to(torch.float32).contiguous()
-        b = blk.numpy()
-        amax = absmax(b)
-        q = np.empty(b.shape, np.int8)
-        scratch, scratch2 = np.empty_like(b), np.empty_like(b)
+        b2 = blk.numpy().reshape(-1, g)
+        amax = absmax(b2)
+        q = np.empty(b2.shape, np.int8)
+        scratch, scratch2 = np.empty_like(b2), np.empty_like(b2)
         best_scale = best_r = best_err = None
         for r in ratios:
-            sc = torch.from_numpy(quantize_block(b, amax, qmin, qmax, q, scratch, scratch2, r)[..., 0])
-            d = torch.from_numpy(q).to(torch.float32).mul_(sc[..., None]).sub_(blk)
+            sc = torch.from_numpy(quantize_rows(b2, amax, qmin, qmax, q, scratch, scratch2, r).reshape(-1, groups))
+            d = torch.from_numpy(q).to(torch.float32).reshape(blk.shape).mul_(sc[..., None]).sub_(blk)
             if hblocks is not None:
                 dt = d.transpose(0, 1)
                 err = (torch.bmm(dt, hblocks) * dt).sum(dim=-1).transpose(0, 1)

@@ -8,15 +8,16 @@ every scale dsconv writes is a value bf16, fp16 and float32 all hold exactly: 8 
 
 Why chosen, not rounded up: rounding ``absmax / qmax`` up onto that grid moves the scale by up to 0.8% and turns
 the rounding error of the whole channel into whatever that one step does to it; on a real 135M Llama, W8A16 rose
-from +0.38% perplexity (exact float32 scales) to +0.92%. Instead each channel (or group) tries the grid values
-next to ``absmax / qmax`` - two below and two above (``NEIGHBOURS``) - quantizes against each one
-(``q = clamp(round(w / s), qmin, qmax)``, the value the engine then multiplies by exactly ``s``), and keeps the one
-with the smallest squared error. A scale below ``absmax / qmax`` clamps the channel's largest weight by less than
-one step; the search weighs that like any other error. The written format is unchanged: one float32 scale per
-channel or group, zero offsets.
+from +0.38% perplexity (exact float32 scales) to +0.92%. Instead each channel (or group) is quantized against
+the grid values on both sides of ``absmax / qmax`` (``q = round(w / s)``, what the engine then multiplies by
+exactly ``s``) and keeps the one with the smaller squared error. The value below is tried only where it keeps the
+channel's largest weight within half a step, so every weight stays within half a step of its value, as with plain
+round-to-nearest: a lower error without clipping the outliers (wider searches that clipped them lowered the
+squared error further but not the output's divergence from the float model, docs/accuracy.md). The written format
+is unchanged: one float32 scale per channel or group, zero offsets.
 
-Everything works on one block of rows at a time (``[rows, groups, g]`` float32), so a bf16 weight is never widened
-to float32 whole. Activation and KV-cache scales keep :func:`grid_ceil` (schemes.usable_scale): rounding them up
+Everything works on one block of rows at a time (``[channels or groups, g]`` float32), so a bf16 weight is never
+widened to float32 whole. Activation and KV-cache scales keep :func:`grid_ceil` (schemes.usable_scale): rounding them up
 keeps every calibrated value inside the int8 range, and they have no weights to choose against.
 """
 from __future__ import annotations
@@ -28,11 +29,7 @@ import numpy as np
 MIN_SCALE = float(np.finfo(np.float32).tiny) * 16
 FP16_SUBNORMAL_STEP = 2.0 ** -24
 BF16_FINER_THAN_FP16 = 2.0 ** -17
-# grid values tried on each side of absmax / qmax (the nearest below and above first)
-NEIGHBOURS = 2
 import os as _os  # EXPERIMENT ONLY
-NEIGHBOURS = int(_os.environ.get("XP_NB", NEIGHBOURS))
-XP_HALF = _os.environ.get("XP_HALF", "1") == "1"
 XP_MODE = _os.environ.get("XP_MODE", "choose")
 
 
@@ -65,22 +62,6 @@ def grid_floor(s: np.ndarray) -> np.ndarray:
     return down.reshape(shape)
 
 
-def grid_candidates(exact: np.ndarray, neighbours: int = NEIGHBOURS) -> list[np.ndarray]:
-    """The grid values next to each exact scale, nearest first: [ceil, floor, next above, next below, ...]
-    (``neighbours`` on each side; an exact scale on the grid is its own ceil and floor). Values the grid has no
-    room for below (0) are replaced by the ceil, so every candidate is a usable scale."""
-    hi = grid_ceil(exact)
-    lo = grid_floor(exact)
-    lo = np.where(lo > 0, lo, hi)
-    out = [hi, lo]
-    for _ in range(neighbours - 1):
-        hi = grid_ceil(np.nextafter(hi, np.float32(np.inf)))
-        nxt = grid_floor(np.nextafter(lo, np.float32(0)))
-        lo = np.where(nxt > 0, nxt, lo)
-        out += [hi, lo]
-    return out
-
-
 def absmax(blk: np.ndarray) -> np.ndarray:
     """max |x| along the last axis, kept as a length-1 axis, without materialising |x| (two reductions are cheaper
     than a full-size temporary)."""
@@ -88,13 +69,15 @@ def absmax(blk: np.ndarray) -> np.ndarray:
 
 
 def choose_scales(w3, qmin: int, qmax: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`quantize_block` of a small array ``[rows, groups, g]`` (numpy, or a CPU torch tensor) with buffers of
+    """:func:`quantize_rows` of a small array ``[rows, groups, g]`` (numpy, or a CPU torch tensor) with buffers of
     its own: ``(q int8, scales float32 [rows, groups, 1])``. For GPTQ's and the searches' scales."""
     if hasattr(w3, "detach"):  # a torch tensor (of any float dtype)
         w3 = w3.detach().float().numpy()
     b = np.ascontiguousarray(w3, dtype=np.float32)
     q = np.empty(b.shape, np.int8)
-    return q, quantize_block(b, absmax(b), qmin, qmax, q, np.empty_like(b), np.empty_like(b))
+    b2, q2 = b.reshape(-1, b.shape[-1]), q.reshape(-1, b.shape[-1])
+    sc = quantize_rows(b2, absmax(b2), qmin, qmax, q2, np.empty_like(b2), np.empty_like(b2))
+    return q, sc.reshape(*b.shape[:-1], 1)
 
 
 def exact_scales(absmax: np.ndarray, qmax: int) -> np.ndarray:
@@ -103,45 +86,50 @@ def exact_scales(absmax: np.ndarray, qmax: int) -> np.ndarray:
     return np.where(s < MIN_SCALE, np.float32(1.0), s).astype(np.float32)
 
 
-def quantize_block(blk: np.ndarray, absmax: np.ndarray, qmin: int, qmax: int, q_out: np.ndarray,
-                   scratch: np.ndarray, scratch2: np.ndarray, ratio: float = 1.0, neighbours: int = NEIGHBOURS,
-                   half_step: bool = XP_HALF) -> np.ndarray:
-    """Round-to-nearest of ``blk [rows, groups, g]`` (float32, read only) against the grid scale each group prefers:
-    writes the integers into ``q_out`` (int8, same shape) and returns the scales ``[rows, groups, 1]``. ``absmax``
-    is max |blk| per group ``[rows, groups, 1]``; ``ratio`` < 1 clips the range to ``ratio * absmax`` (the clip
-    searches); ``scratch``/``scratch2`` are float32 buffers of blk's shape.
+def quantize_rows(blk: np.ndarray, absmax: np.ndarray, qmin: int, qmax: int, q_out: np.ndarray,
+                  scratch: np.ndarray, scratch2: np.ndarray, ratio: float = 1.0) -> np.ndarray:
+    """Round-to-nearest of ``blk [R, g]`` (float32, read only; one channel or group per row) against the grid scale
+    each row prefers: writes the integers into ``q_out`` (int8 ``[R, g]``) and returns the scales ``[R, 1]``.
+    ``absmax`` is max |row| ``[R, 1]``; ``ratio`` < 1 clips the range to ``ratio * absmax`` (the clip searches);
+    ``scratch``/``scratch2`` are float32 buffers at least blk's shape.
 
-    Each candidate costs one pass of divide, round, (clamp), subtract and a row reduction; the first candidate
-    (absmax/qmax rounded up, the former rule) wins ties, so a group no candidate improves keeps its old bytes."""
+    Every row is quantized against the grid value at or above ``absmax / qmax`` (divide, round, cast) and its error
+    summed (subtract, one reduction); the rows whose grid value below keeps every weight within half a step are
+    gathered and quantized against it too, and keep it where its error is smaller. Ties keep the value above (the
+    former rule), so a row no candidate improves keeps its old bytes."""
     top = absmax * np.float32(ratio) if ratio != 1.0 else absmax
     exact = exact_scales(top, qmax)
-    if XP_MODE != "choose":
-        c = {"up": grid_ceil(exact), "exact": exact}[XP_MODE]
+    hi = grid_ceil(exact)
+    if XP_MODE != "choose":  # EXPERIMENT
+        c = {"up": hi, "exact": exact}[XP_MODE]
         t = np.divide(blk, c, out=scratch); np.rint(t, out=t); np.clip(t, qmin, qmax, out=t)
         np.copyto(q_out, t, casting="unsafe")
         return c
-    best_err = None
-    best = None
-    first = None
-    for c in grid_candidates(exact, neighbours):
-        if first is None:
-            first = c
-        elif half_step:  # no weight of the range further than half a step from its value
-            c = np.where(c * np.float32(qmax + 0.5) >= top, c, first)
-        t = np.divide(blk, c, out=scratch)
-        r = np.rint(t, out=scratch2)
-        if (c * np.float32(qmax) < absmax).any():  # only a scale below absmax/qmax can take a weight past qmax
-            np.clip(r, qmin, qmax, out=r)
-        np.subtract(t, r, out=t)
-        err = np.einsum("...j,...j->...", t, t)[..., None]
-        err *= c * c
-        if best_err is None:
-            best_err, best = err, c
-            np.copyto(q_out, r, casting="unsafe")
-            continue
-        better = err < best_err
-        if better.any():
-            np.copyto(q_out, r, casting="unsafe", where=better)
-            best_err = np.where(better, err, best_err)
-            best = np.where(better, c, best)
-    return best
+    n = len(blk)
+    t = np.divide(blk, hi, out=scratch[:n])
+    r = np.rint(t, out=scratch2[:n])
+    if ratio != 1.0:  # a clipped range: the weights beyond it go to the ends
+        np.clip(r, qmin, qmax, out=r)
+    np.copyto(q_out, r, casting="unsafe")
+    lo = grid_floor(exact)
+    # the value below, where it is one and keeps the range's largest weight within half a step (no extra clipping)
+    rows = np.flatnonzero((lo[:, 0] < hi[:, 0]) & (lo[:, 0] > 0) & (lo[:, 0] * np.float32(qmax + 0.5) >= top[:, 0]))
+    if rows.size == 0:
+        return hi
+    np.subtract(t, r, out=t)
+    err_hi = np.einsum("ij,ij->i", t, t)[rows] * np.square(hi[rows, 0])
+    m = rows.size
+    c = lo[rows]
+    t = np.divide(np.take(blk, rows, axis=0, out=scratch[:m]) if m < n else blk, c, out=scratch[:m])
+    r = np.rint(t, out=scratch2[:m])
+    if ratio != 1.0 or (np.divide(absmax[rows], c) >= np.float32(qmax + 0.5)).any():  # w / c rounds past qmax
+        np.clip(r, qmin, qmax, out=r)
+    np.subtract(t, r, out=t)
+    better = np.einsum("ij,ij->i", t, t) * np.square(c[:, 0]) < err_hi
+    if not better.any():
+        return hi
+    win = rows[better]
+    q_out[win] = r[better]
+    out = hi.copy()
+    out[win] = c[better]
+    return out
