@@ -86,6 +86,18 @@ def exact_scales(absmax: np.ndarray, qmax: int) -> np.ndarray:
     return np.where(s < MIN_SCALE, np.float32(1.0), s).astype(np.float32)
 
 
+def grid_neighbours(exact: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(:func:`grid_ceil`, :func:`grid_floor`) of float32 ``exact`` in a few vector operations on the bit patterns:
+    they run once per tile of rows, where numpy's per-call cost is the price, not the arithmetic."""
+    exact = np.ascontiguousarray(exact, dtype=np.float32)
+    if exact.size == 0 or exact.min() < BF16_FINER_THAN_FP16:
+        return grid_ceil(exact), grid_floor(exact)
+    bits = exact.view(np.uint32)
+    lo = bits & np.uint32(0xFFFF0000)
+    hi = np.where(lo != bits, lo + np.uint32(0x10000), lo)
+    return hi.view(np.float32), lo.view(np.float32)
+
+
 def quantize_rows(blk: np.ndarray, absmax: np.ndarray, qmin: int, qmax: int, q_out: np.ndarray,
                   scratch: np.ndarray, scratch2: np.ndarray, ratio: float = 1.0) -> np.ndarray:
     """Round-to-nearest of ``blk [R, g]`` (float32, read only; one channel or group per row) against the grid scale
@@ -99,7 +111,7 @@ def quantize_rows(blk: np.ndarray, absmax: np.ndarray, qmin: int, qmax: int, q_o
     former rule), so a row no candidate improves keeps its old bytes."""
     top = absmax * np.float32(ratio) if ratio != 1.0 else absmax
     exact = exact_scales(top, qmax)
-    hi = grid_ceil(exact)
+    hi, lo = grid_neighbours(exact)
     if XP_MODE != "choose":  # EXPERIMENT
         c = {"up": hi, "exact": exact}[XP_MODE]
         t = np.divide(blk, c, out=scratch); np.rint(t, out=t); np.clip(t, qmin, qmax, out=t)
@@ -111,25 +123,29 @@ def quantize_rows(blk: np.ndarray, absmax: np.ndarray, qmin: int, qmax: int, q_o
     if ratio != 1.0:  # a clipped range: the weights beyond it go to the ends
         np.clip(r, qmin, qmax, out=r)
     np.copyto(q_out, r, casting="unsafe")
-    lo = grid_floor(exact)
     # the value below, where it is one and keeps the range's largest weight within half a step (no extra clipping)
     rows = np.flatnonzero((lo[:, 0] < hi[:, 0]) & (lo[:, 0] > 0) & (lo[:, 0] * np.float32(qmax + 0.5) >= top[:, 0]))
-    if rows.size == 0:
+    m = rows.size
+    if m == 0:
         return hi
     np.subtract(t, r, out=t)
-    err_hi = np.einsum("ij,ij->i", t, t)[rows] * np.square(hi[rows, 0])
-    m = rows.size
-    c = lo[rows]
+    err_hi = np.einsum("ij,ij->i", t, t)
+    c = lo[rows] if m < n else lo
     t = np.divide(np.take(blk, rows, axis=0, out=scratch[:m]) if m < n else blk, c, out=scratch[:m])
     r = np.rint(t, out=scratch2[:m])
     if ratio != 1.0 or (np.divide(absmax[rows], c) >= np.float32(qmax + 0.5)).any():  # w / c rounds past qmax
         np.clip(r, qmin, qmax, out=r)
     np.subtract(t, r, out=t)
-    better = np.einsum("ij,ij->i", t, t) * np.square(c[:, 0]) < err_hi
-    if not better.any():
+    c2 = np.square(c[:, 0])
+    better = np.flatnonzero(np.einsum("ij,ij->i", t, t) * c2 < err_hi[rows] * np.square(hi[rows, 0]))
+    if better.size == 0:
         return hi
     win = rows[better]
-    q_out[win] = r[better]
+    if better.size <= 64:  # a few rows: row copies beat numpy's fancy indexing
+        for i, j in zip(win.tolist(), better.tolist()):
+            np.copyto(q_out[i], r[j], casting="unsafe")
+    else:
+        q_out[win] = r[better]
     out = hi.copy()
     out[win] = c[better]
     return out
