@@ -105,10 +105,10 @@ def quantize_rows(blk: np.ndarray, absmax: np.ndarray, qmin: int, qmax: int, q_o
     ``absmax`` is max |row| ``[R, 1]``; ``ratio`` < 1 clips the range to ``ratio * absmax`` (the clip searches);
     ``scratch``/``scratch2`` are float32 buffers at least blk's shape.
 
-    Every row is quantized against the grid value at or above ``absmax / qmax`` (divide, round, cast) and its error
-    summed (subtract, one reduction); the rows whose grid value below keeps every weight within half a step are
-    gathered and quantized against it too, and keep it where its error is smaller. Ties keep the value above (the
-    former rule), so a row no candidate improves keeps its old bytes."""
+    Each row is quantized against the grid value below ``absmax / qmax`` where that keeps every weight within half
+    a step (on real weights nearly every row), else the one above, and its error summed; then against the value
+    above, which it keeps where the error is not larger (ties: the former rule's value, above). Two passes of
+    divide, round, subtract and a row reduction, one cast, and row copies for the rows the value above wins."""
     top = absmax * np.float32(ratio) if ratio != 1.0 else absmax
     exact = exact_scales(top, qmax)
     hi, lo = grid_neighbours(exact)
@@ -118,34 +118,31 @@ def quantize_rows(blk: np.ndarray, absmax: np.ndarray, qmin: int, qmax: int, q_o
         np.copyto(q_out, t, casting="unsafe")
         return c
     n = len(blk)
-    t = np.divide(blk, hi, out=scratch[:n])
+    # the value below, where it is one and keeps the range's largest weight within half a step (no extra clipping)
+    lo = np.where((lo < hi) & (lo > 0) & (lo * np.float32(qmax + 0.5) >= top), lo, hi)
+    t = np.divide(blk, lo, out=scratch[:n])
     r = np.rint(t, out=scratch2[:n])
-    if ratio != 1.0:  # a clipped range: the weights beyond it go to the ends
+    if ratio != 1.0 or (np.divide(absmax, lo) >= np.float32(qmax + 0.5)).any():  # w / lo rounds past qmax
         np.clip(r, qmin, qmax, out=r)
     np.copyto(q_out, r, casting="unsafe")
-    # the value below, where it is one and keeps the range's largest weight within half a step (no extra clipping)
-    rows = np.flatnonzero((lo[:, 0] < hi[:, 0]) & (lo[:, 0] > 0) & (lo[:, 0] * np.float32(qmax + 0.5) >= top[:, 0]))
-    m = rows.size
-    if m == 0:
-        return hi
+    rows = np.flatnonzero(lo[:, 0] < hi[:, 0])
+    if rows.size == 0:
+        return lo
     np.subtract(t, r, out=t)
-    err_hi = np.einsum("ij,ij->i", t, t)
-    c = lo[rows] if m < n else lo
-    t = np.divide(np.take(blk, rows, axis=0, out=scratch[:m]) if m < n else blk, c, out=scratch[:m])
-    r = np.rint(t, out=scratch2[:m])
-    if ratio != 1.0 or (np.divide(absmax[rows], c) >= np.float32(qmax + 0.5)).any():  # w / c rounds past qmax
+    err_lo = np.einsum("ij,ij->i", t, t) * np.square(lo[:, 0])
+    t = np.divide(blk, hi, out=scratch[:n])
+    r = np.rint(t, out=scratch2[:n])
+    if ratio != 1.0:
         np.clip(r, qmin, qmax, out=r)
-    np.subtract(t, r, out=t)
-    c2 = np.square(c[:, 0])
-    better = np.flatnonzero(np.einsum("ij,ij->i", t, t) * c2 < err_hi[rows] * np.square(hi[rows, 0]))
-    if better.size == 0:
-        return hi
-    win = rows[better]
-    if better.size <= 64:  # a few rows: row copies beat numpy's fancy indexing
-        for i, j in zip(win.tolist(), better.tolist()):
-            np.copyto(q_out[i], r[j], casting="unsafe")
+    np.subtract(t, r, out=scratch[:n])
+    keep_hi = np.flatnonzero(np.einsum("ij,ij->i", scratch[:n], scratch[:n]) * np.square(hi[:, 0]) <= err_lo)
+    if keep_hi.size == 0:
+        return lo
+    if keep_hi.size <= 64:  # a few rows: row copies beat numpy's fancy indexing
+        for i in keep_hi.tolist():
+            np.copyto(q_out[i], r[i], casting="unsafe")
     else:
-        q_out[win] = r[better]
-    out = hi.copy()
-    out[win] = c[better]
+        q_out[keep_hi] = r[keep_hi]
+    out = lo.copy()
+    out[keep_hi] = hi[keep_hi]
     return out
