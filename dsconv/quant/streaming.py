@@ -133,7 +133,7 @@ def weight_only(ck: Checkpoint, plan: QuantPlan, qw: QuantWriter, progress: bool
     total = sum(j.nbytes for j in jobs)
     with tqdm(total=total, unit="B", unit_scale=True, desc="quantize", disable=None if progress else True,
               leave=False) as bar:
-        for job, res in zip(jobs, ex.map(run_part, jobs, work_bytes=total)):
+        for job, res in zip(jobs, ex.map(run_part, jobs, work_bytes=total, threads=True)):
             qw.ts.adopt(job.index, job.names, res.sha256)
             qw.written.update(job.names)
             for module, qtype, err in res.records:
