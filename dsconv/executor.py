@@ -79,10 +79,10 @@ class Executor:
             self.used = "inline"
             return (fn(j) for j in jobs)
         if threads and self.local:
-            from concurrent.futures import ThreadPoolExecutor
+            from dsconv.runtime.threads import serial_pool
 
             self.used = "threads"
-            pool = ThreadPoolExecutor(self.workers, thread_name_prefix="dsconv-job")
+            pool = serial_pool(self.workers, "dsconv-job")
             return _closing(_bounded(lambda j: pool.submit(fn, j), lambda f: f.result(), jobs, 2 * self.workers),
                             pool)
         self.used = self.name

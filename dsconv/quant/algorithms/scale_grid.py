@@ -98,51 +98,74 @@ def grid_neighbours(exact: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return hi.view(np.float32), lo.view(np.float32)
 
 
+# Elements per tile of the row passes (128 K: two float32 scratch tiles of 512 KB stay in a core's L2 cache through
+# the passes below; each pass over a 16 MB block went to memory). Rows are never split.
+TILE_ELEMS = 1 << 17
+
+
 def quantize_rows(blk: np.ndarray, absmax: np.ndarray, qmin: int, qmax: int, q_out: np.ndarray,
                   scratch: np.ndarray, scratch2: np.ndarray, ratio: float = 1.0) -> np.ndarray:
     """Round-to-nearest of ``blk [R, g]`` (float32, read only; one channel or group per row) against the grid scale
     each row prefers: writes the integers into ``q_out`` (int8 ``[R, g]``) and returns the scales ``[R, 1]``.
     ``absmax`` is max |row| ``[R, 1]``; ``ratio`` < 1 clips the range to ``ratio * absmax`` (the clip searches);
-    ``scratch``/``scratch2`` are float32 buffers at least blk's shape.
+    ``scratch``/``scratch2`` are float32 buffers of at least min(R, a tile's rows) rows of g.
 
     Each row is quantized against the grid value below ``absmax / qmax`` where that keeps every weight within half
     a step (on real weights nearly every row), else the one above, and its error summed; then against the value
-    above, which it keeps where the error is not larger (ties: the former rule's value, above). Two passes of
-    divide, round, subtract and a row reduction, one cast, and row copies for the rows the value above wins."""
+    above, which it keeps where the error is not larger (ties: the former rule's value, above). Per tile of rows:
+    two passes of divide, round, subtract and a row reduction, one cast, and row copies where the value above wins;
+    the per-row arithmetic of the candidates is done once for the whole block."""
     top = absmax * np.float32(ratio) if ratio != 1.0 else absmax
     exact = exact_scales(top, qmax)
     hi, lo = grid_neighbours(exact)
     if XP_MODE != "choose":  # EXPERIMENT
         c = {"up": hi, "exact": exact}[XP_MODE]
-        t = np.divide(blk, c, out=scratch); np.rint(t, out=t); np.clip(t, qmin, qmax, out=t)
+        t = np.divide(blk, c, out=np.empty_like(blk)); np.rint(t, out=t); np.clip(t, qmin, qmax, out=t)
         np.copyto(q_out, t, casting="unsafe")
         return c
-    n = len(blk)
     # the value below, where it is one and keeps the range's largest weight within half a step (no extra clipping)
-    lo = np.where((lo < hi) & (lo > 0) & (lo * np.float32(qmax + 0.5) >= top), lo, hi)
-    t = np.divide(blk, lo, out=scratch[:n])
-    r = np.rint(t, out=scratch2[:n])
-    if ratio != 1.0 or (np.divide(absmax, lo) >= np.float32(qmax + 0.5)).any():  # w / lo rounds past qmax
-        np.clip(r, qmin, qmax, out=r)
-    np.copyto(q_out, r, casting="unsafe")
-    rows = np.flatnonzero(lo[:, 0] < hi[:, 0])
-    if rows.size == 0:
-        return lo
-    np.subtract(t, r, out=t)
-    err_lo = np.einsum("ij,ij->i", t, t) * np.square(lo[:, 0])
-    t = np.divide(blk, hi, out=scratch[:n])
-    r = np.rint(t, out=scratch2[:n])
-    if ratio != 1.0:
-        np.clip(r, qmin, qmax, out=r)
-    np.subtract(t, r, out=scratch[:n])
-    keep_hi = np.flatnonzero(np.einsum("ij,ij->i", scratch[:n], scratch[:n]) * np.square(hi[:, 0]) <= err_lo)
+    lo = np.where((lo > 0) & (lo * np.float32(qmax + 0.5) >= top), lo, hi)
+    clip_lo = ratio != 1.0 or bool((np.divide(absmax, lo) >= np.float32(qmax + 0.5)).any())  # w / lo rounds past qmax
+    two = bool((lo < hi).any())
+    lo2, hi2 = np.square(lo[:, 0]), np.square(hi[:, 0])
+    n, g = blk.shape
+    step = max(1, min(n, len(scratch), TILE_ELEMS // max(1, g)))
+    keep = []
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        keep.append(_tile(blk[a:b], lo[a:b], hi[a:b], lo2[a:b], hi2[a:b], qmin, qmax, q_out[a:b],
+                          scratch[: b - a], scratch2[: b - a], clip_lo, ratio != 1.0, two) + a)
+    keep_hi = np.concatenate(keep) if len(keep) > 1 else keep[0]
     if keep_hi.size == 0:
         return lo
+    out = lo.copy()
+    out[keep_hi] = hi[keep_hi]
+    return out
+
+
+def _tile(blk: np.ndarray, lo: np.ndarray, hi: np.ndarray, lo2: np.ndarray, hi2: np.ndarray, qmin: int, qmax: int,
+          q_out: np.ndarray, t_buf: np.ndarray, r_buf: np.ndarray, clip_lo: bool, clip_hi: bool,
+          two: bool) -> np.ndarray:
+    """One tile of :func:`quantize_rows`: q_out against ``lo``, then the rows (indices into the tile) where ``hi``
+    rounds with an error no larger, whose q_out rows it rewrites."""
+    t = np.divide(blk, lo, out=t_buf)
+    r = np.rint(t, out=r_buf)
+    if clip_lo:
+        np.clip(r, qmin, qmax, out=r)
+    np.copyto(q_out, r, casting="unsafe")
+    if not two:
+        return np.flatnonzero(lo[:, 0] < hi[:, 0])  # (empty)
+    np.subtract(t, r, out=t)
+    err_lo = np.einsum("ij,ij->i", t, t) * lo2
+    t = np.divide(blk, hi, out=t_buf)
+    r = np.rint(t, out=r_buf)
+    if clip_hi:
+        np.clip(r, qmin, qmax, out=r)
+    np.subtract(t, r, out=t)
+    keep_hi = np.flatnonzero(np.einsum("ij,ij->i", t, t) * hi2 <= err_lo)
     if keep_hi.size <= 64:  # a few rows: row copies beat numpy's fancy indexing
         for i in keep_hi.tolist():
             np.copyto(q_out[i], r[i], casting="unsafe")
     else:
         q_out[keep_hi] = r[keep_hi]
-    out = lo.copy()
-    out[keep_hi] = hi[keep_hi]
-    return out
+    return keep_hi

@@ -21,16 +21,13 @@ import numpy as np
 
 from dsconv.errors import UserError
 # the stored format's math lives below the stages (readers need it too); re-exported for the quantizer
-from dsconv.quant.algorithms.scale_grid import MIN_SCALE, absmax, grid_ceil, quantize_rows
+from dsconv.quant.algorithms.scale_grid import MIN_SCALE, TILE_ELEMS, absmax, grid_ceil, quantize_rows
 from dsconv.qformat import (deq_scale_as_int64, deq_scale_from_int64, dequant_weight, pack_int4,  # noqa: F401
                             pack_int4_along_k, unpack_int4, unpack_int4_along_k, unpack_int4_by_shape)
 
 # Elements of float32 per row block: 4 M elements = 16 MB, large enough to amortise numpy's per-call overhead,
 # small enough that the bf16 -> fp32 widening never costs more than a few blocks of extra RAM.
 BLOCK_ELEMS = 1 << 22
-# Elements per tile, the unit of computation inside a block: 128 K elements, 512 KB per float32 buffer, so a tile's
-# three buffers stay in a core's L2 cache through the several passes of scale_grid.quantize_rows.
-TILE_ELEMS = 1 << 17
 # Tensors larger than this are split across threads (numpy ufuncs release the GIL; 2 threads ~ 2x, see notes).
 THREAD_MIN_ELEMS = 1 << 24
 INT8_MIN, INT8_MAX = -128, 127
@@ -195,35 +192,26 @@ def iter_quantized_rows(
 def _quantized_rows(w: Any, bits: int, group_size: int, name: str, out: np.ndarray | None = None,
                     done: Callable[[int, int], None] | None = None
                     ) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
-    """:func:`iter_quantized_rows` writing into ``out`` (int8 [n, k]) when given, else into a new array per block.
-
-    A block (BLOCK_ELEMS, the unit handed to the writer) is computed in tiles of TILE_ELEMS: widened and quantized
-    while its few float32 buffers stay in the core's cache (every pass over a 16 MB block went to memory)."""
+    """:func:`iter_quantized_rows` writing into ``out`` (int8 [n, k]) when given, else into a new array per block."""
     n, k = w.shape
     if n == 0 or k == 0:
         return
     groups = k // group_size if group_size not in (0, k) else 1
     qmin, qmax = qrange(bits)
     step = max(2, _rows_per_block(n, k) // 2 * 2)
-    tile = max(1, min(step, TILE_ELEMS // k))
     threads = min(2, os.cpu_count() or 1) if n * k >= THREAD_MIN_ELEMS else 1
     local = threading.local()
 
     def job(s: int) -> tuple[int, int, np.ndarray, np.ndarray]:
         if not hasattr(local, "buf"):
-            local.buf, local.scratch, local.scratch2 = (np.empty((tile, k), np.float32) for _ in range(3))
+            local.buf = np.empty((step, k), np.float32)
+            tile = max(1, min(step * groups, TILE_ELEMS // (k // groups)))
+            local.t, local.r = np.empty((tile, k // groups), np.float32), np.empty((tile, k // groups), np.float32)
         e = min(n, s + step)
+        b2 = _fill_float32(local.buf[: e - s], w[s:e]).reshape((e - s) * groups, -1)  # a channel or group per row
         q = np.empty((e - s, k), np.int8) if out is None else out[s:e]
-        scale = np.empty((e - s, groups), np.float32)
-        for a in range(s, e, tile):
-            b = min(e, a + tile)
-            rows = (b - a) * groups  # one channel or group per row
-            b2 = _fill_float32(local.buf[: b - a], w[a:b]).reshape(rows, -1)
-            sc = quantize_rows(b2, _finite(absmax(b2), name), qmin, qmax, q[a - s:b - s].reshape(rows, -1),
-                               local.scratch.reshape(-1)[: b2.size].reshape(rows, -1),
-                               local.scratch2.reshape(-1)[: b2.size].reshape(rows, -1))
-            scale[a - s:b - s] = sc.reshape(b - a, groups)
-        return s, e, q, scale
+        sc = quantize_rows(b2, _finite(absmax(b2), name), qmin, qmax, q.reshape(b2.shape), local.t, local.r)
+        return s, e, q, sc.reshape(e - s, groups)
 
     from dsconv.runtime.threads import ordered_map
 
