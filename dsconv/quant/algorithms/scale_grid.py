@@ -125,7 +125,9 @@ def quantize_rows(blk: np.ndarray, absmax: np.ndarray, qmin: int, qmax: int, q_o
         return c
     # the value below, where it is one and keeps the range's largest weight within half a step (no extra clipping)
     lo = np.where((lo > 0) & (lo * np.float32(qmax + 0.5) >= top), lo, hi)
-    clip_lo = ratio != 1.0 or bool((np.divide(absmax, lo) >= np.float32(qmax + 0.5)).any())  # w / lo rounds past qmax
+    # rows where w / lo can round to qmax + 1 (the largest weight exactly half a step above qmax: rint goes to even);
+    # below, -qmax - 1.5 < w / lo always rounds into range. A clipped range (ratio < 1) clamps everything.
+    over = None if ratio != 1.0 else np.flatnonzero(np.divide(absmax[:, 0], lo[:, 0]) >= np.float32(qmax + 0.5))
     two = bool((lo < hi).any())
     lo2, hi2 = np.square(lo[:, 0]), np.square(hi[:, 0])
     n, g = blk.shape
@@ -133,8 +135,9 @@ def quantize_rows(blk: np.ndarray, absmax: np.ndarray, qmin: int, qmax: int, q_o
     keep = []
     for a in range(0, n, step):
         b = min(n, a + step)
+        tile_over = None if over is None else over[(over >= a) & (over < b)] - a
         keep.append(_tile(blk[a:b], lo[a:b], hi[a:b], lo2[a:b], hi2[a:b], qmin, qmax, q_out[a:b],
-                          scratch[: b - a], scratch2[: b - a], clip_lo, ratio != 1.0, two) + a)
+                          scratch[: b - a], scratch2[: b - a], tile_over, two) + a)
     keep_hi = np.concatenate(keep) if len(keep) > 1 else keep[0]
     if keep_hi.size == 0:
         return lo
@@ -144,24 +147,27 @@ def quantize_rows(blk: np.ndarray, absmax: np.ndarray, qmin: int, qmax: int, q_o
 
 
 def _tile(blk: np.ndarray, lo: np.ndarray, hi: np.ndarray, lo2: np.ndarray, hi2: np.ndarray, qmin: int, qmax: int,
-          q_out: np.ndarray, t_buf: np.ndarray, r_buf: np.ndarray, clip_lo: bool, clip_hi: bool,
+          q_out: np.ndarray, t_buf: np.ndarray, r_buf: np.ndarray, over: np.ndarray | None,
           two: bool) -> np.ndarray:
     """One tile of :func:`quantize_rows`: q_out against ``lo``, then the rows (indices into the tile) where ``hi``
-    rounds with an error no larger, whose q_out rows it rewrites."""
-    t = np.divide(blk, lo, out=t_buf)
+    rounds with an error no larger, whose q_out rows it rewrites. ``over``: the rows to clamp at qmax (None: clamp
+    every value, a clipped range). Divisions and subtractions go through torch when ``blk`` is writable memory
+    (always but for a float32 checkpoint's mapped pages): numpy buffers a copy of the per-row divisor for every row,
+    torch broadcasts it (IEEE division either way: the same bits)."""
+    div, sub = (_torch_div, _torch_sub) if blk.flags.writeable else (np.divide, np.subtract)
+    t = div(blk, lo, t_buf)
     r = np.rint(t, out=r_buf)
-    if clip_lo:
-        np.clip(r, qmin, qmax, out=r)
+    _clamp(r, over, qmin, qmax)
     np.copyto(q_out, r, casting="unsafe")
     if not two:
         return np.flatnonzero(lo[:, 0] < hi[:, 0])  # (empty)
-    np.subtract(t, r, out=t)
+    sub(t, r, t)
     err_lo = np.einsum("ij,ij->i", t, t) * lo2
-    t = np.divide(blk, hi, out=t_buf)
+    t = div(blk, hi, t_buf)
     r = np.rint(t, out=r_buf)
-    if clip_hi:
-        np.clip(r, qmin, qmax, out=r)
-    np.subtract(t, r, out=t)
+    if over is None:  # (absmax / hi <= qmax: only a clipped range reaches past it)
+        _clamp(r, None, qmin, qmax)
+    sub(t, r, t)
     keep_hi = np.flatnonzero(np.einsum("ij,ij->i", t, t) * hi2 <= err_lo)
     if keep_hi.size <= 64:  # a few rows: row copies beat numpy's fancy indexing
         for i in keep_hi.tolist():
@@ -169,3 +175,29 @@ def _tile(blk: np.ndarray, lo: np.ndarray, hi: np.ndarray, lo2: np.ndarray, hi2:
     else:
         q_out[keep_hi] = r[keep_hi]
     return keep_hi
+
+
+def _clamp(r: np.ndarray, rows: np.ndarray | None, qmin: int, qmax: int) -> None:
+    """Rounded values into [qmin, qmax]: every row (rows None), else only ``rows`` at the top (np.clip costs four
+    times a subtraction; most tiles have no row to clamp)."""
+    if rows is None:
+        import torch
+
+        torch.from_numpy(r).clamp_(qmin, qmax)
+        return
+    for i in rows.tolist():
+        np.minimum(r[i], np.float32(qmax), out=r[i])
+
+
+def _torch_div(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
+    import torch
+
+    torch.div(torch.from_numpy(a), torch.from_numpy(b), out=torch.from_numpy(out))
+    return out
+
+
+def _torch_sub(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
+    import torch
+
+    torch.sub(torch.from_numpy(a), torch.from_numpy(b), out=torch.from_numpy(out))
+    return out
