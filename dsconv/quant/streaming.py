@@ -29,6 +29,7 @@ from dsconv.quant.formats.msmodelslim import LinearResult, emit_linear
 from dsconv.quant.formats.output import QuantWriter, as_float
 from dsconv.quant.plan.plan import LinearPlan, QuantPlan, linear_specs
 from dsconv.quant.weights import quantize_weight, rtn_linear_into
+from dsconv.runtime.process import gc_paused
 
 ERROR_SAMPLE_ROWS = 256  # rows used to estimate a big tensor's relative error
 VIEWABLE = ("BF16", "F16", "F32")
@@ -132,7 +133,7 @@ def weight_only(ck: Checkpoint, plan: QuantPlan, qw: QuantWriter, progress: bool
     records: dict[str, LinearRecord] = {}
     total = sum(j.nbytes for j in jobs)
     with tqdm(total=total, unit="B", unit_scale=True, desc="quantize", disable=None if progress else True,
-              leave=False) as bar:
+              leave=False) as bar, gc_paused():  # blocks make acyclic arrays: no collection need walk torch's objects
         for job, res in zip(jobs, ex.map(run_part, jobs, work_bytes=total, threads=True)):
             qw.ts.adopt(job.index, job.names, res.sha256)
             qw.written.update(job.names)
@@ -146,6 +147,11 @@ def weight_only(ck: Checkpoint, plan: QuantPlan, qw: QuantWriter, progress: bool
 def run_part(job: PartJob) -> PartResult:
     """Read, quantize and write one job's tensors (quantized straight from the page cache while the previous tensor
     is written on a thread and the next is read ahead by the kernel: at most two tensors' outputs alive)."""
+    with gc_paused():
+        return _run_part(job)
+
+
+def _run_part(job: PartJob) -> PartResult:
     reader = TensorReader()
     out = PartWriter(job.part)
     wanted = set(job.names)
