@@ -29,8 +29,6 @@ import numpy as np
 MIN_SCALE = float(np.finfo(np.float32).tiny) * 16
 FP16_SUBNORMAL_STEP = 2.0 ** -24
 BF16_FINER_THAN_FP16 = 2.0 ** -17
-import os as _os  # EXPERIMENT ONLY
-XP_MODE = _os.environ.get("XP_MODE", "choose")
 
 
 def _flat32(s: np.ndarray) -> np.ndarray:
@@ -103,6 +101,43 @@ def grid_neighbours(exact: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 TILE_ELEMS = 1 << 17
 
 
+class RowPlan:
+    """The two candidate scales of every row (channel or group) of a block and what their quantization needs,
+    worked out once per block from the rows' max |w| (numpy's per-call cost is paid per block, not per tile)."""
+
+    def __init__(self, absmax: np.ndarray, qmin: int, qmax: int, ratio: float = 1.0) -> None:
+        self.qmin, self.qmax, self.clipped = qmin, qmax, ratio != 1.0
+        top = absmax * np.float32(ratio) if ratio != 1.0 else absmax
+        hi, lo = grid_neighbours(exact_scales(top, qmax))
+        # the value below, where it is one and keeps the range's largest weight within half a step (no extra
+        # clipping)
+        self.lo = np.where((lo > 0) & (lo * np.float32(qmax + 0.5) >= top), lo, hi)
+        self.hi = hi
+        # rows where w / lo can round to qmax + 1 (the largest weight exactly half a step above qmax: rint goes to
+        # even); below, -qmax - 1.5 < w / lo always rounds into range. A clipped range clamps everything.
+        self.over = None if self.clipped else \
+            np.flatnonzero(np.divide(absmax[:, 0], self.lo[:, 0]) >= np.float32(qmax + 0.5))
+        self.two = bool((self.lo < hi).any())
+        self.lo2, self.hi2 = np.square(self.lo[:, 0]), np.square(hi[:, 0])
+        self.keep: list[np.ndarray] = []
+
+    def tile(self, a: int, blk: np.ndarray, q_out: np.ndarray, t_buf: np.ndarray, r_buf: np.ndarray) -> None:
+        """Quantize rows a .. a + len(blk) (``blk`` float32, read only) into ``q_out``; buffers of blk's shape."""
+        b = a + len(blk)
+        over = None if self.over is None else self.over[(self.over >= a) & (self.over < b)] - a
+        self.keep.append(_tile(blk, self.lo[a:b], self.hi[a:b], self.lo2[a:b], self.hi2[a:b], self.qmin, self.qmax,
+                               q_out, t_buf[: b - a], r_buf[: b - a], over, self.two) + a)
+
+    def scales(self) -> np.ndarray:
+        """The chosen scale of every row ``[R, 1]``, once every tile is done."""
+        keep_hi = np.concatenate(self.keep) if self.keep else np.empty(0, np.int64)
+        if keep_hi.size == 0:
+            return self.lo
+        out = self.lo.copy()
+        out[keep_hi] = self.hi[keep_hi]
+        return out
+
+
 def quantize_rows(blk: np.ndarray, absmax: np.ndarray, qmin: int, qmax: int, q_out: np.ndarray,
                   scratch: np.ndarray, scratch2: np.ndarray, ratio: float = 1.0) -> np.ndarray:
     """Round-to-nearest of ``blk [R, g]`` (float32, read only; one channel or group per row) against the grid scale
@@ -113,37 +148,15 @@ def quantize_rows(blk: np.ndarray, absmax: np.ndarray, qmin: int, qmax: int, q_o
     Each row is quantized against the grid value below ``absmax / qmax`` where that keeps every weight within half
     a step (on real weights nearly every row), else the one above, and its error summed; then against the value
     above, which it keeps where the error is not larger (ties: the former rule's value, above). Per tile of rows:
-    two passes of divide, round, subtract and a row reduction, one cast, and row copies where the value above wins;
-    the per-row arithmetic of the candidates is done once for the whole block."""
-    top = absmax * np.float32(ratio) if ratio != 1.0 else absmax
-    exact = exact_scales(top, qmax)
-    hi, lo = grid_neighbours(exact)
-    if XP_MODE != "choose":  # EXPERIMENT
-        c = {"up": hi, "exact": exact}[XP_MODE]
-        t = np.divide(blk, c, out=np.empty_like(blk)); np.rint(t, out=t); np.clip(t, qmin, qmax, out=t)
-        np.copyto(q_out, t, casting="unsafe")
-        return c
-    # the value below, where it is one and keeps the range's largest weight within half a step (no extra clipping)
-    lo = np.where((lo > 0) & (lo * np.float32(qmax + 0.5) >= top), lo, hi)
-    # rows where w / lo can round to qmax + 1 (the largest weight exactly half a step above qmax: rint goes to even);
-    # below, -qmax - 1.5 < w / lo always rounds into range. A clipped range (ratio < 1) clamps everything.
-    over = None if ratio != 1.0 else np.flatnonzero(np.divide(absmax[:, 0], lo[:, 0]) >= np.float32(qmax + 0.5))
-    two = bool((lo < hi).any())
-    lo2, hi2 = np.square(lo[:, 0]), np.square(hi[:, 0])
+    two passes of divide, round, subtract and a row reduction, one cast, and row copies where the value above wins
+    (RowPlan)."""
+    plan = RowPlan(absmax, qmin, qmax, ratio)
     n, g = blk.shape
     step = max(1, min(n, len(scratch), TILE_ELEMS // max(1, g)))
-    keep = []
     for a in range(0, n, step):
         b = min(n, a + step)
-        tile_over = None if over is None else over[(over >= a) & (over < b)] - a
-        keep.append(_tile(blk[a:b], lo[a:b], hi[a:b], lo2[a:b], hi2[a:b], qmin, qmax, q_out[a:b],
-                          scratch[: b - a], scratch2[: b - a], tile_over, two) + a)
-    keep_hi = np.concatenate(keep) if len(keep) > 1 else keep[0]
-    if keep_hi.size == 0:
-        return lo
-    out = lo.copy()
-    out[keep_hi] = hi[keep_hi]
-    return out
+        plan.tile(a, blk[a:b], q_out[a:b], scratch, scratch2)
+    return plan.scales()
 
 
 def _tile(blk: np.ndarray, lo: np.ndarray, hi: np.ndarray, lo2: np.ndarray, hi2: np.ndarray, qmin: int, qmax: int,

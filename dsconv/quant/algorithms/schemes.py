@@ -21,7 +21,7 @@ import numpy as np
 
 from dsconv.errors import UserError
 # the stored format's math lives below the stages (readers need it too); re-exported for the quantizer
-from dsconv.quant.algorithms.scale_grid import MIN_SCALE, TILE_ELEMS, absmax, grid_ceil, quantize_rows
+from dsconv.quant.algorithms.scale_grid import MIN_SCALE, TILE_ELEMS, RowPlan, absmax, grid_ceil
 from dsconv.qformat import (deq_scale_as_int64, deq_scale_from_int64, dequant_weight, pack_int4,  # noqa: F401
                             pack_int4_along_k, unpack_int4, unpack_int4_along_k, unpack_int4_by_shape)
 
@@ -202,16 +202,24 @@ def _quantized_rows(w: Any, bits: int, group_size: int, name: str, out: np.ndarr
     threads = min(2, os.cpu_count() or 1) if n * k >= THREAD_MIN_ELEMS else 1
     local = threading.local()
 
+    rows = max(1, min(step, TILE_ELEMS // k))  # a tile: the rows widened and quantized while in the core's cache
+    g = k // groups
+
     def job(s: int) -> tuple[int, int, np.ndarray, np.ndarray]:
         if not hasattr(local, "buf"):
-            local.buf = np.empty((step, k), np.float32)
-            tile = max(1, min(step * groups, TILE_ELEMS // (k // groups)))
-            local.t, local.r = np.empty((tile, k // groups), np.float32), np.empty((tile, k // groups), np.float32)
+            local.buf, local.t, local.r = (np.empty((rows, k), np.float32) for _ in range(3))
         e = min(n, s + step)
-        b2 = _fill_float32(local.buf[: e - s], w[s:e]).reshape((e - s) * groups, -1)  # a channel or group per row
+        amax = np.empty(((e - s) * groups, 1), np.float32)
+        for a in range(s, e, rows):  # every tile's max |w| first: the candidates are worked out once per block
+            b = min(e, a + rows)
+            amax[(a - s) * groups:(b - s) * groups] = absmax(_fill_float32(local.buf[: b - a], w[a:b]).reshape(-1, g))
+        plan = RowPlan(_finite(amax, name), qmin, qmax)
         q = np.empty((e - s, k), np.int8) if out is None else out[s:e]
-        sc = quantize_rows(b2, _finite(absmax(b2), name), qmin, qmax, q.reshape(b2.shape), local.t, local.r)
-        return s, e, q, sc.reshape(e - s, groups)
+        for a in range(s, e, rows):  # widened again: cheaper than reading back a block-sized float32 copy
+            b = min(e, a + rows)
+            plan.tile((a - s) * groups, _fill_float32(local.buf[: b - a], w[a:b]).reshape(-1, g),
+                      q[a - s:b - s].reshape(-1, g), local.t.reshape(-1, g), local.r.reshape(-1, g))
+        return s, e, q, plan.scales().reshape(e - s, groups)
 
     from dsconv.runtime.threads import ordered_map
 
