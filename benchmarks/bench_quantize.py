@@ -1,7 +1,10 @@
 """Benchmarks of `dsconv quantize` / `dsconv eval` (figures printed, JSON written to bench-results/quantize.json).
 
-1b. memory: peak RSS of w8a16 round-to-nearest on DeepSeek-V3-shaped bf16 checkpoints of ~2, ~5.7 and
-   ~8 GB (the real 1.85 GB embedding and lm_head from 5.7 GB on), beside `cp -r`. Goal <= 1.0 GB and flat.
+1b. memory (weight-only at copy speed): `dsconv quantize --scheme w8a16 --method rtn` of DeepSeek-V3-shaped bf16
+   checkpoints of ~2, ~5.7, ~6 and ~8 GB (the real 1.85 GB embedding and lm_head in 5.7 and 8; DeepSeek-V3's
+   proportions in 6) beside `cp -r` of the same input, interleaved in one run, the process tree's peak RSS sampled.
+   Goals: >= 1.0x cp's speed; peak RSS <= 1.0 GB and flat. `--reps N`, `--code DIR` (another checkout's dsconv),
+   `--quiet L` (wait for a 1-minute load below L before each pair, up to `--wait` seconds).
 1. weight-only throughput and peak RSS: w8a16 round-to-nearest on synthetic Llama-like bf16 checkpoints of ~2 GB and
    ~8 GB (random data, deleted afterwards), against a plain copy of the same files; each run in a child process whose
    peak RSS is its own ru_maxrss. Goals: >= 0.7x the copy's throughput; peak RSS <= 1.5 GB and flat in model size.
@@ -213,52 +216,89 @@ def deepseek_config(vocab: int, moe_layers: int, experts: int = 4) -> dict[str, 
     return cfg
 
 
-MEMORY_SIZES = {"2GB": (32000, 0), "5.7GB": (129280, 1), "8GB": (129280, 4)}  # label: (vocab, MoE layers)
-
-RTN_CHILD = """
-import sys, time
-from pathlib import Path
-from dsconv.quant.plan.options import QuantOptions
-from dsconv.quant.stage import QuantRequest, run
-t = time.perf_counter()
-s = run(QuantRequest(Path(sys.argv[1]), Path(sys.argv[2]), QuantOptions(scheme="w8a16", method="rtn"), force=True,
-                     progress=False)).summary
-RESULT = {"seconds": time.perf_counter() - t, "linears": s["linears"]}
-"""
+# label: (vocab, MoE layers, routed experts). "6GB" has DeepSeek-V3's proportions (the linears are most of the bytes,
+# so a weight-only output is about half the input); the others carry the real 1.85 GB embedding and lm_head.
+MEMORY_SIZES = {"2GB": (32000, 0, 4), "5.7GB": (129280, 1, 4), "6GB": (32000, 3, 8), "8GB": (129280, 4, 4)}
+# `dsconv quantize` as a user runs it (default --workers: the CPU count); every linear int8 by round-to-nearest:
+# vLLM-Ascend has no W8A16 MoE scheme, so the routed experts are W8A8_DYNAMIC, the same int8 weights and scales
+QUANTIZE_ARGS = ["--scheme", "w8a16", "--method", "rtn", "--engine", "vllm-ascend", "--moe-scheme", "w8a8_dynamic"]
 
 
-def bench_memory(work: Path, labels: list[str] | None = None) -> dict[str, Any]:
-    """Peak RSS (the child's VmHWM: anonymous and mapped file pages) of `quantize --scheme w8a16 --method rtn` on
-    DeepSeek-V3-shaped bf16 checkpoints of ~2, ~5.7 and ~8 GB, beside `cp -r` of the same directory. Goal: <= 1.0
-    GB for 5.7 GB (a whole-tensor pass-through of the 1.85 GB embedding and lm_head would reach 2.26 GB) and flat in
-    size."""
-    out: dict[str, Any] = {}
-    for label in labels or list(MEMORY_SIZES):
-        vocab, moe = MEMORY_SIZES[label]
-        model = work / f"deepseek-{label}"
-        t = time.perf_counter()
-        nbytes = write_synthetic(model, 0, cfg=deepseek_config(vocab, moe))
-        print(f"[memory] synthetic DeepSeek-V3-shaped {label} (vocab {vocab}, 1 dense + {moe} MoE layers, "
-              f"{nbytes / 1e9:.2f} GB) written in {time.perf_counter() - t:.0f}s; load {_load()}", flush=True)
-        dst = work / "cp-copy"
+def _quiet(limit: float, wait_s: float) -> float:
+    """Wait (up to wait_s) for the 1-minute load average to fall below `limit`; return it."""
+    end = time.time() + wait_s
+    while os.getloadavg()[0] > limit and time.time() < end:
+        time.sleep(15)
+    return os.getloadavg()[0]
+
+
+def copy_vs_quantize(model: Path, work: Path, reps: int, code: Path = ROOT, extra: list[str] | None = None,
+                     quiet: float = 1.5, wait_s: float = 0.0) -> list[dict[str, Any]]:
+    """`reps` pairs, each `cp -r` of the checkpoint then `dsconv quantize` of it (a CLI child, its process tree's
+    memory sampled), the input in the page cache for both (a first untimed `cp -r` reads it in), the outputs synced
+    and deleted between runs; the 1-minute load before and after each pair."""
+    from benchmarks.common import run_tree_sampled
+
+    env = {**os.environ, "PYTHONPATH": str(code), "TOKENIZERS_PARALLELISM": "false"}
+    dst, out = work / "cp-copy", work / "rtn-out"
+    runs = []
+    for rep in range(reps + 1):
         shutil.rmtree(dst, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
+        os.sync()
+        load0 = _quiet(quiet, wait_s) if rep else os.getloadavg()[0]
         t = time.perf_counter()
         subprocess.run(["cp", "-r", str(model), str(dst)], check=True)
         cp_s = time.perf_counter() - t
         shutil.rmtree(dst, ignore_errors=True)
-        q = _child(RTN_CHILD, str(model), str(work / "rtn-out"))
-        q_bytes = dir_bytes(work / "rtn-out")
-        shutil.rmtree(work / "rtn-out", ignore_errors=True)
+        os.sync()
+        if not rep:
+            continue  # the warm-up: the input is now in the page cache
+        q = run_tree_sampled([sys.executable, "-m", "dsconv", "quantize", "-m", str(model), "-o", str(out), "--force",
+                              *QUANTIZE_ARGS, *(extra or [])], every=0.1, env=env, cwd=str(work), pss=False)
+        r = {"cp_r_s": round(cp_s, 2), "quantize_s": q["wall_s"], "ratio_vs_cp": round(cp_s / q["wall_s"], 3),
+             "output_bytes": dir_bytes(out), "tree_peak_rss_bytes": q["tree_peak_rss_bytes"],
+             "driver_peak_rss_bytes": q["driver_peak_rss_bytes"],
+             "largest_worker_peak_rss_bytes": q["largest_worker_peak_rss_bytes"],
+             "load_before": round(load0, 2), "load_after": round(os.getloadavg()[0], 2)}
+        runs.append(r)
+        print(f"  run {rep}: cp -r {cp_s:.2f} s, quantize {q['wall_s']:.2f} s = {r['ratio_vs_cp']:.2f}x cp's speed; "
+              f"process tree's peak RSS {q['tree_peak_rss_bytes'] / 1e9:.2f} GB; "
+              f"load {r['load_before']} -> {r['load_after']}", flush=True)
+    shutil.rmtree(out, ignore_errors=True)
+    return runs
+
+
+def bench_memory(work: Path, labels: list[str] | None = None, reps: int = 3, code: Path = ROOT,
+                 quiet: float = 1.5, wait_s: float = 0.0) -> dict[str, Any]:
+    """Weight-only at copy speed (issue 32): `quantize --scheme w8a16 --method rtn` of DeepSeek-V3-shaped bf16
+    checkpoints beside `cp -r` of the same directory, interleaved in one run (`copy_vs_quantize`). Goals: >= 1.0x
+    cp's speed, the quantized linears written in half their bytes, the process tree's peak RSS <= 1 GB and flat in
+    size (a whole-tensor pass-through of the 1.85 GB embedding would reach 2.26 GB). `code`: another checkout's
+    dsconv, for a before/after pair on the same inputs."""
+    out: dict[str, Any] = {}
+    for label in labels or list(MEMORY_SIZES):
+        vocab, moe, experts = MEMORY_SIZES[label]
+        model = work / f"deepseek-{label}"
+        t = time.perf_counter()
+        nbytes = write_synthetic(model, 0, cfg=deepseek_config(vocab, moe, experts))
+        floats = 2 * 2 * vocab * 7168  # embedding and lm_head stay bf16 (norms and the router are negligible)
+        print(f"[memory] synthetic DeepSeek-V3-shaped {label} (vocab {vocab}, 1 dense + {moe} MoE layers of "
+              f"{experts} experts, {nbytes / 1e9:.2f} GB) written in {time.perf_counter() - t:.0f}s; load {_load()}",
+              flush=True)
+        runs = copy_vs_quantize(model, work, reps, code, quiet=quiet, wait_s=wait_s)
         shutil.rmtree(model, ignore_errors=True)
-        largest = 2 * vocab * 7168
-        out[label] = {"input_bytes": nbytes, "output_bytes": q_bytes, "largest_tensor_bytes": largest,
-                      "cp_r_seconds": round(cp_s, 2), "quantize_seconds": round(q["seconds"], 2),
-                      "quantize_over_cp_time": round(q["seconds"] / cp_s, 2),
-                      "peak_rss_bytes": q["peak_rss_bytes"], "peak_rss_gb": round(q["peak_rss_bytes"] / 1e9, 3),
-                      "load": _load()}
-        print(f"  => {label}: quantize w8a16 rtn peak RSS {q['peak_rss_bytes'] / 1e9:.2f} GB (goal <= 1.0; round 1 "
-              f"2.26 GB at 5.7 GB), largest tensor {largest / 1e9:.2f} GB; {q['seconds']:.1f}s vs cp -r {cp_s:.1f}s "
-              f"({q['seconds'] / cp_s:.2f}x); load {_load()}", flush=True)
+        best = max(runs, key=lambda r: r["ratio_vs_cp"])
+        q_bytes = best["output_bytes"]
+        out[label] = {"input_bytes": nbytes, "output_bytes": q_bytes, "output_over_input": round(q_bytes / nbytes, 3),
+                      "linears_output_over_input": round((q_bytes - floats) / (nbytes - floats), 3),
+                      "largest_tensor_bytes": 2 * vocab * 7168, "runs": runs, "best_ratio_vs_cp": best["ratio_vs_cp"],
+                      "peak_rss_bytes": max(r["tree_peak_rss_bytes"] for r in runs),
+                      "peak_rss_gb": round(max(r["tree_peak_rss_bytes"] for r in runs) / 1e9, 3)}
+        print(f"  => {label}: best {best['ratio_vs_cp']:.2f}x cp -r (goal >= 1.0; load {best['load_before']} -> "
+              f"{best['load_after']}); writes {q_bytes / nbytes:.2f} of the bytes it reads ("
+              f"{out[label]['linears_output_over_input']:.2f} of the linears'); tree peak RSS "
+              f"{out[label]['peak_rss_gb']:.2f} GB (goal <= 1.0)", flush=True)
     peaks = [v["peak_rss_bytes"] for v in out.values()]
     out["peak_rss_spread_gb"] = round((max(peaks) - min(peaks)) / 1e9, 3)
     print(f"  => peak RSS from {min(peaks) / 1e9:.2f} to {max(peaks) / 1e9:.2f} GB across "
@@ -479,7 +519,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_quantize")
     ap.add_argument("parts", nargs="*", default=["memory", "throughput", "calibration", "targets"])
     ap.add_argument("--sizes", default="2,8", help="synthetic model sizes in GB")
-    ap.add_argument("--memory-sizes", default=None, help="of 2GB,5.7GB,8GB (default: all)")
+    ap.add_argument("--memory-sizes", default=None, help="of 2GB,5.7GB,6GB,8GB (default: all)")
+    ap.add_argument("--reps", type=int, default=3, help="cp -r / quantize pairs per size (memory)")
+    ap.add_argument("--code", type=Path, default=ROOT, help="the checkout whose dsconv quantizes (memory)")
+    ap.add_argument("--quiet", type=float, default=1.5, help="load below which a pair starts (memory)")
+    ap.add_argument("--wait", type=float, default=0.0, help="seconds to wait for that load (memory)")
     ap.add_argument("--steps", type=int, default=400, help="training steps of the small model")
     ap.add_argument("--work", default=None, help="scratch directory (default: a temp dir, removed)")
     args = ap.parse_args(argv)
@@ -493,7 +537,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results["machine"] = {"cpus": os.cpu_count(), "load_at_start": _load()}
     try:
         if "memory" in args.parts:
-            results["memory"] = bench_memory(work, args.memory_sizes.split(",") if args.memory_sizes else None)
+            results["memory"] = bench_memory(work, args.memory_sizes.split(",") if args.memory_sizes else None,
+                                             args.reps, args.code, args.quiet, args.wait)
         if "throughput" in args.parts:
             results["throughput"] = bench_throughput([int(x) for x in args.sizes.split(",")], work)
         if "calibration" in args.parts:

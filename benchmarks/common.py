@@ -77,12 +77,13 @@ def _pss(pid: int) -> int:
 
 
 def run_tree_sampled(argv: list[str], every: float = 0.05, env: dict[str, str] | None = None,
-                     cwd: str | None = None) -> dict[str, Any]:
+                     cwd: str | None = None, pss: bool = True) -> dict[str, Any]:
     """Run `argv` and sample its whole process tree (driver, forkserver, pool workers, Ray's processes) every
     `every` s with psutil: each process's own peak (VmHWM, exact between samples while it lives), the largest
     worker's, and the peak of the tree's summed PSS (shared pages - torch's libraries in forked workers, a page
     cache mapping read by two processes - counted once, split between their users) and summed RSS (upper bound).
-    Why: `peak_rss_bytes` inside a driver is the driver alone, and a pool's workers hold the tensors."""
+    Why: `peak_rss_bytes` inside a driver is the driver alone, and a pool's workers hold the tensors.
+    `pss=False` skips the PSS (a walk of every mapping's page tables: CPU taken from a run being timed)."""
     import psutil
 
     t = time.perf_counter()
@@ -96,7 +97,7 @@ def run_tree_sampled(argv: list[str], every: float = 0.05, env: dict[str, str] |
             kids = root.children(recursive=True)
         except psutil.Error:
             kids = []
-        pss = rss = 0
+        tot_pss = rss = 0
         for proc in [root, *kids]:
             try:
                 st = _status(proc.pid)
@@ -105,10 +106,10 @@ def run_tree_sampled(argv: list[str], every: float = 0.05, env: dict[str, str] |
                 name = hwm.get(proc.pid, (None, 0))[0] or " ".join(proc.cmdline()[:3])[:80]
                 hwm[proc.pid] = (name, max(hwm.get(proc.pid, ("", 0))[1], st.get("VmHWM", 0)))
                 rss += st.get("VmRSS", 0)
-                pss += _pss(proc.pid)
+                tot_pss += _pss(proc.pid) if pss else 0
             except (OSError, psutil.Error, StopIteration):
                 continue
-        tree_pss, tree_rss = max(tree_pss, pss), max(tree_rss, rss)
+        tree_pss, tree_rss = max(tree_pss, tot_pss), max(tree_rss, rss)
         time.sleep(every)
     out, err = p.communicate()
     if p.returncode != 0:

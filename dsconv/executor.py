@@ -6,6 +6,8 @@ collects small results in order. `Executor.map(fn, jobs)` runs `fn(job)` for eac
 order, whichever implementation runs them:
 
 * inline (`--workers 1`): in this process, one after another;
+* threads (`--workers N` on this host, for jobs that run outside the GIL: weight-only quantization): N threads of
+  this process;
 * local processes (`--workers N`, default the CPU count): a process pool started through forkserver (spawn where
   there is none) - never a plain fork of a driver that has torch's threads running;
 * Ray (`--executor ray [--ray-address ADDR]`, `pip install 'dsconv[ray]'`): tasks on a Ray cluster, or on a local
@@ -60,17 +62,29 @@ class Executor:
     """Runs `fn(job)` for every job; results come back in job order. Use as a context manager."""
 
     name = "inline"
+    local = True  # jobs run on this host
 
     def __init__(self, workers: int = 1) -> None:
         self.workers = workers
         self.used = "inline"  # what actually ran the last map (inline when too little work to fan out)
 
-    def map(self, fn: Callable[[Any], Any], jobs: Sequence[Any], work_bytes: int | None = None) -> Iterator[Any]:
-        """`fn(job)` for every job, in order. `work_bytes` (bytes the jobs touch) lets a small run stay inline."""
+    def map(self, fn: Callable[[Any], Any], jobs: Sequence[Any], work_bytes: int | None = None,
+            threads: bool = False) -> Iterator[Any]:
+        """`fn(job)` for every job, in order. `work_bytes` (bytes the jobs touch) lets a small run stay inline.
+        `threads`: the jobs spend their time outside the GIL (numpy, hashing, kernel copies), so on this host they
+        run on `workers` threads of this process: a process pool would add its start-up (a forkserver importing
+        torch, each worker importing the stage) to jobs of seconds. Ray still runs them as tasks."""
         jobs = list(jobs)
         if len(jobs) <= 1 or self.workers <= 1 or (work_bytes is not None and work_bytes < INLINE_BELOW):
             self.used = "inline"
             return (fn(j) for j in jobs)
+        if threads and self.local:
+            from dsconv.runtime.threads import serial_pool
+
+            self.used = "threads"
+            pool = serial_pool(self.workers, "dsconv-job")
+            return _closing(_bounded(lambda j: pool.submit(fn, j), lambda f: f.result(), jobs, 2 * self.workers),
+                            pool)
         self.used = self.name
         return self._map(fn, jobs)
 
@@ -108,6 +122,14 @@ def _bounded(submit: Callable[[Any], Any], wait: Callable[[Any], Any], jobs: Ite
 
 
 _END = object()
+
+
+def _closing(results: Iterator[Any], pool: Any) -> Iterator[Any]:
+    """`results`, then the thread pool shut down (also when the consumer stops early: no job keeps running)."""
+    try:
+        yield from results
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _worker_init(threads: int) -> None:
@@ -157,6 +179,7 @@ class RayExecutor(Executor):
     instance with `workers` CPUs; a Ray already initialised in this process (a test's) is used as it is."""
 
     name = "ray"
+    local = False
 
     def __init__(self, workers: int | None, address: str | None) -> None:
         ray = import_ray()

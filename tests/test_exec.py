@@ -97,6 +97,10 @@ def _run(run_cli, tmp: Path, models, case, extra: list[str]) -> tuple[dict[str, 
     return tree(out), summary
 
 
+def args_of(case) -> list[str]:
+    return case[2]
+
+
 def _ran(summary: dict) -> dict:
     return summary.get("execution") or summary["output"]["execution"]
 
@@ -112,7 +116,9 @@ def test_two_processes_write_the_same_bytes(case, inline, run_cli, models, tmp_p
     files, summary = _run(run_cli, tmp_path, models, case, ["--workers", "2"])
     want, first = inline[case[0]]
     assert _ran(first) == {"executor": "inline", "workers": 1, "ran": "inline"}
-    assert _ran(summary) == {"executor": "local", "workers": 2, "ran": "local"}
+    # weight-only quantization runs outside the GIL: its jobs go to threads of the driver, the rest to processes
+    ran = "threads" if args_of(case)[0] == "quantize" else "local"
+    assert _ran(summary) == {"executor": "local", "workers": 2, "ran": ran}
     assert files == want
     assert sum(f.endswith(".safetensors") for f in files) >= 2
 

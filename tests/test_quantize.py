@@ -166,14 +166,31 @@ def test_layout_and_description_complete(models, run):
 
 def up_to_bf16(x: torch.Tensor) -> torch.Tensor:
     """Positive float32 values rounded up to 8 significant bits (the grid bf16 holds), by integer ops on the bits:
-    how every scale is written (the engines keep scales in the model dtype). Values here are all above 2**-17."""
+    how activation scales are written (the engines keep scales in the model dtype). Values here are all above
+    2**-17."""
     bits = x.float().contiguous().view(torch.int32).long()
     return ((bits + 0xFFFF) & 0xFFFF0000).to(torch.int32).view(torch.float32)
 
 
+def weight_scale_by_hand(w: torch.Tensor, qmax: int) -> torch.Tensor:
+    """The weight scale rule, by hand (rows of ``w [..., g]``): the bf16 value just above max|w| / qmax, or the one
+    just below (truncated bits) where it keeps every weight within half a step and rounds the row with a smaller
+    squared error (float64 here: a near-tie could go either way, none occurs in these models)."""
+    exact = w.abs().amax(dim=-1) / qmax
+    hi = up_to_bf16(exact)
+    lo = (exact.float().contiguous().view(torch.int32).long() & 0xFFFF0000).to(torch.int32).view(torch.float32)
+
+    def err(c: torch.Tensor) -> torch.Tensor:
+        q = torch.round(w / c[..., None]).clamp(-qmax - 1, qmax)
+        return (q * c[..., None] - w).double().square().sum(-1)
+
+    ok = (lo < hi) & (lo * (qmax + 0.5) >= w.abs().amax(dim=-1))
+    return torch.where(ok & (err(lo) < err(hi)), lo, hi)
+
+
 def test_w8a8_math_by_hand_with_bias(models, run):
-    """Qwen2 (q/k/v biases): q = round(W / s) with s = absmax/127 rounded up onto bf16's grid, deq_scale =
-    input_scale * s, quant_bias = round(bias / deq_scale - rowsum(q) * input_offset), input params from the
+    """Qwen2 (q/k/v biases): q = round(W / s) with s the bf16 value next to absmax/127 (weight_scale_by_hand),
+    deq_scale = input_scale * s, quant_bias = round(bias / deq_scale - rowsum(q) * input_offset), input params from the
     calibration range (its scale rounded up the same way)."""
     out, _ = run(models["qwen2"], "qwen2_w8a8", fallback=0)
     t = tensors_of(out)
@@ -181,7 +198,7 @@ def test_w8a8_math_by_hand_with_bias(models, run):
     ranges, _, _ = calib_stats(models["qwen2"], FAST["calib_samples"], FAST["seq_len"])
     for P in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
         w = src.load(P + ".weight").float()  # float32 arithmetic, as the engine's reference
-        scale = up_to_bf16(w.abs().amax(dim=1) / 127)
+        scale = weight_scale_by_hand(w, 127)
         q = torch.round(w / scale[:, None]).to(torch.int8)
         assert torch.equal(t[P + ".weight"], q)
         lo, hi = min(ranges[P][0], 0.0), max(ranges[P][1], 0.0)
@@ -205,7 +222,7 @@ def test_fp16_model_stores_deq_scale_as_int64_bit_pattern(models, run):
     stored = t[P + ".deq_scale"]
     assert stored.dtype == torch.int64
     deq = deq_scale_from_int64(stored.numpy())
-    scale = up_to_bf16(Checkpoint.open(models["ds16"]).load(P + ".weight").float().abs().amax(1) / 127).double()
+    scale = weight_scale_by_hand(Checkpoint.open(models["ds16"]).load(P + ".weight").float(), 127).double()
     np.testing.assert_allclose(deq, (t[P + ".input_scale"].double() * scale).numpy(), rtol=1e-6)
     assert int(stored[0]) == int(np.array([deq[0]], np.float32).view(np.int32)[0])
 
@@ -240,7 +257,7 @@ def test_w4a16_packing_and_groups(models, run):
     P = "model.layers.0.mlp.down_proj"  # [128, 256]
     w = Checkpoint.open(models["dsw"]).load(P + ".weight").float()
     g = w.reshape(128, 4, 64)
-    scale = up_to_bf16(g.abs().amax(-1) / 7)
+    scale = weight_scale_by_hand(g, 7)
     q = torch.round(g / scale[..., None]).clamp(-8, 7).reshape(128, 256).to(torch.int8)
     packed = t[P + ".weight"]
     assert packed.shape == (64, 256) and packed.dtype == torch.int8

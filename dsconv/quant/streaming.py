@@ -29,6 +29,7 @@ from dsconv.quant.formats.msmodelslim import LinearResult, emit_linear
 from dsconv.quant.formats.output import QuantWriter, as_float
 from dsconv.quant.plan.plan import LinearPlan, QuantPlan, linear_specs
 from dsconv.quant.weights import quantize_weight, rtn_linear_into
+from dsconv.runtime.process import gc_paused
 
 ERROR_SAMPLE_ROWS = 256  # rows used to estimate a big tensor's relative error
 VIEWABLE = ("BF16", "F16", "F32")
@@ -75,7 +76,10 @@ class PartResult:
 
 
 def part_jobs(ck: Checkpoint, plan: QuantPlan, qw: QuantWriter, workers: int) -> list[PartJob]:
-    """One job per output part; parts are cut into runs of whole sources when there are fewer than 2 per worker."""
+    """One job per output part; parts are cut into runs of whole sources only when there are fewer parts than workers:
+    a job that writes a whole part hashes it on the way, while a part written in runs is hashed by reading it back
+    at close, on one core after everything else (for a 5.7 GB DeepSeek-shaped checkpoint in 2 parts on 2 workers,
+    the 2-per-worker rule cut both parts and left 4.7 GB to hash at the end)."""
     params = Params(plan.group_size, plan.method, plan.deq_dtype, tuple(ck.facts.fp8_block or (128, 128)))
     weights = {lp.weight: lp for lp in plan.linears.values()}
     owner: dict[str, int] = {}  # output tensor -> index of the source producing it
@@ -97,7 +101,7 @@ def part_jobs(ck: Checkpoint, plan: QuantPlan, qw: QuantWriter, workers: int) ->
             owner[o] = len(sources)
         sources.append(src)
     layouts = qw.ts.layout()
-    pieces = max(1, -(-2 * workers // len(layouts))) if workers > 1 else 1
+    pieces = max(1, -(-workers // len(layouts)))
     jobs = []
     for i, part in enumerate(layouts):
         idx = list(dict.fromkeys(owner[s.name] for s in part.slots if s.name in owner))
@@ -129,8 +133,8 @@ def weight_only(ck: Checkpoint, plan: QuantPlan, qw: QuantWriter, progress: bool
     records: dict[str, LinearRecord] = {}
     total = sum(j.nbytes for j in jobs)
     with tqdm(total=total, unit="B", unit_scale=True, desc="quantize", disable=None if progress else True,
-              leave=False) as bar:
-        for job, res in zip(jobs, ex.map(run_part, jobs, work_bytes=total)):
+              leave=False) as bar, gc_paused():  # blocks make acyclic arrays: no collection need walk torch's objects
+        for job, res in zip(jobs, ex.map(run_part, jobs, work_bytes=total, threads=True)):
             qw.ts.adopt(job.index, job.names, res.sha256)
             qw.written.update(job.names)
             for module, qtype, err in res.records:
@@ -143,6 +147,11 @@ def weight_only(ck: Checkpoint, plan: QuantPlan, qw: QuantWriter, progress: bool
 def run_part(job: PartJob) -> PartResult:
     """Read, quantize and write one job's tensors (quantized straight from the page cache while the previous tensor
     is written on a thread and the next is read ahead by the kernel: at most two tensors' outputs alive)."""
+    with gc_paused():
+        return _run_part(job)
+
+
+def _run_part(job: PartJob) -> PartResult:
     reader = TensorReader()
     out = PartWriter(job.part)
     wanted = set(job.names)

@@ -1,5 +1,5 @@
 """Thread-level helpers every stage shares: `ordered_map`, a function over items on a process-wide thread pool with
-its results in order and only a few computed ahead."""
+its results in order and only a few computed ahead; `serial_pool`, threads in which torch runs serially."""
 from __future__ import annotations
 
 import os
@@ -13,33 +13,38 @@ _POOLS: dict[tuple[int, int], Any] = {}
 def _threads(n: int):
     """A process-wide pool of `n` threads (per pid: a forked worker gets its own). Reused across tensors, so the
     threads' scratch buffers and malloc arenas are reused too instead of growing with every new pool."""
-    from concurrent.futures import ThreadPoolExecutor
-
     key = (os.getpid(), n)
     if key not in _POOLS:
-        torch = sys.modules.get("torch")
-        if torch is None:
-            _POOLS[key] = ThreadPoolExecutor(n, thread_name_prefix="dsconv-block")
-            return _POOLS[key]
-        # The pool is the parallelism (n threads for n cores): torch ops inside a pool thread run on that thread,
-        # not on torch's own threads too. torch.set_num_threads(1) in each thread once it exists (all n are
-        # started here, on a barrier); it also moves torch's process-wide default, which this thread then puts back
-        # (its own setting unchanged: the value it reports is the default it was started with).
-        import threading
-
-        mine = torch.get_num_threads()
-        barrier = threading.Barrier(n)
-
-        def serial() -> None:
-            torch.get_num_threads()  # torch's per-thread setup first, so it does not undo the next line later
-            torch.set_num_threads(1)
-            barrier.wait()
-
-        pool = ThreadPoolExecutor(n, thread_name_prefix="dsconv-block", initializer=serial)
-        list(pool.map(lambda _: None, range(n)))  # every thread started (each ran `serial`)
-        torch.set_num_threads(mine)
-        _POOLS[key] = pool
+        _POOLS[key] = serial_pool(n, "dsconv-block")
     return _POOLS[key]
+
+
+def serial_pool(n: int, prefix: str):
+    """A pool of `n` threads in which torch runs serially: the pool is the parallelism (n threads for n cores), so a
+    torch op inside a pool thread runs on that thread, not on torch's own threads too (whose OpenMP team would spin
+    on the same cores)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return ThreadPoolExecutor(n, thread_name_prefix=prefix)
+    # torch.set_num_threads(1) in each thread once it exists (all n are started here, on a barrier); it also moves
+    # torch's process-wide default, which this thread then puts back (its own setting unchanged: the value it
+    # reports is the default it was started with).
+    import threading
+
+    mine = torch.get_num_threads()
+    barrier = threading.Barrier(n)
+
+    def serial() -> None:
+        torch.get_num_threads()  # torch's per-thread setup first, so it does not undo the next line later
+        torch.set_num_threads(1)
+        barrier.wait()
+
+    pool = ThreadPoolExecutor(n, thread_name_prefix=prefix, initializer=serial)
+    list(pool.map(lambda _: None, range(n)))  # every thread started (each ran `serial`)
+    torch.set_num_threads(mine)
+    return pool
 
 
 def ordered_map(fn, items, threads: int = 2):

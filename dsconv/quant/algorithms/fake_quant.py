@@ -7,9 +7,11 @@ the integer quantizer they dequantize.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from dsconv.quant.algorithms.schemes import activation_qparams, qrange, usable_scale
+from dsconv.quant.algorithms.scale_grid import choose_scales
+from dsconv.quant.algorithms.schemes import activation_qparams, qrange
 
 
 def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,13 +39,12 @@ def fake_quant_static(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
 
 
 def fake_quant_groups(w: torch.Tensor, bits: int, g: int) -> torch.Tensor:
-    """Symmetric round-to-nearest of a weight [n, k] at `bits`, per group of g along k (g 0 or k: per row), max|w| /
-    qmax scales: what a weight-only linear dequantizes to."""
+    """Symmetric round-to-nearest of a weight [n, k] at `bits`, per group of g along k (g 0 or k: per row), with the
+    scales round-to-nearest writes (scale_grid.py): what a weight-only linear dequantizes to, in float32."""
     qmin, qmax = qrange(bits)
     n, k = w.shape
-    w3 = w.reshape(n, groups_of(k, g), -1)
-    sc = usable_scale(w3.abs().amax(dim=-1, keepdim=True) / qmax)
-    return (torch.round(w3 / sc).clamp_(qmin, qmax) * sc).reshape(n, k)
+    q, sc = choose_scales(w.detach().reshape(n, groups_of(k, g), -1), qmin, qmax)
+    return torch.from_numpy(q.astype(np.float32) * sc).reshape(n, k)
 
 
 def groups_of(k: int, g: int) -> int:

@@ -15,7 +15,8 @@ import torch
 
 from dsconv.errors import UserError
 from dsconv.quant.algorithms.grid import search_scales
-from dsconv.quant.algorithms.schemes import is_torch, check_group_size, qrange, to_float32, usable_scale
+from dsconv.quant.algorithms.scale_grid import choose_scales
+from dsconv.quant.algorithms.schemes import is_torch, check_group_size, qrange, to_float32
 
 
 def _as_torch_f32(x: Any) -> torch.Tensor:
@@ -25,9 +26,10 @@ def _as_torch_f32(x: Any) -> torch.Tensor:
     return torch.from_numpy(np.array(to_float32(x), dtype=np.float32, copy=True))
 
 
-def _sym_scale(absmax: torch.Tensor, qmax: int) -> torch.Tensor:
-    """Same rule as schemes.symmetric_scale, in torch: absmax / qmax, all-zero rows/groups -> 1.0."""
-    return usable_scale(absmax / qmax)
+def _rtn_scale(w3: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
+    """Round-to-nearest's scales of ``w3 [n, groups, g]`` (``[n, groups]``): the engines' grid value next to
+    max|w| / qmax with each group's smallest rounding error, as schemes.quantize_weight_per_group chooses them."""
+    return torch.from_numpy(choose_scales(w3, qmin, qmax)[1][..., 0])
 
 
 def _tri_inv_lower(M: torch.Tensor) -> torch.Tensor:
@@ -121,7 +123,7 @@ def gptq_quantize(
     if not dynamic:
         gs = g or k
         scale = (search_scales(W.reshape(n, groups, gs), qmin, qmax, diag.reshape(groups, gs)) if search
-                 else _sym_scale(W.reshape(n, groups, gs).abs().amax(dim=2), qmax))
+                 else _rtn_scale(W.reshape(n, groups, gs), qmin, qmax))
     else:
         scale = torch.empty(n, groups, dtype=torch.float32)
     col_group = torch.arange(k) // g if g else torch.zeros(k, dtype=torch.long)
@@ -145,7 +147,7 @@ def gptq_quantize(
             col = i1 + i
             if dynamic and col % g == 0:
                 scale[:, col // g] = (search_scales(W1[:, None, i:i + g], qmin, qmax, diag[None, col:col + g])[:, 0]
-                                      if search else _sym_scale(W1[:, i:i + g].abs().amax(dim=1), qmax))
+                                      if search else _rtn_scale(W1[:, None, i:i + g], qmin, qmax)[:, 0])
             sc = scale[:, col_group[col]]
             wcol = W1[:, i]
             q = torch.round(wcol / sc).clamp_(qmin, qmax)

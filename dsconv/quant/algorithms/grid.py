@@ -4,15 +4,16 @@ Why: ``scale = max|w| / qmax`` spends the 4-bit grid on the group's largest weig
 (clipping that one weight) usually lowers the error of all the others by more than it costs. Each group (or row,
 per channel) gets the ratio ``r`` of a fixed grid that minimises its squared rounding error, optionally weighted
 per input column (the diagonal of the layer's Hessian: how much each column's error reaches the output). ``r = 1``
-is on the grid and wins ties, so the search never increases a group's (weighted) error over max |w|. With the
+is on the grid and wins ties, so the search never increases a group's (weighted) error over round-to-nearest. With the
 clamp at ``qmin = -8`` a ratio of 7/8 makes the group's most negative weight exactly ``-8 * scale``.
 The written format does not change: one float scale per group, zero offsets.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from dsconv.quant.algorithms.schemes import usable_scale
+from dsconv.quant.algorithms.scale_grid import absmax, quantize_rows
 
 # 1.0 first (ties keep max|w|), then down to 0.5 in steps of 1/40 (0.875 = 7/8 is on it)
 RATIOS = tuple(1.0 - i / 40 for i in range(21))
@@ -23,7 +24,7 @@ def search_scales(w: torch.Tensor, qmin: int, qmax: int, importance: torch.Tenso
                   ratios: tuple[float, ...] = RATIOS) -> torch.Tensor:
     """Per-group scales of ``w [n, groups, g]`` (float32): ``max|w| / qmax * r`` with ``r`` minimising
     ``sum_j importance[group, j] * (w_j - q_j * scale)^2`` per group; ``importance [groups, g]`` (>= 0) or None
-    (plain squared error). All-zero groups get 1.0, as in :func:`dsconv.quant.algorithms.schemes.symmetric_scale`."""
+    (plain squared error). All-zero groups get 1.0, as in round-to-nearest (scale_grid.exact_scales)."""
     return search(w, qmin, qmax, importance, ratios=ratios)[0]
 
 
@@ -32,21 +33,24 @@ def search(w: torch.Tensor, qmin: int, qmax: int, importance: torch.Tensor | Non
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`search_scales` and the ratio each group chose (``[n, groups]``). The error is the importance-weighted
     squared error, or with ``hblocks [groups, g, g]`` (a Hessian block per group: awq's clip search) the output
-    error ``d^T H_g d`` of the rounding error ``d``. The first ratio wins ties (list 1.0 first)."""
+    error ``d^T H_g d`` of the rounding error ``d``. The first ratio wins ties (list 1.0 first). Each ratio's scale
+    is the engines' grid value next to ``max|w| / qmax * r`` that round-to-nearest would choose for that range
+    (scale_grid.quantize_rows), so ratio 1.0 is exactly round-to-nearest's weight."""
     n, groups, g = w.shape
     out = torch.empty(n, groups, dtype=torch.float32)
     chosen = torch.empty(n, groups, dtype=torch.float32)
     imp = None if importance is None else importance.to(torch.float32).reshape(1, groups, g)
     step = max(1, ROW_BLOCK_ELEMS // max(1, groups * g))
     for s in range(0, n, step):
-        blk = w[s:s + step].to(torch.float32)
-        base = blk.abs().amax(dim=2) / qmax
-        best_scale = usable_scale(base)
-        best_r = torch.ones_like(base)
-        best_err = None
+        blk = w[s:s + step].to(torch.float32).contiguous()
+        b2 = blk.numpy().reshape(-1, g)
+        amax = absmax(b2)
+        q = np.empty(b2.shape, np.int8)
+        scratch, scratch2 = np.empty_like(b2), np.empty_like(b2)
+        best_scale = best_r = best_err = None
         for r in ratios:
-            sc = best_scale if r == 1.0 else usable_scale(base * r)
-            d = torch.round(blk / sc[..., None]).clamp_(qmin, qmax).mul_(sc[..., None]).sub_(blk)
+            sc = torch.from_numpy(quantize_rows(b2, amax, qmin, qmax, q, scratch, scratch2, r).reshape(-1, groups))
+            d = torch.from_numpy(q).to(torch.float32).reshape(blk.shape).mul_(sc[..., None]).sub_(blk)
             if hblocks is not None:
                 dt = d.transpose(0, 1)
                 err = (torch.bmm(dt, hblocks) * dt).sum(dim=-1).transpose(0, 1)
@@ -54,7 +58,7 @@ def search(w: torch.Tensor, qmin: int, qmax: int, importance: torch.Tensor | Non
                 d.square_()
                 err = (d if imp is None else d.mul_(imp)).sum(dim=2)
             if best_err is None:
-                best_err, best_r = err, torch.full_like(base, r)
+                best_err, best_scale, best_r = err, sc, torch.full_like(sc, r)
                 continue
             better = err < best_err
             best_err = torch.where(better, err, best_err)

@@ -15,13 +15,13 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from dsconv.errors import UserError
 # the stored format's math lives below the stages (readers need it too); re-exported for the quantizer
+from dsconv.quant.algorithms.scale_grid import MIN_SCALE, TILE_ELEMS, RowPlan, absmax, grid_ceil
 from dsconv.qformat import (deq_scale_as_int64, deq_scale_from_int64, dequant_weight, pack_int4,  # noqa: F401
                             pack_int4_along_k, unpack_int4, unpack_int4_along_k, unpack_int4_by_shape)
 
@@ -31,17 +31,6 @@ BLOCK_ELEMS = 1 << 22
 # Tensors larger than this are split across threads (numpy ufuncs release the GIL; 2 threads ~ 2x, see notes).
 THREAD_MIN_ELEMS = 1 << 24
 INT8_MIN, INT8_MAX = -128, 127
-# Smallest usable scale: below it 1/scale overflows float32. Rows (or groups) whose absmax gives a smaller scale are
-# all (near) zero; they get scale 1.0 so dequantisation yields exact zeros and quant_bias = bias/deq_scale stays small.
-_MIN_SCALE = float(np.finfo(np.float32).tiny) * 16
-# Scales are written as float32, but vLLM-Ascend loads input_scale and the W8A8_DYNAMIC / W8A16 weight_scale into
-# parameters of the model dtype (bf16 or fp16; w8a8_static.py::get_pertensor_param, w8a8_dynamic.py), so a float32
-# value that dtype cannot hold would be rounded by the engine and it would compute with another scale than the one
-# the weights were quantized with. Every scale is therefore rounded UP onto a grid all three dtypes hold exactly:
-# bf16's 8 significant bits, and below 2**-17 (where bf16 is finer than fp16's subnormal step) multiples of 2**-24.
-# Rounding up keeps every weight and calibrated activation inside the int range; it costs < 0.8% of scale.
-_FP16_SUBNORMAL_STEP = 2.0 ** -24
-_BF16_FINER_THAN_FP16 = 2.0 ** -17
 
 
 # ----------------------------------------------------------------------------------------------- input helpers
@@ -98,30 +87,6 @@ def _fill_float32(out: np.ndarray, src: Any) -> np.ndarray:
     return out
 
 
-def _map_row_blocks(w: Any, fn: Callable[[int, int, np.ndarray, np.ndarray], None]) -> None:
-    """Call ``fn(start, stop, block, scratch)`` for every row block: ``block`` is the rows as float32 (read only),
-    ``scratch`` a float32 buffer of the same shape the function may overwrite. Two threads for large tensors."""
-    n, k = w.shape
-    step = _rows_per_block(n, k)
-    threads = min(2, os.cpu_count() or 1) if n * k >= THREAD_MIN_ELEMS else 1
-    local = threading.local()
-
-    def job(s: int) -> None:
-        if not hasattr(local, "buf"):
-            local.buf = np.empty((step, k), np.float32)
-            local.scratch = np.empty((step, k), np.float32)
-        e = min(n, s + step)
-        blk = _fill_float32(local.buf[: e - s], w[s:e])
-        fn(s, e, blk, local.scratch[: e - s])
-
-    if threads == 1:
-        for s in range(0, n, step):
-            job(s)
-        return
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(job, range(0, n, step)))
-
-
 # ----------------------------------------------------------------------------------------------- weight scales
 def qrange(bits: int) -> tuple[int, int]:
     """(qmin, qmax) of signed ``bits``-bit integers; the scale uses qmax so the grid is symmetric (-7..7 for int4,
@@ -134,75 +99,40 @@ def qrange(bits: int) -> tuple[int, int]:
 
 
 def usable_scale(scale: Any) -> Any:
-    """The scale as written (numpy or torch float32, same kind as given): values too small to invert (all-zero
-    rows/groups) become 1.0, the rest are rounded up onto the grid bf16, fp16 and float32 all hold exactly (see
-    _FP16_SUBNORMAL_STEP), so every engine computes with the value the weights were quantized with."""
+    """An activation or KV-cache scale as written (numpy or torch float32, same kind as given): values too small to
+    invert (all-zero ranges) become 1.0, the rest are rounded up onto the grid bf16, fp16 and float32 all hold
+    exactly (scale_grid.grid_ceil), so every engine computes with the value the activations are quantized with and
+    every calibrated value stays inside the int8 range. Weight scales are chosen on the same grid by their own
+    rounding error instead (:func:`quantize_weight_per_group`)."""
     if is_torch(scale):
         import torch
 
         s = scale.to(torch.float32)
-        s = torch.where(s < _MIN_SCALE, torch.ones_like(s), s)
-        return torch.from_numpy(_onto_grid(s.numpy()))
+        s = torch.where(s < MIN_SCALE, torch.ones_like(s), s)
+        return torch.from_numpy(grid_ceil(s.numpy()))
     s = np.asarray(scale, dtype=np.float32)
-    return _onto_grid(np.where(s < _MIN_SCALE, np.float32(1.0), s).astype(np.float32))
-
-
-def _onto_grid(s: np.ndarray) -> np.ndarray:
-    """Positive float32 -> the next value up with 8 significant bits (bf16); below 2**-17 the next multiple of
-    2**-24 (fp16's subnormal step, which is then coarser than bf16's)."""
-    shape = np.shape(s)
-    s = np.ascontiguousarray(s, dtype=np.float32).reshape(-1)  # (a 0-d input comes back 1-d from numpy)
-    bits = s.view(np.uint32).astype(np.uint64)
-    up = ((bits + 0xFFFF) & 0xFFFF0000).astype(np.uint32).view(np.float32)
-    tiny = s < _BF16_FINER_THAN_FP16
-    if tiny.any():
-        up = np.where(tiny, (np.ceil(s.astype(np.float64) / _FP16_SUBNORMAL_STEP) * _FP16_SUBNORMAL_STEP)
-                      .astype(np.float32), up)
-    return up.reshape(shape)
+    return grid_ceil(np.where(s < MIN_SCALE, np.float32(1.0), s).astype(np.float32))
 
 
 def symmetric_scale(absmax: np.ndarray, bits: int, name: str = "weight") -> np.ndarray:
-    """float32 ``absmax / qmax`` as a usable_scale; NaN/Inf is an error."""
+    """float32 ``absmax / qmax`` as a usable_scale (KV-cache scales); NaN/Inf is an error."""
+    return usable_scale(_finite(absmax, name) / np.float32(qrange(bits)[1]))
+
+
+def _finite(absmax: Any, name: str) -> np.ndarray:
     absmax = np.asarray(absmax, dtype=np.float32)
     if not np.isfinite(absmax).all():
         raise UserError(f"tensor {name} contains NaN or Inf values", hint="check the checkpoint (dsconv inspect)")
-    return usable_scale(absmax / np.float32(qrange(bits)[1]))
-
-
-def _absmax_rows(blk: np.ndarray, axis: int = -1) -> np.ndarray:
-    """max(|x|) along ``axis`` without materialising |x| (two reductions are cheaper than a full-size temporary)."""
-    return np.maximum(blk.max(axis=axis, keepdims=True), -blk.min(axis=axis, keepdims=True))
-
-
-def _round_clip_into(
-    out: np.ndarray, blk: np.ndarray, scale: np.ndarray, qmin: int, qmax: int, scratch: np.ndarray
-) -> None:
-    """out[...] = clamp(rint(blk / scale), qmin, qmax), computed in ``scratch`` (no allocation). The clamp is
-    redundant for absmax scales (|w / scale| rounds to at most qmax) but cheap insurance for the int8 cast."""
-    t = np.divide(blk, scale, out=scratch)
-    np.rint(t, out=t)
-    np.clip(t, qmin, qmax, out=t)
-    np.copyto(out, t, casting="unsafe")
+    return absmax
 
 
 def quantize_weight_per_channel(w: Any, bits: int = 8, name: str = "weight") -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric per-output-channel quantization: ``q int8 [n, k]``, ``scale float32 [n, 1] = absmax / qmax``.
+    """Symmetric per-output-channel round-to-nearest: ``q int8 [n, k]`` and ``scale float32 [n, 1]``, the grid
+    value next to ``absmax / qmax`` with the channel's smallest rounding error (scale_grid.py).
 
     The offset the format stores is zeros (``np.zeros_like(scale)``). Works in row blocks (see module docstring).
     """
-    n, k = _shape2d(w, name)
-    qmin, qmax = qrange(bits)
-    q = np.empty((n, k), dtype=np.int8)
-    scale = np.ones((n, 1), dtype=np.float32)
-    if n == 0 or k == 0:
-        return q, scale
-
-    def block(s: int, e: int, blk: np.ndarray, scratch: np.ndarray) -> None:
-        sc = symmetric_scale(_absmax_rows(blk), bits, name)
-        scale[s:e] = sc
-        _round_clip_into(q[s:e], blk, sc, qmin, qmax, scratch)
-
-    _map_row_blocks(w, block)
+    q, scale, _ = quantize_weight_per_group(w, 0, bits, name)
     return q, scale
 
 
@@ -229,26 +159,16 @@ def check_group_size(k: int, group_size: int, name: str = "weight") -> None:
 def quantize_weight_per_group(
     w: Any, group_size: int, bits: int = 4, name: str = "weight"
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Symmetric per-group quantization along k: ``q int8 [n, k]`` (in -8..7 for 4 bits), ``scale`` and zero
-    ``offset`` float32 ``[n, k / group_size]``. ``group_size == 0`` is per channel (``[n, 1]``)."""
+    """Symmetric per-group round-to-nearest along k: ``q int8 [n, k]`` (in -8..7 for 4 bits), ``scale`` and zero
+    ``offset`` float32 ``[n, k / group_size]``. ``group_size == 0`` is per channel (``[n, 1]``). Each group's scale
+    is the grid value next to ``absmax / qmax`` with its smallest rounding error (scale_grid.py)."""
     n, k = _shape2d(w, name)
     check_group_size(k, group_size, name)
-    if group_size == 0 or group_size == k or n == 0:
-        q, scale = quantize_weight_per_channel(w, bits, name)
-        return q, scale, np.zeros_like(scale)
-    qmin, qmax = qrange(bits)
-    groups = k // group_size
+    groups = k // group_size if group_size not in (0, k) else 1
     q = np.empty((n, k), dtype=np.int8)
-    scale = np.empty((n, groups), dtype=np.float32)
-
-    def block(s: int, e: int, blk: np.ndarray, scratch: np.ndarray) -> None:
-        shape3 = (e - s, groups, group_size)
-        b3 = blk.reshape(shape3)
-        sc = symmetric_scale(_absmax_rows(b3), bits, name)  # [rows, groups, 1]
-        scale[s:e] = sc[..., 0]
-        _round_clip_into(q[s:e].reshape(shape3), b3, sc, qmin, qmax, scratch.reshape(shape3))
-
-    _map_row_blocks(w, block)
+    scale = np.ones((n, groups), dtype=np.float32)
+    for s, e, _, sc in _quantized_rows(w, bits, group_size, name, out=q):
+        scale[s:e] = sc
     return q, scale, np.zeros_like(scale)
 
 
@@ -266,38 +186,47 @@ def iter_quantized_rows(
     int4 packs pairs of output rows."""
     n, k = _shape2d(w, name)
     check_group_size(k, group_size, name)
+    yield from _quantized_rows(w, bits, group_size, name, done=done)
+
+
+def _quantized_rows(w: Any, bits: int, group_size: int, name: str, out: np.ndarray | None = None,
+                    done: Callable[[int, int], None] | None = None
+                    ) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
+    """:func:`iter_quantized_rows` writing into ``out`` (int8 [n, k]) when given, else into a new array per block."""
+    n, k = w.shape
     if n == 0 or k == 0:
         return
-    per_group = group_size not in (0, k)
-    groups = k // group_size if per_group else 1
+    groups = k // group_size if group_size not in (0, k) else 1
     qmin, qmax = qrange(bits)
     step = max(2, _rows_per_block(n, k) // 2 * 2)
     threads = min(2, os.cpu_count() or 1) if n * k >= THREAD_MIN_ELEMS else 1
     local = threading.local()
 
+    rows = max(1, min(step, TILE_ELEMS // k))  # a tile: the rows widened and quantized while in the core's cache
+    g = k // groups
+
     def job(s: int) -> tuple[int, int, np.ndarray, np.ndarray]:
         if not hasattr(local, "buf"):
-            local.buf = np.empty((step, k), np.float32)
-            local.scratch = np.empty((step, k), np.float32)
+            local.buf, local.t, local.r = (np.empty((rows, k), np.float32) for _ in range(3))
         e = min(n, s + step)
-        blk = _fill_float32(local.buf[: e - s], w[s:e])
-        q = np.empty((e - s, k), np.int8)
-        if per_group:
-            shape3 = (e - s, groups, group_size)
-            b3 = blk.reshape(shape3)
-            sc = symmetric_scale(_absmax_rows(b3), bits, name)
-            _round_clip_into(q.reshape(shape3), b3, sc, qmin, qmax, local.scratch[: e - s].reshape(shape3))
-            return s, e, q, sc[..., 0]
-        sc = symmetric_scale(_absmax_rows(blk), bits, name)
-        _round_clip_into(q, blk, sc, qmin, qmax, local.scratch[: e - s])
-        return s, e, q, sc
+        amax = np.empty(((e - s) * groups, 1), np.float32)
+        for a in range(s, e, rows):  # every tile's max |w| first: the candidates are worked out once per block
+            b = min(e, a + rows)
+            amax[(a - s) * groups:(b - s) * groups] = absmax(_fill_float32(local.buf[: b - a], w[a:b]).reshape(-1, g))
+        plan = RowPlan(_finite(amax, name), qmin, qmax)
+        q = np.empty((e - s, k), np.int8) if out is None else out[s:e]
+        for a in range(s, e, rows):  # widened again: cheaper than reading back a block-sized float32 copy
+            b = min(e, a + rows)
+            plan.tile((a - s) * groups, _fill_float32(local.buf[: b - a], w[a:b]).reshape(-1, g),
+                      q[a - s:b - s].reshape(-1, g), local.t.reshape(-1, g), local.r.reshape(-1, g))
+        return s, e, q, plan.scales().reshape(e - s, groups)
 
     from dsconv.runtime.threads import ordered_map
 
-    for out in ordered_map(job, range(0, n, step), threads):
-        yield out
+    for res in ordered_map(job, range(0, n, step), threads):
+        yield res
         if done is not None:
-            done(out[0], out[1])
+            done(res[0], res[1])
 
 
 # ----------------------------------------------------------------------------------------------- activations
