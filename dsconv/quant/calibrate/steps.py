@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -38,18 +38,19 @@ from dsconv.quant.algorithms import clipping
 from dsconv.quant.algorithms.observers import MinMaxObserver
 from dsconv.quant.algorithms.schemes import dequant_weight
 from dsconv.quant.calibrate import awq
-from dsconv.quant.calibrate.context import CalibContext
+from dsconv.quant.calibrate.calib_jobs import Dispatch
+from dsconv.quant.calibrate.context import CalibContext, LayerActivations, StatsSpec
+from dsconv.quant.calibrate.forward_jobs import Forward
 from dsconv.quant.calibrate.hooks import ExpertRecorder, LinearHooks
-from dsconv.quant.calibrate.kv_cache import cache_stats
+from dsconv.quant.calibrate.kv_cache import CacheStats, cache_stats
 from dsconv.quant.calibrate.layers import install_forward
 from dsconv.quant.calibrate.smooth_layer import Smoothed, fold, smoothing_probes
 from dsconv.quant.calibrate.stats import InputStats
+from dsconv.quant.formats.output import QuantWriter
 from dsconv.quant.formats.msmodelslim import FA_QUANT
 from dsconv.quant.plan.options import smoothing_of
 from dsconv.quant.plan.plan import ACT_QUANT, LinearPlan
 
-if TYPE_CHECKING:
-    from dsconv.quant.calibrate.calibration import Calibrator
 
 STEPS = ("materialise", "awq", "forward", "smooth_search", "clip_search", "linear_jobs", "propagate", "experts",
          "write")
@@ -144,7 +145,27 @@ def rescale_inputs(group: dict[nn.Module, InputStats], inputs: dict[nn.Module, t
             st.rescale(s)
 
 
-def calibrate_layer(cal: "Calibrator", i: int) -> None:
+class LayerRun(Protocol):
+    """What a layer's steps use of the run (calibration.py's Calibrator, which owns it): its context, activations,
+    forward, job dispatch, writer and clock, and where the layer's decisions go."""
+    ctx: CalibContext
+    acts: LayerActivations
+    fwd: Forward
+    jobs: Dispatch
+    qw: QuantWriter
+    stats: StatsSpec
+    clock: StepClock
+    by_layer: dict[int, list[LinearPlan]]
+    decisions: dict[str, Any]
+    smoothing: list[dict[str, Any]]
+
+    def kv_pass(self, layer: nn.Module, experts: nn.Module | None, cache: CacheStats) -> None: ...
+
+    def run_experts(self, i: int, experts: nn.Module, recorder: ExpertRecorder, lps: dict[str, LinearPlan],
+                    col_scale: torch.Tensor | None) -> None: ...
+
+
+def calibrate_layer(cal: LayerRun, i: int) -> None:
     """Layer i's steps (module docstring), each timed on `cal.clock`."""
     run, sk, plan, qw, acts, fwd, clock = cal.ctx, cal.ctx.sk, cal.ctx.plan, cal.qw, cal.acts, cal.fwd, cal.clock
     clock.layer = i
