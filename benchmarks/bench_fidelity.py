@@ -86,7 +86,7 @@ def fixture_dir(name: str = "qwen") -> Path:
 
 
 # ------------------------------------------------------------------------------------------- evaluation text
-def eval_chunks(tokenizer: Any, chunks: int) -> list[list[int]]:
+def eval_chunks(tokenizer: Any, chunks: int, seq: int = SEQ) -> list[list[int]]:
     import pydoc_data.topics as topics
 
     text = "\n\n".join(topics.topics[k].strip() for k in sorted(topics.topics))
@@ -94,7 +94,7 @@ def eval_chunks(tokenizer: Any, chunks: int) -> list[list[int]]:
     # a model whose tokenizer starts every text with BOS (Gemma) is evaluated as it runs: each window opens with it
     bos = tokenizer.bos_token_id
     lead = [bos] if bos is not None and tokenizer("x")["input_ids"][:1] == [bos] else []
-    step = SEQ - len(lead)
+    step = seq - len(lead)
     return [lead + ids[s:s + step] for s in range(0, len(ids) - step + 1, step)][:chunks]
 
 

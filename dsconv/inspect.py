@@ -12,7 +12,7 @@ from collections import defaultdict
 from typing import Any
 
 from dsconv.families.roles import Category
-from dsconv.qformat import cache_tensors, int8_cache, scale_bias_chunks
+from dsconv.qformat import FA_QUANT, FA_QUANT_WHERE, cache_tensors, int8_cache, scale_bias_chunks
 from dsconv.soc import soc_facts
 from dsconv.tensors import human_bytes
 
@@ -78,6 +78,7 @@ def inspect_model(ck: Any) -> dict[str, Any]:
         "quantized": bool(ck.is_quantized),
         # the cache this checkpoint runs with: int8 when quantized with --kv-cache int8 (description C8)
         "kv_cache": "int8" if int8_cache(getattr(ck, "quant_description", None)) else "bf16",
+        "kv_cache_form": FA_QUANT if (getattr(ck, "quant_description", None) or {}).get("fa_quant_type") else None,
     }
     report["cards"] = cards_needed(quantizable, other, {"w4a8": w4a8} if experts and not ck.is_quantized else None)
     if not ck.is_quantized and not ck.family.quantize_refused:
@@ -171,7 +172,8 @@ def render(report: dict[str, Any]) -> str:
     lines.append("architecture: " + ", ".join(geo))
     kv = report["kv_cache_bytes_per_token"]
     lines.append(f"KV cache per token (all layers): {kv['bf16']:,} B in BF16/FP16, {kv['int8']:,} B in INT8"
-                 + ("; this checkpoint's cache is INT8" if report.get("kv_cache") == "int8" else ""))
+                 + ("; this checkpoint's cache is INT8" if report.get("kv_cache") == "int8" else "")
+                 + (f" (FA quant: {FA_QUANT_WHERE})" if report.get("kv_cache_form") == FA_QUANT else ""))
     lines.append("")
     for eng, kinds in report.get("engine_recipes", {}).items():
         lines.append(f"quantize --bits 8 --engine {eng}: " + ", ".join(f"{k} {t}" for k, t in kinds.items()))

@@ -35,29 +35,30 @@ def _flat32(s: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(s, dtype=np.float32).reshape(-1)  # (a 0-d input comes back 1-d from numpy)
 
 
-def grid_ceil(s: np.ndarray) -> np.ndarray:
-    """Positive float32 -> the smallest grid value >= s: 8 significant bits (bf16), below 2**-17 the next multiple
-    of 2**-24 (fp16's subnormal step, which is then coarser than bf16's)."""
+def _to_grid(s: np.ndarray, up: bool) -> np.ndarray:
+    """Positive float32 -> the nearest grid value above (`up`) or below: bf16's 8 significant bits by bit masking,
+    below 2**-17 multiples of 2**-24 (fp16's subnormal step, which is then coarser than bf16's)."""
     shape = np.shape(s)
     s = _flat32(s)
-    up = ((s.view(np.uint32).astype(np.uint64) + 0xFFFF) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+    if up:
+        g = ((s.view(np.uint32).astype(np.uint64) + 0xFFFF) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+    else:
+        g = (s.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
     tiny = s < BF16_FINER_THAN_FP16
     if tiny.any():
-        up = np.where(tiny, (np.ceil(s.astype(np.float64) / FP16_SUBNORMAL_STEP) * FP16_SUBNORMAL_STEP)
-                      .astype(np.float32), up)
-    return up.reshape(shape)
+        steps = (np.ceil if up else np.floor)(s.astype(np.float64) / FP16_SUBNORMAL_STEP)
+        g = np.where(tiny, (steps * FP16_SUBNORMAL_STEP).astype(np.float32), g)
+    return g.reshape(shape)
+
+
+def grid_ceil(s: np.ndarray) -> np.ndarray:
+    """Positive float32 -> the smallest grid value >= s."""
+    return _to_grid(s, up=True)
 
 
 def grid_floor(s: np.ndarray) -> np.ndarray:
     """Positive float32 -> the largest grid value <= s (0 when s is below the grid's smallest value, 2**-24)."""
-    shape = np.shape(s)
-    s = _flat32(s)
-    down = (s.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
-    tiny = s < BF16_FINER_THAN_FP16
-    if tiny.any():
-        down = np.where(tiny, (np.floor(s.astype(np.float64) / FP16_SUBNORMAL_STEP) * FP16_SUBNORMAL_STEP)
-                        .astype(np.float32), down)
-    return down.reshape(shape)
+    return _to_grid(s, up=False)
 
 
 def absmax(blk: np.ndarray) -> np.ndarray:

@@ -9,6 +9,13 @@ states a serving engine would write to its int8 cache; it keeps each channel's m
 tokens and hands the states back unchanged (there is no cache: each batch attends to itself, as without one).
 Max is order-free, so the forward jobs' partial statistics merge exactly (`merge`).
 
+Keys are cached after rope, and calibration samples are short (tens to hundreds of tokens), so a channel's maximum
+over them holds only for the positions seen: rope turns each pair of channels (i, i + rotary/2, transformers'
+rotate_half) by an angle that grows with the position, moving a pair's magnitude between its two channels. A pair's
+norm does not change with the angle, so the key scale of both channels of a pair is the pair's largest norm: it
+holds at every position the engine serves (the cache layout is unchanged). Values are not rotated and keep their
+per-channel maxima.
+
 FA quant (DeepSeek MLA), as msModelSlim's fa3 processor (processor/quant/fa3/processor.py, hooks placed by
 model/deepseek_v3/model_adapter.py::inject_fa3_placeholders): `FAStats` hooks the layer's modules and measures
 * fa_q: the query's no-rope part after absorbing kv_b_proj's key part (q_nope @ W_UK: what the latent is scored
@@ -45,8 +52,9 @@ class KVCacheStats:
     """A stand-in for transformers' Cache during a statistics pass: per-channel max |key| and |value| of the states
     the attention would cache, real tokens only."""
 
-    def __init__(self, rows: RowMask) -> None:
+    def __init__(self, rows: RowMask, rotary_fraction: float = 1.0) -> None:
         self.rows = rows
+        self.rotary_fraction = rotary_fraction  # the head's share that rope turns (partial_rotary_factor)
         self.cache = self  # what the decoder layer is given as its cache
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
@@ -54,17 +62,22 @@ class KVCacheStats:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int | None = None,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self._channels(key_states), self._channels(value_states)
+        k, v = self._channels(key_states, rotated=True), self._channels(value_states)
         self.k = _max(self.k, k)
         self.v = _max(self.v, v)
         self.tokens += int(self.rows.count if self.rows.rows is None else self.rows.rows.sum())
         return key_states, value_states
 
-    def _channels(self, x: torch.Tensor) -> torch.Tensor:
-        """[batch, heads, seq, head_dim] -> per channel (heads outermost, as k_proj writes its rows) max |x|."""
+    def _channels(self, x: torch.Tensor, rotated: bool = False) -> torch.Tensor:
+        """[batch, heads, seq, head_dim] -> per channel (heads outermost, as k_proj writes its rows) max |x|; for
+        `rotated` states each rope pair's max norm on both its channels (position-free, see the module's doc)."""
         b, h, s, d = x.shape
         flat = self.rows.apply(x.detach().transpose(1, 2).reshape(b * s, h * d), "the attention's cache states")
-        return flat.abs().amax(dim=0).float() if flat.shape[0] else torch.zeros(h * d)
+        if not flat.shape[0]:
+            return torch.zeros(h * d)
+        if not rotated:
+            return flat.abs().amax(dim=0).float()
+        return pair_norm_max(flat.float().view(-1, h, d), self.rotary_fraction).reshape(h * d)
 
     def merge(self, other: "KVCacheStats | tuple | None") -> None:
         """Fold another pass's (or a job's `partial()`) maxima into these."""
@@ -97,6 +110,20 @@ class KVCacheStats:
             out[f"{module}.{SCALE}"] = torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32))
             out[f"{module}.{OFFSET}"] = torch.zeros(width, dtype=torch.float32)
         return out
+
+
+def pair_norm_max(keys: torch.Tensor, rotary_fraction: float = 1.0) -> torch.Tensor:
+    """[tokens, heads, head_dim] post-rope keys -> [heads, head_dim]: each rope pair (i, i + rotary/2)'s largest
+    norm over the tokens on both its channels; channels rope leaves alone keep their max |x|."""
+    d = keys.shape[-1]
+    r = int(d * rotary_fraction) // 2 * 2
+    out = keys.abs().amax(dim=0)
+    if r:
+        half = r // 2
+        norm = torch.sqrt(keys[..., :half] ** 2 + keys[..., half:r] ** 2).amax(dim=0)
+        out[:, :half] = norm
+        out[:, half:r] = norm
+    return out
 
 
 def _max(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
@@ -204,8 +231,15 @@ def cache_stats(kv: KVLayer, sk: Any, layer: nn.Module, rows: RowMask) -> CacheS
     """The statistics object of one layer's cache form, attached to `layer` (its `cache`, if any, goes to the
     layer's forward; `remove()` detaches it)."""
     if kv.form == C8:
-        return KVCacheStats(rows)
+        return KVCacheStats(rows, rotary_fraction(sk.ck.facts.hf()))
     by_ck = {sk.ck_name(sk.module_names[m] + ".weight")[: -len(".weight")]: m for m in layer.modules()
              if m in sk.module_names and "weight" in dict(m.named_parameters(recurse=False))}
     facts = sk.ck.facts
     return FAStats(kv, by_ck, rows, facts.num_heads, facts.qk_nope_head_dim)
+
+
+def rotary_fraction(cfg: Any) -> float:
+    """The share of each head rope turns: transformers' partial_rotary_factor (rope_parameters in v5, top level
+    before)."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    return float(params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) or 1.0)

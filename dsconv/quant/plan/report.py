@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsconv.qformat import FA_QUANT, FA_QUANT_WHERE
 from dsconv.quant.plan.plan import STATIC, QuantPlan, model_quant_type
 from dsconv.quant.plan.recipe import RECIPE_FLOAT_REASON
 
@@ -302,12 +303,17 @@ def kv_cache_summary(plan: QuantPlan) -> dict[str, Any] | None:
     model dtype)."""
     if not plan.kv:
         return None
-    return {"type": next(iter(plan.kv.values())).form, "layers": len(plan.kv),
-            "scales": sum(n for kv in plan.kv.values() for _, n in kv.owners)}
+    form = next(iter(plan.kv.values())).form
+    return {"type": form, "layers": len(plan.kv),
+            "scales": sum(n for kv in plan.kv.values() for _, n in kv.owners),
+            **({"used": FA_QUANT_WHERE} if form == FA_QUANT else {})}
 
 
 def _kv_text(kv: dict[str, Any] | None) -> str:
-    return f"; KV cache int8 ({kv['type']} scales for {kv['layers']} layers)" if kv else ""
+    if not kv:
+        return ""
+    where = f": {FA_QUANT_WHERE}" if kv["type"] == FA_QUANT else ""
+    return f"; KV cache int8 ({kv['type']} scales for {kv['layers']} layers{where})"
 
 
 def render_plan(p: dict[str, Any]) -> str:
