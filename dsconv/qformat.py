@@ -159,8 +159,8 @@ def dequant_weight(
 # quant/formats/msmodelslim.py): C8 for GQA caches, FAQuant for DeepSeek's MLA latent
 C8 = "C8"
 FA_QUANT = "FAQuant"
-# vLLM-Ascend reads FA quant's int8 cache only on a disaggregated decode instance or on A5 (quantization/utils.py, modelslim_config.py,
-# mla_v1.py: docs/engine_rules.md)
+# vLLM-Ascend reads FA quant's int8 cache only on a disaggregated decode instance or on A5 (its quantization/utils.py,
+# modelslim_config.py, mla_v1.py; docs/formats/kv_cache_c8.md)
 FA_QUANT_WHERE = ("vLLM-Ascend uses it only on a disaggregated decode instance (kv_consumer) on A2/A3 or on A5; "
                   "elsewhere its tensors load and the cache stays bf16")
 
