@@ -64,6 +64,11 @@ SCHEMES: dict[str, tuple[list[str], float | str | None]] = {
                                      "--method", "mse"], VS_RTN),
     # + int8 KV cache (C8): keys and values pass through the int8 cache in every attention
     "W8A8 static + C8 KV cache (--bits 8 --kv-cache int8)": (["--bits", "8", "--kv-cache", "int8"], 2.0),
+    # PD-mix (vLLM-Ascend's recipe: routed experts W8A8_DYNAMIC, down_proj W8A8_DYNAMIC): one output, each path
+    # computed as the instance that runs it does - static on a decode instance, dynamic on prefill
+    "W8A8_MIX decode path (static; --scheme w8a8_mix --engine vllm-ascend)": (
+        ["--scheme", "w8a8_mix", "--engine", "vllm-ascend"], 2.0),
+    "W8A8_MIX prefill path (dynamic)": (["--scheme", "w8a8_mix", "--engine", "vllm-ascend"], 1.5),
     # not in the default table: static everywhere (what an engine that reads one type per model gets)
     "W8A8 static, uniform recipe": (["--bits", "8", "--recipe", "uniform"], 2.0),
 }
@@ -73,8 +78,10 @@ KEYS = {"w8a16": "W8A16", "w8a8": "W8A8 static (--bits 8)", "w8a8_vllm": "W8A8 s
         "awq": "W4A16 g64 AWQ", "w8a16_awq": "W8A16 AWQ",
         "w8a16_gptq": "W8A16 GPTQ", "uniform": "W8A8 static, uniform recipe",
         "w4a8": "W4A8_DYNAMIC MoE recipe RTN", "w4a8_gptq": "W4A8_DYNAMIC MoE recipe GPTQ",
-        "w4a8_mse": "W4A8_DYNAMIC MoE recipe MSE", "w8a8_c8": "W8A8 static + C8 KV cache (--bits 8 --kv-cache int8)"}
-DEFAULT_KEYS = ("w8a16", "w8a16_gptq", "w8a8", "w8a8_vllm", "w8a8_dynamic", "w8a8_c8", "rtn", "mse", "gptq", "w4",
+        "w4a8_mse": "W4A8_DYNAMIC MoE recipe MSE", "w8a8_c8": "W8A8 static + C8 KV cache (--bits 8 --kv-cache int8)",
+        "w8a8_mix": "W8A8_MIX decode path (static; --scheme w8a8_mix --engine vllm-ascend)"}
+MIX_PATH_LABELS = {"static": KEYS["w8a8_mix"], "dynamic": "W8A8_MIX prefill path (dynamic)"}
+DEFAULT_KEYS = ("w8a16", "w8a16_gptq", "w8a8", "w8a8_vllm", "w8a8_dynamic", "w8a8_mix", "w8a8_c8", "rtn", "mse", "gptq", "w4",
                 "w4a8", "w4a8_gptq", "w4a8_mse")
 MOE_FIXTURES = ("qwen-moe",)  # run only the W4A8 rows (the others are the dense model's own figures)
 RESULT_NAME = "fidelity"
@@ -115,10 +122,12 @@ def perplexity(model: Any, chunks: list[list[int]]) -> float:
 class EngineLinear:
     """One quantized linear computed as the engine computes its type (float32 simulation of the integer math)."""
 
-    def __init__(self, qtype: str, t: dict[str, Any], shape: tuple[int, int]) -> None:
+    def __init__(self, qtype: str, t: dict[str, Any], shape: tuple[int, int], mix_path: str = "dynamic") -> None:
         import torch
 
         n, k = shape
+        if qtype == "W8A8_MIX":  # one of its two sides, as the instance running that path reads it
+            qtype = "W8A8" if mix_path == "static" else "W8A8_DYNAMIC"
         self.qtype = qtype
         w = t["weight"].to(torch.int8)
         if qtype in ("W4A16", "W4A8_DYNAMIC"):
@@ -164,8 +173,9 @@ class EngineLinear:
         return y if self.bias is None else y + self.bias
 
 
-def load_quantized(out: Path) -> tuple[Any, dict[str, int]]:
-    """The model of a quantized output directory: config from it, FLOAT tensors from it, linears engine-simulated."""
+def load_quantized(out: Path, mix_path: str = "dynamic") -> tuple[Any, dict[str, int]]:
+    """The model of a quantized output directory: config from it, FLOAT tensors from it, linears engine-simulated
+    (a W8A8_MIX linear on its `mix_path`)."""
     import torch
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -193,7 +203,7 @@ def load_quantized(out: Path) -> tuple[Any, dict[str, int]]:
         lin = modules[P]
         qtype = desc[P + ".weight"]
         parts = {k[len(P) + 1:]: v for k, v in tensors.items() if k.startswith(P + ".") and "." not in k[len(P) + 1:]}
-        eng = EngineLinear(qtype, parts, (lin.out_features, lin.in_features))
+        eng = EngineLinear(qtype, parts, (lin.out_features, lin.in_features), mix_path)
         lin.forward = eng  # instance attribute: nn.Module.__call__ picks it up
         counts[qtype] = counts.get(qtype, 0) + 1
     handled = _install_expert_loops(modules, desc, tensors, counts)
@@ -357,22 +367,26 @@ def run_model(name: str, model_dir: Path, keys: list[str], a: argparse.Namespace
         except Refused as e:
             print(f"{name} {label:40s} refused by dsconv: {str(e)[:200]}", flush=True)
             continue
-        model, counts = load_quantized(out)
-        ppl = perplexity(model, chunks)
-        del model
-        qa = answer_agreement(model_dir, out, answers, a.qa_tokens) if answers is not None else None
-        total = sum(counts.values())
-        size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-        row = {"args": args + extra, "ppl": ppl, "increase_pct": 100.0 * (ppl / ppl_float - 1.0), "quantize_s": secs,
-               "quantize_cpu_s": cpu, "load_after": round(os.getloadavg()[0], 2),
-               "load_before": round(load0, 2), "types": counts,
-               "static_ratio": counts.get("W8A8", 0) / total if total else 0.0, "target_pct": target,
-               "method": summary.get("method"), "output_bytes": size, "decisions": summary.get("decisions"),
-               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **({"answers": qa} if qa else {})}
-        rows[label] = row
-        print(f"{name} {label:40s} ppl {ppl:9.4f}  {row['increase_pct']:+7.2f}%  {secs:6.0f}s (cpu {cpu:.0f}s)  "
-              f"{counts}" + (f"  answers {qa['identical']}/{qa['of']} identical, {qa['mean_tokens_to_divergence']}"
-                             f" tokens to divergence" if qa else ""), flush=True)
+        for path in (MIX_PATH_LABELS if key == "w8a8_mix" else (None,)):
+            label = MIX_PATH_LABELS.get(path, label)
+            target = SCHEMES[label][1]
+            model, counts = load_quantized(out, path or "dynamic")
+            ppl = perplexity(model, chunks)
+            del model
+            qa = answer_agreement(model_dir, out, answers, a.qa_tokens, path) if answers is not None else None
+            total = sum(counts.values())
+            size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+            static = counts.get("W8A8", 0) + (counts.get("W8A8_MIX", 0) if path == "static" else 0)
+            row = {"args": args + extra, "ppl": ppl, "increase_pct": 100.0 * (ppl / ppl_float - 1.0),
+                   "quantize_s": secs, "quantize_cpu_s": cpu, "load_after": round(os.getloadavg()[0], 2),
+                   "load_before": round(load0, 2), "types": counts,
+                   "static_ratio": static / total if total else 0.0, "target_pct": target,
+                   "method": summary.get("method"), "output_bytes": size, "decisions": summary.get("decisions"),
+                   "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **({"answers": qa} if qa else {})}
+            rows[label] = row
+            print(f"{name} {label:40s} ppl {ppl:9.4f}  {row['increase_pct']:+7.2f}%  {secs:6.0f}s (cpu {cpu:.0f}s)  "
+                  f"{counts}" + (f"  answers {qa['identical']}/{qa['of']} identical, "
+                                 f"{qa['mean_tokens_to_divergence']} tokens to divergence" if qa else ""), flush=True)
         if not a.keep:
             shutil.rmtree(out, ignore_errors=True)
     return {"model": str(model_dir), "eval_tokens": len(chunks) * SEQ, "float_ppl": ppl_float,
@@ -406,11 +420,14 @@ def float_answers(model_dir: Path, work: Path, max_new: int) -> list[list[int]]:
     return answers
 
 
-def answer_agreement(model_dir: Path, out: Path, answers: list[list[int]], max_new: int) -> dict[str, Any]:
-    """`dsconv eval --qa` (teacher-forced, layer-streamed) of one output against the float answers."""
+def answer_agreement(model_dir: Path, out: Path, answers: list[list[int]], max_new: int,
+                     mix_path: str | None = None) -> dict[str, Any]:
+    """`dsconv eval --qa` (teacher-forced, layer-streamed) of one output against the float answers (a W8A8_MIX
+    output's on `mix_path`)."""
     from dsconv.quant.evaluate.fidelity import QAOptions, evaluate
 
-    r = evaluate(model_dir, out, samples=1, progress=False, qa=QAOptions(max_new_tokens=max_new, answers=answers))
+    r = evaluate(model_dir, out, samples=1, progress=False, qa=QAOptions(max_new_tokens=max_new, answers=answers),
+                 mix_paths=(mix_path,) if mix_path else None)
     tf = r["qa"]["teacher_forced"]
     return {"identical": tf["identical"], "of": tf["of"], "mean_tokens_to_divergence":
             tf["mean_tokens_to_divergence"], "mean_answer_tokens": tf["mean_answer_tokens"],

@@ -31,6 +31,7 @@ def inspect_model(ck: Any) -> dict[str, Any]:
     total_bytes = elements = parameters = main_parameters = 0
     quantizable = other = 0  # parameters by whether the default quantization touches them
     w4a8 = 0  # bytes under `quantize --scheme w4a8_dynamic` (routed experts int4, other linears int8)
+    mix = 0  # bytes under `quantize --scheme w8a8_mix` (PD-mix: both paths' scales beside each int8 weight)
     experts = False
     head, embed = ck.family.tensor("lm_head"), ck.family.tensor("embed")
     tied_dup = facts.tie_word_embeddings and head in ck.tensors and embed in ck.tensors
@@ -58,9 +59,9 @@ def inspect_model(ck: Any) -> dict[str, Any]:
             quantizable += numel
         else:
             other += numel
-        b = _w4a8_bytes(r, tuple(info.shape), numel)
         experts = experts or r.category is Category.ROUTED_EXPERTS
-        w4a8 += b
+        w4a8 += _recipe_bytes(r, tuple(info.shape), numel, "w4a8")
+        mix += _recipe_bytes(r, tuple(info.shape), numel, "w8a8_mix")
     report: dict[str, Any] = {
         "model_type": facts.model_type,
         "family": ck.family.name,
@@ -80,34 +81,39 @@ def inspect_model(ck: Any) -> dict[str, Any]:
         "kv_cache": "int8" if int8_cache(getattr(ck, "quant_description", None)) else "bf16",
         "kv_cache_form": FA_QUANT if (getattr(ck, "quant_description", None) or {}).get("fa_quant_type") else None,
     }
-    report["cards"] = cards_needed(quantizable, other, {"w4a8": w4a8} if experts and not ck.is_quantized else None)
+    recipes_bytes = {} if ck.is_quantized else {"w8a8_mix": mix, **({"w4a8": w4a8} if experts else {})}
+    report["cards"] = cards_needed(quantizable, other, recipes_bytes or None)
     if not ck.is_quantized and not ck.family.quantize_refused:
-        from dsconv.engines import recipes, w4a8_recipe
+        from dsconv.engines import mix_engines, recipes, w4a8_recipe
 
         report["engine_recipes"] = recipes(ck)
+        report["w8a8_mix"] = {"weight_bytes": mix, "engines": mix_engines(ck)}
         if experts:
             report["w4a8"] = {"layer_types": w4a8_recipe(ck), "weight_bytes": w4a8,
                               "node_cards": NODE_CARDS, "node_soc": NODE_SOC}
     return report
 
 
-def _w4a8_bytes(r: Any, shape: tuple[int, ...], numel: int) -> int:
-    """One tensor's bytes in the W4A8 recipe's output (quant.plan, engines.W4A8_RECIPE): a routed expert's weight
-    int4 + fp32 scale, offset and scale_bias (16 chunks for down) per row; other linears, the MTP layer's included,
-    int8 + scale and offset; DeepSeek kv_b_proj and everything else in 16 bits."""
+def _recipe_bytes(r: Any, shape: tuple[int, ...], numel: int, recipe: str) -> int:
+    """One tensor's bytes in a recipe's output (quant.plan, engines.W4A8_RECIPE / W8A8_MIX_RECIPE; the MindIE-side
+    float down_proj of w8a8_mix is not counted). w4a8: a routed expert's weight int4 + fp32 scale, offset and
+    scale_bias (16 chunks for down) per row; other linears, the MTP layer's included, int8 + scale and offset.
+    w8a8_mix: routed experts int8 + scale and offset (W8A8_DYNAMIC), other linears int8 + both paths' fp32 scale,
+    offset, deq_scale and int32 quant_bias per row and the two per-tensor values. DeepSeek kv_b_proj and everything
+    else in 16 bits."""
     from dsconv.engines import layer_kind
 
     if r.param != "weight" or not r.role.quantized_by_default or len(shape) != 2:
         return 2 * numel
     kind = layer_kind(r)
     if r.category is Category.MTP and r.slot != "kv_b":
-        kind = "mtp"  # the recipe's MTP layer: W8A8_DYNAMIC (engines.W4A8_MTP)
+        kind = "mtp" if recipe == "w4a8" else None  # W4A8's MTP layer: W8A8_DYNAMIC (engines.W4A8_MTP)
     n = shape[0]
-    if kind == "routed_experts":
-        return numel // 2 + n * (8 + 4 * scale_bias_chunks(r.role.tp_dim))
     if kind in (None, "kv_b"):
         return 2 * numel
-    return numel + 8 * n
+    if kind == "routed_experts":
+        return numel // 2 + n * (8 + 4 * scale_bias_chunks(r.role.tp_dim)) if recipe == "w4a8" else numel + 8 * n
+    return numel + 8 * n if recipe == "w4a8" else numel + 16 * n + 8
 
 
 def _packed_int4(ck: Any, name: str) -> bool:
@@ -185,6 +191,10 @@ def render(report: dict[str, Any]) -> str:
                      ", ".join(f"{k} {t}" for k, t in w4["layer_types"].items()))
         lines.append(f"  W4A8 weights {human_bytes(w4['weight_bytes'])}: {cards['cards']} x {w4['node_soc']} "
                      f"({cards['cards_x1.3']} with x1.3): {fits} one {w4['node_cards']}-card node")
+    mix = report.get("w8a8_mix")
+    if mix:
+        lines.append(f"quantize --scheme w8a8_mix (PD-mix) {human_bytes(mix['weight_bytes'])}: " +
+                     "; ".join(f"{e} {v}" for e, v in mix["engines"].items()))
     lines.append("")
     lines.append("cards for the weights (plain / x1.2 / x1.3 for KV cache and workspace):")
     for soc, per in report["cards"].items():

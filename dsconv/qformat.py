@@ -155,6 +155,12 @@ def dequant_weight(
     return w.reshape(n, k)
 
 
+# the types with a static activation range (input_scale, input_offset, deq_scale, quant_bias): W8A8, and PD-mix's
+# W8A8_MIX, whose decode path is static W8A8 over the same int8 weight (docs/formats/w8a8_mix.md)
+STATIC_TYPES = ("W8A8", "W8A8_MIX")
+W8A8_MIX = "W8A8_MIX"
+
+
 # the description types of the int8 KV-cache tensors (`quantize --kv-cache int8`; their layout rows are in
 # quant/formats/msmodelslim.py): C8 for GQA caches, FAQuant for DeepSeek's MLA latent
 C8 = "C8"
@@ -163,6 +169,11 @@ FA_QUANT = "FAQuant"
 # modelslim_config.py, mla_v1.py; docs/formats/kv_cache_c8.md)
 FA_QUANT_WHERE = ("vLLM-Ascend uses it only on a disaggregated decode instance (kv_consumer) on A2/A3 or on A5; "
                   "elsewhere its tensors load and the cache stays bf16")
+
+
+# who runs which side of a W8A8_MIX linear (docs/formats/w8a8_mix.md)
+MIX_WHERE = ("static W8A8 on decode instances (vLLM-Ascend: kv_role kv_consumer or kv_both; MindIE: its decode "
+             "graph), per-token dynamic on prefill and PD-colocated instances")
 
 
 def int8_cache(desc: dict | None) -> bool:

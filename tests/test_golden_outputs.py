@@ -60,6 +60,7 @@ CASES: list[tuple[str, str, bool, list[str]]] = [
     ("llama-w4a16-gptq", "llama", False, ["quantize", "--scheme", "w4a16", "--group-size", "64", "--method", "gptq", "--calib-samples", "8"]),
     ("llama-w4a16-pc", "llama", False, ["quantize", "--scheme", "w4a16", "--group-size", "0", "--method", "rtn"]),
     ("qwen2-w8a8", "qwen2", False, ["quantize", "--bits", "8", "--calib-samples", "8"]),
+    ("qwen2-w8a8mix", "qwen2", False, ["quantize", "--scheme", "w8a8_mix", "--engine", "vllm-ascend", "--calib-samples", "8"]),
     ("qwen3-w8a16", "qwen3", False, ["quantize", "--scheme", "w8a16"]),
     ("qwen3_moe-w8a8dyn", "qwen3_moe", False, ["quantize", "--scheme", "w8a8_dynamic"]),
     ("mixtral-fused-w8a8", "mixtral", True, ["quantize", "--bits", "8", "--calib-samples", "8"]),

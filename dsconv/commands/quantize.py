@@ -12,7 +12,7 @@ from dsconv.errors import UserError
 from dsconv.quant.algorithms.methods import DEFAULT_METHOD, METHODS, SCHEME_DEFAULT_METHOD, default_method
 
 
-SCHEME_NAMES = ["w8a8", "w8a8_dynamic", "w8a16", "w4a16", "w4a8_dynamic"]  # quant.plan.SCHEMES (kept light)
+SCHEME_NAMES = ["w8a8", "w8a8_dynamic", "w8a8_mix", "w8a16", "w4a16", "w4a8_dynamic"]  # quant.plan.SCHEMES (kept light)
 
 
 @click.command()
@@ -22,7 +22,9 @@ SCHEME_NAMES = ["w8a8", "w8a8_dynamic", "w8a16", "w4a16", "w4a8_dynamic"]  # qua
               help="Weight bits: 8 defaults to --scheme w8a8, 4 to w4a16.")
 @click.option("--scheme", type=click.Choice(SCHEME_NAMES), default=None,
               help="w8a8: int8 weights per channel + static per-tensor int8 activations (input_scale/offset from "
-                   "calibration); w8a8_dynamic: per-token activations at run time; w8a16 / w4a16: weight-only; "
+                   "calibration); w8a8_dynamic: per-token activations at run time; w8a8_mix (PD-mix): both in one "
+                   "checkpoint, static on a decode instance, dynamic on prefill, routed experts w8a8_dynamic; "
+                   "w8a16 / w4a16: weight-only; "
                    "w4a8_dynamic (MoE): routed experts int4 per channel with per-token int8 activations, every "
                    "other linear w8a8_dynamic (Ascend's W4A8 recipe).")
 @click.option("--moe-scheme", type=click.Choice(SCHEME_NAMES), default=None,

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable
 
 from dsconv.engines.profiles import DEFAULT_ENGINE, ENGINES, FLOAT, KINDS, VLLM_ASCEND, EngineProfile
 from dsconv.errors import UserError
+from dsconv.qformat import W8A8_MIX
 from dsconv.families.roles import Category, Role
 from dsconv.tensors import PRECISIONS
 
@@ -38,6 +39,12 @@ W4A8_RECIPE = {"attention": "W8A8_DYNAMIC", "dense_mlp": "W8A8_DYNAMIC", "shared
 # ... and the MTP layer's linears (its experts included) W8A8_DYNAMIC, its kv_b_proj float: MindIE reads an MTP layer
 # with `quantize`'s type once config.json has `mtp_quantize` (profiles: MINDIE.rules["mtp"])
 W4A8_MTP = "W8A8_DYNAMIC"
+
+
+# `--scheme w8a8_mix` (PD-mix): every linear W8A8_MIX but routed experts, which get W8A8_DYNAMIC - what both engines
+# compute for experts on any instance, and the only expert type their PD-mix loaders take (profiles: why_not
+# (W8A8_MIX, moe); docs/formats/w8a8_mix.md)
+W8A8_MIX_RECIPE = {**{k: W8A8_MIX for k in KINDS}, "routed_experts": "W8A8_DYNAMIC"}
 
 
 def mtp_type(kind_types: dict[str, str]) -> str | None:
@@ -98,6 +105,8 @@ def kind_types(prof: EngineProfile, family: Any, qtype: str, bits_default: bool,
         out = dict(_family(family).bits8_recipe or DEFAULT_BITS8[prof.name])
     elif qtype == W4A8:
         out = dict(W4A8_RECIPE)
+    elif qtype == W8A8_MIX:
+        out = dict(W8A8_MIX_RECIPE)
     else:
         out = {k: qtype for k in KINDS}
     if moe_qtype is not None:
@@ -157,6 +166,20 @@ def _alternatives(prof: EngineProfile, kind: str, qtype: str) -> str:
     if others:
         alt += f", or --engine {' / '.join(p.name for p in ENGINES.values() if p.label in others)}"
     return alt
+
+
+def check_mix(prof: EngineProfile, model_type: str, linears: Iterable[Any]) -> None:
+    """UserError (exit 2) for W8A8_MIX linears in a model whose code on this engine does not run them."""
+    if prof.mix_model_types is None or model_type in prof.mix_model_types:
+        return
+    example = next((lp.module for lp in linears if lp.qtype == W8A8_MIX), None)
+    if example is not None:
+        rule = prof.rules["w8a8_mix"]
+        others = [p.name for p in ENGINES.values() if p is not prof and (p.mix_model_types is None
+                                                                       or model_type in p.mix_model_types)]
+        raise UserError(f"--engine {prof.name}: {model_type} models cannot have W8A8_MIX linears (e.g. {example}): "
+                        f"{prof.label}: {rule.text} ({rule.source})",
+                        hint="use --scheme w8a8 or w8a8_dynamic" + "".join(f", or --engine {o}" for o in others))
 
 
 def check_plan(prof: EngineProfile, family: Any, linears: Iterable[Any]) -> None:
@@ -418,4 +441,16 @@ def recipes(ck: Any) -> dict[str, dict[str, str]]:
     for name, prof in ENGINES.items():
         t = kind_types(prof, ck.family, "W8A8", bits_default=True)
         out[name] = {k: t[k] for k in KINDS if k in present}
+    return out
+
+
+def mix_engines(ck: Any) -> dict[str, str]:
+    """engine -> whether `quantize --scheme w8a8_mix` is loaded for this model (for `dsconv inspect`): "loads", or
+    the rule it is refused by."""
+    out = {}
+    model_type = ck.config.get("model_type", "")
+    for name, prof in ENGINES.items():
+        ok = prof.mix_model_types is None or model_type in prof.mix_model_types
+        out[name] = ("loads" + (" (routed experts W8A8_DYNAMIC)" if ck.facts.num_experts else "")) if ok else \
+            f"refused: {model_type} has no PD-mix path in {prof.label} ({prof.rules['w8a8_mix'].source.split(';')[0]})"
     return out

@@ -77,6 +77,8 @@ class EngineProfile:
     tokenizer_list_keys: Mapping[str, str] = field(default_factory=dict)
     # what a rank's share of a row-parallel per-group int4 weight must hold (None: any whole number of groups)
     group_split: GroupSplitRule | None = None
+    # the model types whose model code runs W8A8_MIX (PD-mix) linears (None: any it loads); rules["w8a8_mix"]
+    mix_model_types: frozenset[str] | None = None
     rules: Mapping[str, Rule] = field(default_factory=dict)
 
     def layer_type(self, kind: str) -> str:
@@ -97,9 +99,15 @@ _MINDIE_REGIONS = {"quantize": KINDS}
 MINDIE = EngineProfile(
     name="mindie",
     label="MindIE",
-    schemes={"linear": frozenset({"W8A8", "W8A8_DYNAMIC", "W8A16", "W4A16"}),
+    schemes={"linear": frozenset({"W8A8", "W8A8_DYNAMIC", "W8A8_MIX", "W8A16", "W4A16"}),
              "moe": frozenset({"W8A8", "W8A8_DYNAMIC", "W8A16", "W4A16", "W4A8_DYNAMIC"})},
-    why_not={("W4A8_DYNAMIC", "linear"): Rule(
+    why_not={("W8A8_MIX", "moe"): Rule(
+        "routed experts load through load_moe, which holds five tensors per expert (a PD-mix linear has seven), and "
+        "the new runtime's fused MoE has no W8A8_MIX method (it falls back to float with a warning); msModelSlim's "
+        "PD-mix models give experts W8A8_DYNAMIC",
+        "MindIE-LLM atb/utils/layers/linear/__init__.py::TensorParallelColumnLinear.load_moe; mindie_llm/runtime/"
+        "layers/quantization/ms_model_slim/quantization_config.py (FusedMoE dispatch)"),
+             ("W4A8_DYNAMIC", "linear"): Rule(
         "a W4A8 linear is read only in the per-group form (weight_scale_second); group_size 0 means per channel, "
         "which only its MoE path takes",
         "MindIE-LLM atb/utils/weights.py::Weights.get_multi_weights_col (W4A8 branch); "
@@ -137,6 +145,7 @@ MINDIE = EngineProfile(
     },
     dtypes=frozenset({"BF16", "F16"}),
     group_sizes=frozenset({0, 64, 128, 256}),
+    mix_model_types=frozenset({"llama", "qwen2", "qwen3"}),
     tokenizer_classes={"TokenizersBackend": "PreTrainedTokenizerFast"},
     tokenizer_list_keys={"extra_special_tokens": "additional_special_tokens"},
     group_split=GroupSplitRule("MindIE", 2, Rule(
@@ -146,6 +155,12 @@ MINDIE = EngineProfile(
         "MindIE-LLM atb/utils/weights.py::Weights.get_multi_weights_row (W4A16 branch); atb/utils/quantize/"
         "w4a16.py::W4A16LinearStatic.__init__ (trans_flag from weight_scale.shape[-1] == 1)")),
     rules={
+        "w8a8_mix": Rule(
+            "W8A8_MIX is read as its older name w8a8_pdmix, which only the Llama and Qwen2 models run (Qwen3 through "
+            "Qwen2's): they build the prefill graph from each linear's W8A8_DYNAMIC side and the decode graph from its "
+            "W8A8 side; every other model asserts 'Quantization `w8a8_mix` is not implemented yet' (make engine-check)",
+            "MindIE-LLM atb/models/base/router.py::BaseRouter.config (w8a8_mix -> w8a8_pdmix); atb/models/llama/"
+            "flash_causal_llama.py, qwen2/flash_causal_qwen2.py::init_ascend_weight (decode_weight)"),
         "dtype": Rule("config.json torch_dtype must be float16 or bfloat16 (NotImplementedError otherwise)",
                       "MindIE-LLM atb/runner/model_runner.py::ModelRunner.__init__"),
         "group_size": Rule("W4A16 runs with group_size 0 (per channel), 64, 128 or 256 (NotImplementedError "
@@ -197,9 +212,15 @@ MINDIE = EngineProfile(
 VLLM_ASCEND = EngineProfile(
     name="vllm-ascend",
     label="vLLM-Ascend",
-    schemes={"linear": frozenset({"W8A8", "W8A8_DYNAMIC", "W8A16"}),
+    schemes={"linear": frozenset({"W8A8", "W8A8_DYNAMIC", "W8A8_MIX", "W8A16"}),
              "moe": frozenset({"W8A8_DYNAMIC", "W4A8_DYNAMIC"})},
     why_not={
+        ("W8A8_MIX", "moe"): Rule(
+            "its W8A8_MIX MoE method is the dynamic one (experts are per-token dynamic on every instance) and has no "
+            "per-expert input_scale / quant_bias parameter, which DeepSeek's load_weights looks up without a check "
+            "(KeyError); W8A8_DYNAMIC experts compute the same",
+            "vllm-ascend vllm_ascend/quantization/methods/w8a8_pdmix.py::AscendW8A8PDMixFusedMoeMethod; "
+            "vllm/model_executor/models/deepseek_v2.py::load_weights"),
         ("W4A16", "linear"): Rule("no W4A16 linear scheme is registered",
                                   "vllm-ascend vllm_ascend/quantization/methods/registry.py::get_scheme_class"),
         ("W4A16", "moe"): Rule("its W4A16 MoE scheme reads only the LLM-Compressor int32 layout (weight_packed), "

@@ -124,6 +124,14 @@ class ModelFacts:
         types = getattr(cfg, "layer_types", None) or ["full_attention"] * n
         return [int(window) if t == "sliding_attention" else 0 for t in types[:n]]
 
+    @property
+    def rotary_fraction(self) -> float:
+        """The share of each head rope turns: transformers' partial_rotary_factor (rope_parameters in v5, top level
+        before); 1.0 for a full rotation."""
+        cfg = self.hf()
+        params = getattr(cfg, "rope_parameters", None) or {}
+        return float(params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) or 1.0)
+
     def rope_tables(self, where: str = "config.json") -> tuple[Any, float]:
         """(inv_freq float32 [dim/2], attention scaling) exactly as the model's RotaryEmbedding computes them."""
         import torch
@@ -139,7 +147,7 @@ class ModelFacts:
         if rope_type == "default":
             base = params["rope_theta"]
             dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-            dim = int(dim * params.get("partial_rotary_factor", 1.0))
+            dim = int(dim * self.rotary_fraction)
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
             scaling = 1.0
         else:

@@ -25,7 +25,8 @@ from dsconv.quant.formats.msmodelslim import C8, FA_QUANT
 from dsconv.quant.formats.output import QuantWriter, description, final_specs
 from dsconv.quant.plan import report as rep
 from dsconv.quant.plan.options import QuantOptions, check_options, fallback_policy, needs_calibration
-from dsconv.quant.plan.plan import SCHEMES, STATIC, make_plan
+from dsconv.qformat import STATIC_TYPES
+from dsconv.quant.plan.plan import SCHEMES, make_plan
 from dsconv.quant.streaming import weight_only
 from dsconv.schemas.core import decode_utf8, read_bytes
 
@@ -72,6 +73,7 @@ def planned_output(ck: Any, scheme: str, engine: str | None = None) -> tuple[lis
     plan = make_plan(ck, scheme, None, "rtn", (), assign=engines.assigner(prof, ck.family, ktypes),
                      mix_ok=prof.fallback_ok, mtp_type=engines.mtp_type(ktypes),
                      engine_dtype=engines.engine_dtype(prof, ck.family, ck.facts.dtype))
+    engines.check_mix(prof, ck.config.get("model_type", ""), plan.linears.values())
     engines.check_plan(prof, ck.family, plan.linears.values())
     types = {m: lp.qtype for m, lp in plan.linears.items()}
     specs = final_specs(ck, plan, types)
@@ -107,6 +109,7 @@ def run(req: QuantRequest) -> QuantResult:
                         f"{prof.why_not[(engines.W4A8, 'linear')].text}; "
                         f"{prof.why_not[(engines.W4A8, 'linear')].source})",
                         hint="use --scheme w8a8_dynamic, or --bits 4 (W4A16)")
+    engines.check_mix(prof, ck.config.get("model_type", ""), preview)
     engines.check_plan(prof, family, preview)  # before any work
     mtp_type = engines.mtp_type(ktypes)
     plan = make_plan(ck, opts.scheme, opts.group_size, opts.method, opts.ignore,
@@ -131,7 +134,7 @@ def run(req: QuantRequest) -> QuantResult:
     if calibrate:
         calib = load_calib(opts.calib, load_tokenizer(ck.root), opts.calib_samples, opts.seq_len)
         needs = {}
-        if plan.scheme == STATIC:
+        if plan.scheme in STATIC_TYPES:
             needs["static activation ranges"] = 512
         if plan.method == "gptq":  # a Hessian fitted on fewer tokens than ~2x its width overfits (docs/accuracy.md)
             k = max(lp.k for lp in plan.linears.values())

@@ -20,6 +20,7 @@ SCHEMES = {
     "bits8": ["--bits", "8"],
     "w8a8": ["--scheme", "w8a8"],
     "w8a8_dynamic": ["--scheme", "w8a8_dynamic"],
+    "w8a8_mix": ["--scheme", "w8a8_mix"],
     "w8a16": ["--scheme", "w8a16"],
     "w4a16": ["--scheme", "w4a16", "--group-size", "64", "--method", "rtn"],
     "w4a16_pc": ["--scheme", "w4a16", "--group-size", "0", "--method", "rtn"],
@@ -31,7 +32,7 @@ SCHEMES = {
 LABELS = {"bits8": "`--bits 8` (engine recipe)", "w4a16": "w4a16 `--group-size 64`",
           "w4a16_pc": "w4a16 `--group-size 0`", "w4a8": "w4a8_dynamic (MoE recipe)",
           "bits8_c8": "`--bits 8 --kv-cache int8`", "w8a8_dynamic_c8": "w8a8_dynamic `--kv-cache int8`",
-          "w4a8_c8": "w4a8_dynamic `--kv-cache int8`"}
+          "w4a8_c8": "w4a8_dynamic `--kv-cache int8`", "w8a8_mix": "w8a8_mix (PD-mix)"}
 FAST = ["--calib-samples", "4", "--seq-len", "32"]
 # Wider models for the rows where width matters (the rest stay at the tiny defaults: 64 wide, 16-wide heads,
 # 32- to 128-wide MLPs, half the quantization time):

@@ -161,6 +161,7 @@ VLLM_CONTROLS = {  # name -> (case the copy is made of, what the check must repo
     "w4a8-drop-scale-bias": ("qwen3_moe-w4a8", "unfilled"),  # a W4A8 expert's scale_bias removed
     "c8-drop-cache-scale": ("qwen3-bits8_c8", "unfilled"),   # a layer's v_proj.kv_cache_scale removed
     "fa-drop-k-scale": ("deepseek_v3-w4a8_c8", "unfilled"),  # a DeepSeek layer's fa_k.scale removed
+    "mix-drop-weight-scale": ("llama-w8a8_mix", "unfilled"),  # a PD-mix linear's prefill scale removed
 }
 
 
@@ -191,6 +192,7 @@ def vllm_controls(written: dict[str, Path], root: Path) -> dict[str, Path]:
         "drop-weight-scale": lambda t: t.pop(first(t, "down_proj.weight_scale")),
         "w4a8-drop-scale-bias": lambda t: t.pop(first(t, "experts.1.down_proj.scale_bias")),
         "fa-drop-k-scale": lambda t: t.pop(first(t, "layers.1.self_attn.fa_k.scale")),
+        "mix-drop-weight-scale": lambda t: t.pop(first(t, "o_proj.weight_scale")),
         "c8-drop-cache-scale": lambda t: t.pop(first(t, "layers.1.self_attn.v_proj.kv_cache_scale")),
         "rename-tensor": lambda t: t.__setitem__(first(t, "o_proj.weight").replace("o_proj", "oo_proj"),
                                                  t.pop(first(t, "o_proj.weight"))),
@@ -326,6 +328,8 @@ MINDIE_CONTROLS = {  # name -> (family, scheme, dtype, layout of the copied outp
     "transpose-square": ("llama", "bits8", "bf16", "per-expert", 1, "value_mismatch"),  # a square int8 weight
     "deq-scale-dtype": ("llama", "bits8", "fp16", "per-expert", 1, "lossy"),  # fp16 model, deq_scale float32
     "swap-rank-file": ("deepseek_v3", "bits8", "bf16", "sharded", 2, "value_mismatch"),  # two ranks' files swapped
+    "mix-drop-input-scale": ("qwen2", "w8a8_mix", "bf16", "per-expert", 1, "refused by the engine"),  # decode side
+    "mix-prefill-scale-off": ("qwen2", "w8a8_mix", "bf16", "per-expert", 1, "value_mismatch"),  # sides disagree
 }
 
 
@@ -348,6 +352,11 @@ def mindie_controls(written: dict[str, Path], sharded: dict[str, Path], root: Pa
                 for k in [k for k in t if k.endswith("deq_scale")]:
                     t[k] = (t[k] & 0xFFFFFFFF).to(torch.int32).view(torch.float32).clone()
             _edit_tensors(d, to_float)
+        elif name == "mix-drop-input-scale":
+            _edit_tensors(d, lambda t: t.pop("model.layers.0.self_attn.o_proj.input_scale"))
+        elif name == "mix-prefill-scale-off":  # weight_scale doubled: the decode side still matches the source
+            _edit_tensors(d, lambda t: t.__setitem__("model.layers.0.self_attn.o_proj.weight_scale",
+                                                     t["model.layers.0.self_attn.o_proj.weight_scale"] * 2))
         elif name == "describe-other-type":
             f = d / "quant_model_description.json"
             desc = json.loads(f.read_text())

@@ -166,7 +166,10 @@ def _held(name: str, m: torch.nn.Module, kind: str, transposed: bool, model_dtyp
     if w.is_floating_point():
         raise ValueError(f"its weight is {w.dtype}: the {kind} kernel reads int8")
     if kind in ("W8A8", "W8A8_PDMIX") and "deq_scale" in buf:
-        return _w8a8(name, w, buf, transposed, kind, model_dtype)
+        h = _w8a8(name, w, buf, transposed, kind, model_dtype)
+        if kind == "W8A8_PDMIX":  # the prefill graph's weights (W8A8_DYNAMIC's) must be the decode graph's
+            h.problems += _paths_differ(h, _antiquant(name, w, buf, transposed, kind))
+        return h
     if kind in ("W8A8_DYNAMIC", "W8A16", "W4A16", "W8A8_PDMIX"):
         return _antiquant(name, w, buf, transposed, kind)
     if kind == "W4A8_DYNAMIC":
@@ -193,6 +196,21 @@ def _w8a8(name: str, w: torch.Tensor, buf: dict, transposed: bool, kind: str, mo
         h.problems.append(f"deq_scale held as {buf['deq_scale'].dtype}: the W8A8 kernel of a {model_dtype} model "
                           f"reads {want}")
     return h
+
+
+def _paths_differ(static: Held, dynamic: Held) -> list[str]:
+    """A PD-mix linear's two paths (MindIE builds the prefill graph from weight/weight_scale/weight_offset and the decode
+    graph from weight/deq_scale/input_scale): one int8 weight, so the per-row scales must agree (deq_scale is
+    input_scale * weight_scale rounded to float32: 1e-6 relative), else one instance computes another model."""
+    a, b = static.scale[:, 0], dynamic.scale[:, 0]
+    bad = np.abs(a - b) > 1e-6 * np.abs(b) + 1e-30
+    if dynamic.offset.any():
+        return ["prefill path: nonzero weight_offset (the dynamic kernel is symmetric here)"]
+    if not bad.any():
+        return []
+    k = int(np.argmax(np.abs(a - b) / (np.abs(b) + 1e-30)))
+    return [f"decode path (deq_scale / input_scale) and prefill path (weight_scale) disagree on {int(bad.sum())} of "
+            f"{bad.size} rows (row {k}: {a[k]:.6g} vs {b[k]:.6g})"]
 
 
 def _antiquant(name: str, w: torch.Tensor, buf: dict, transposed: bool, kind: str) -> Held:
@@ -236,19 +254,31 @@ def _w4a8(name: str, w: torch.Tensor, buf: dict) -> Held:
     return h
 
 
-def graph_problems(held: list[Held], graph: list[torch.Tensor]) -> list[str]:
+# a PD-mix linear's tensors per graph: the prefill graph runs W8A8_DYNAMIC, the decode graph W8A8
+# (flash_causal_llama.py / flash_causal_qwen2.py init_ascend_weight)
+GRAPH_KEYS = {"prefill": ("weight", "weight_scale"), "decode": ("weight", "deq_scale", "input_scale", "quant_bias")}
+ALL_KEYS = ("weight", "deq_scale", "weight_scale", "input_scale", "quant_bias")
+
+
+def graph_problems(held: list[Held], graphs: dict[str, list[torch.Tensor]]) -> list[str]:
     """Every held linear's weight (and its scales) must be among the tensors the model hands its ATB graph
-    (init_ascend_weight's list): what was compared is what the kernels get."""
-    ptrs = {(t.data_ptr(), tuple(t.shape)) for t in graph if isinstance(t, torch.Tensor)}
-    digests = {(str(t.dtype), tuple(t.shape), _digest(t)) for t in graph if isinstance(t, torch.Tensor)}
+    (init_ascend_weight's list): what was compared is what the kernels get. A PD-mix linear's two sides each in
+    their own graph's list (GRAPH_KEYS); a model without a decode list has one graph for everything."""
     out = []
-    for h in held:
-        for key in ("weight", "deq_scale", "weight_scale", "input_scale", "quant_bias"):
-            t = h.tensors.get(key)
-            if t is None or (t.data_ptr(), tuple(t.shape)) in ptrs or \
-                    (str(t.dtype), tuple(t.shape), _digest(t)) in digests:
-                continue
-            out.append(f"{h.module}.{key}: not among the tensors handed to the ATB graph")
+    for graph_name, graph in graphs.items():
+        ptrs = {(t.data_ptr(), tuple(t.shape)) for t in graph if isinstance(t, torch.Tensor)}
+        digests = {(str(t.dtype), tuple(t.shape), _digest(t)) for t in graph if isinstance(t, torch.Tensor)}
+        for h in held:
+            keys = GRAPH_KEYS[graph_name] if h.kind == "W8A8_PDMIX" else ALL_KEYS if graph_name == "prefill" else ()
+            for key in keys:
+                t = h.tensors.get(key)
+                if t is None or (t.data_ptr(), tuple(t.shape)) in ptrs or \
+                        (str(t.dtype), tuple(t.shape), _digest(t)) in digests:
+                    continue
+                where = "ATB graph" if len(graphs) == 1 else f"ATB {graph_name} graph"
+                out.append(f"{h.module}.{key}: not among the tensors handed to the {where}")
+    if any(h.kind == "W8A8_PDMIX" for h in held) and "decode" not in graphs:
+        out.append("a W8A8_PDMIX model without a decode graph weight list: its static side is never run")
     return out
 
 

@@ -186,15 +186,19 @@ def load(directory: Path, rank: int, world_size: int) -> Any:
     return runner
 
 
-def hand_to_graph(runner: Any) -> list[Any]:
+def hand_to_graph(runner: Any) -> dict[str, list[Any]]:
     """What the model's first forward does before running: init_ascend_weight builds the weight list it hands to
-    the ATB graph (the stand-in graph object records it). The list, in order."""
+    the ATB graph (the stand-in graph object records it). The list, in order, by graph: "prefill" (every model's
+    one list) and "decode" where the model builds the decode graph's own (a PD-mix model: flash_causal_llama.py /
+    flash_causal_qwen2.py `decode_weight`, from the W8A8 side of each W8A8_PDMIX linear)."""
     model = runner.model
     if not hasattr(model, "init_ascend_weight"):
-        return []
+        return {}
     model.init_ascend_weight()
-    weights = getattr(model, "ascend_weight", None) or []
-    return [t for t in weights if hasattr(t, "data_ptr")]
+    out = {"prefill": getattr(model, "ascend_weight", None) or []}
+    if getattr(model, "decode_weight", None):
+        out["decode"] = model.decode_weight
+    return {k: [t for t in v if hasattr(t, "data_ptr")] for k, v in out.items()}
 
 
 def read_all(paths: list[Path]) -> dict[str, Any]:
@@ -273,7 +277,7 @@ def run(case: dict, rank: int, world_size: int) -> dict:
         res.update(loaded=False, error=f"init_ascend_weight: {type(e).__name__}: {e}".splitlines()[0][:400],
                    traceback=traceback.format_exc(limit=-6), seconds=round(time.perf_counter() - started, 2))
         return res
-    res["graph_tensors"] = len(graph)
+    res["graph_tensors"] = sum(len(v) for v in graph.values())
     held, problems = mh.held_linears(modules, runner.dtype)
     # what this rank was given: every file it opened (an offline-sharded layout: its own folders)
     written = read_all(sorted(Path(f) for f in OPENED))

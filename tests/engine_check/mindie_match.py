@@ -36,6 +36,9 @@ NORM_OF = (
 UP_RE = re.compile(r"\.(up_proj|w3)\.weight$")
 EXPERT_RE = re.compile(r"\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
 DOWN_RE = re.compile(r"\.(down_proj|w2)\.weight$")
+# a description type -> the linear_desc MindIE builds for it (its router reads W8A8_MIX as the older w8a8_pdmix:
+# atb/models/base/router.py::BaseRouter.config)
+DESCRIBED_AS = {"W8A8_MIX": "W8A8_PDMIX"}
 QMAX = {"W8A8": 127, "W8A8_DYNAMIC": 127, "W8A16": 127, "W4A16": 7, "W4A8_DYNAMIC": 7, "W8A8_PDMIX": 127}
 EPS = {torch.bfloat16: 2.0 ** -9, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}  # half an ulp, relative
 TINY = {torch.bfloat16: 2.0 ** -134, torch.float16: 2.0 ** -25, torch.float32: 2.0 ** -150}  # half the least subnormal
@@ -288,7 +291,7 @@ def _described(h: Held, name: str, src: Source, out: Outcome) -> None:
     if want is None:
         base = h.module[:-len(".linear")] if h.module.endswith(".linear") else h.module
         want = src.desc.get(base + ".weight")
-    if want is not None and want != h.kind:
+    if want is not None and DESCRIBED_AS.get(want, want) != h.kind:
         msg = f"{h.module}: built as {h.kind}, {name} is described {want}"
         if msg not in out.class_mismatch:
             out.class_mismatch.append(msg)

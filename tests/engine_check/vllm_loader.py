@@ -218,6 +218,9 @@ def check(directory: Path, dtype: str | None = None) -> dict:
         return res
     res["loaded"] = True
     ck = _checkpoint(directory)
+    desc_file = directory / "quant_model_description.json"
+    desc = json.loads(desc_file.read_text()) if desc_file.exists() else {}
+    mix: set[str] = set()  # the engine modules holding W8A8_MIX linears
     claimed = {n: torch.zeros(p.shape, dtype=torch.bool) for n, p in params.items()}
     for name, t in sorted(ck.items()):
         res["tensors"] += 1
@@ -226,6 +229,8 @@ def check(directory: Path, dtype: str | None = None) -> dict:
             res["unmapped"].append(name)
             continue
         pname, index = dest
+        if desc.get(name) == "W8A8_MIX":
+            mix.add(pname.rpartition(".")[0])
         got = params[pname].data[index] if index else params[pname].data
         if got.shape != t.shape and got.numel() == t.numel():
             got = got.reshape(t.shape)  # [n] vs [n, 1] scales: the same values
@@ -250,18 +255,20 @@ def check(directory: Path, dtype: str | None = None) -> dict:
             continue
         if tied and pname == "lm_head.weight":
             continue  # the same tensor as the embedding (vLLM ties the parameter)
-        if pname.endswith((".weight_scale", ".weight_offset")) and _static_w8a8(pname, params):
+        if pname.endswith((".weight_scale", ".weight_offset")) and _static_w8a8(pname, params, mix):
             continue  # static W8A8 declares them for another format; nothing reads them for msModelSlim's
         res["unfilled"].append(f"{pname}: {int((~mask).sum())} of {mask.numel()} elements")
     res["seconds"] = round(time.perf_counter() - started, 2)
     return res
 
 
-def _static_w8a8(pname: str, params: dict) -> bool:
+def _static_w8a8(pname: str, params: dict, mix: set[str]) -> bool:
     """A static W8A8 linear (it has deq_scale): vLLM-Ascend w8a8_static.py::get_perchannel_param declares
     weight_scale/weight_offset beside it, used only for compressed-tensors checkpoints (process_weights_after_loading
-    reads them only when ascend_quant_method is compressed-tensors)."""
-    return pname.rpartition(".")[0] + ".deq_scale" in params
+    reads them only when ascend_quant_method is compressed-tensors). Not a W8A8_MIX one: its prefill path
+    (w8a8_dynamic.py) computes with weight_scale, so an unfilled one is a broken prefill instance."""
+    module = pname.rpartition(".")[0]
+    return module not in mix and module + ".deq_scale" in params
 
 
 def _fmt(index: Any) -> str:

@@ -104,10 +104,12 @@ def layer_tensors(route: dict, module: str, qtype: str, n: int, k: int, model_dt
     want: dict[str, tuple[tuple[str, ...], tuple[int, ...]]]
     if qtype == "FLOAT":
         want = {"weight": (FLOAT_DTYPES, (n, k))}
-    elif qtype == "W8A8":
+    elif qtype in ("W8A8", "W8A8_MIX"):
         deq = ("F32",) if model_dtype == "BF16" else ("I64",)
         want = {"weight": (("I8",), (n, k)), "input_scale": (FLOAT_DTYPES, (1,)), "input_offset": (FLOAT_DTYPES + ("I8",), (1,)),
                 "quant_bias": (("I32",), (n,)), "deq_scale": (deq, (n,))}
+        if qtype == "W8A8_MIX":  # methods/w8a8_pdmix.py: static's parameters + the dynamic path's [n, 1] scales
+            want.update({"weight_scale": (FLOAT_DTYPES, (n, 1)), "weight_offset": (FLOAT_DTYPES, (n, 1))})
     elif qtype in ("W8A8_DYNAMIC", "W8A16"):
         want = {"weight": (("I8",), (n, k)), "weight_scale": (FLOAT_DTYPES, (n, 1)),
                 "weight_offset": (FLOAT_DTYPES, (n, 1))}
@@ -223,7 +225,7 @@ def read(d: Path, src_shapes: dict[str, tuple[int, ...]], model_dtype: str, mode
         for s in shards:
             n, k = src_shapes[s + ".weight"]
             layer_tensors(route, s, t, n, k, model_dtype, p)
-        if t == "W8A8" and len(shards) > 1:
+        if t in ("W8A8", "W8A8_MIX") and len(shards) > 1:
             # va/quantization/method_adapters.py::AscendLinearMethod.create_weights: one [1] input_scale slot per
             # fused layer, each shard overwrites it -> shards must agree
             for aux in ("input_scale", "input_offset"):

@@ -14,13 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from dsconv.qformat import STATIC_TYPES
 from dsconv.quant.algorithms.fake_quant import fake_quant_int8_rows
 from dsconv.quant.algorithms.schemes import activation_qparams
 from dsconv.quant.algorithms.smoothing import MAX_OUT_ROWS
 
 METHOD = "search"  # --act-method value: min/max, then the clip ratio with the smallest output error
 CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5, 0.45, 0.4)
-STATIC = "W8A8"
 
 
 def best_clip(x: torch.Tensor, lo: float, hi: float, weights: list[torch.Tensor]) -> tuple[float, float, float]:
@@ -55,7 +55,7 @@ def choose_clips(group: dict[nn.Module, Any], targets: dict[nn.Module, Any], log
     seen: dict[int, list[nn.Module]] = {}
     stats: dict[int, Any] = {}
     for mod, st in group.items():
-        if targets[mod].qtype == STATIC and st.observer is not None and st.observer.tokens and st.sample is not None:
+        if targets[mod].qtype in STATIC_TYPES and st.observer is not None and st.observer.tokens and st.sample is not None:
             seen.setdefault(id(st), []).append(mod)
             stats[id(st)] = st
     for key, mods in seen.items():

@@ -127,7 +127,7 @@ def up_down_pairs(lps: dict[str, Any]) -> list[tuple[str, str]]:
            if lp.slot == "up" and not lp.is_expert}
     out = []
     for lp in lps.values():
-        if lp.slot == "down" and not lp.is_expert and lp.qtype in ("W8A8", "W8A8_DYNAMIC"):
+        if lp.slot == "down" and not lp.is_expert and lp.qtype in ("W8A8", "W8A8_DYNAMIC", "W8A8_MIX"):
             up = ups.get(lp.module.rsplit(".", 1)[0])
             if up is not None:
                 out.append((up, lp.module))

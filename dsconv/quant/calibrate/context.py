@@ -20,7 +20,8 @@ from dsconv.quant.calibrate.hooks import ExpertRecorder, RowMask
 from dsconv.quant.calibrate.layers import Skeleton
 from dsconv.quant.calibrate.stats import InputStats
 from dsconv.quant.plan.options import QuantOptions
-from dsconv.quant.plan.plan import STATIC, QuantPlan
+from dsconv.qformat import STATIC_TYPES
+from dsconv.quant.plan.plan import QuantPlan
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class CalibContext:
 
     @property
     def static(self) -> bool:
-        return self.plan.scheme == STATIC
+        return self.plan.scheme in STATIC_TYPES
 
     @property
     def observer_method(self) -> str:
@@ -105,7 +106,7 @@ class LayerActivations:
         return padded_batch(self.h, samples, self.lengths, self.starts)
 
     def stats_spec(self, plan: QuantPlan, opts: QuantOptions) -> StatsSpec:
-        observer = clipping.observer_method(opts.act_method) if plan.scheme == STATIC else None
+        observer = clipping.observer_method(opts.act_method) if plan.scheme in STATIC_TYPES else None
         return StatsSpec(observer, plan.method == "gptq", opts.sample_tokens,
                          self.tokens // max(1, opts.sample_tokens), self.held_tokens is not None)
 

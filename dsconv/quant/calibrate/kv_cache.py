@@ -231,15 +231,8 @@ def cache_stats(kv: KVLayer, sk: Any, layer: nn.Module, rows: RowMask) -> CacheS
     """The statistics object of one layer's cache form, attached to `layer` (its `cache`, if any, goes to the
     layer's forward; `remove()` detaches it)."""
     if kv.form == C8:
-        return KVCacheStats(rows, rotary_fraction(sk.ck.facts.hf()))
+        return KVCacheStats(rows, sk.ck.facts.rotary_fraction)
     by_ck = {sk.ck_name(sk.module_names[m] + ".weight")[: -len(".weight")]: m for m in layer.modules()
              if m in sk.module_names and "weight" in dict(m.named_parameters(recurse=False))}
     facts = sk.ck.facts
     return FAStats(kv, by_ck, rows, facts.num_heads, facts.qk_nope_head_dim)
-
-
-def rotary_fraction(cfg: Any) -> float:
-    """The share of each head rope turns: transformers' partial_rotary_factor (rope_parameters in v5, top level
-    before)."""
-    params = getattr(cfg, "rope_parameters", None) or {}
-    return float(params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) or 1.0)

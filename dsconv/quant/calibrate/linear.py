@@ -24,7 +24,8 @@ from dsconv.quant.algorithms.schemes import activation_qparams, dequant_weight, 
 from dsconv.quant.calibrate.stats import InputStats, LinearRecord, output_errors
 from dsconv.quant.formats.msmodelslim import LinearResult
 from dsconv.quant.plan.options import QuantOptions
-from dsconv.quant.plan.plan import STATIC, LinearPlan, QuantPlan
+from dsconv.qformat import STATIC_TYPES
+from dsconv.quant.plan.plan import LinearPlan, QuantPlan
 from dsconv.quant.weights import ERROR_SAMPLE_ROWS, quantize_weight
 
 
@@ -127,7 +128,7 @@ def finish_linear(p: PreparedLinear, qparams: tuple[float, float] | None, staged
     t = time.process_time()
     rec.range_source = range_source
     res = LinearResult(q=p.q, scale=p.scale, bias=p.bias)
-    if lp.qtype == STATIC:
+    if lp.qtype in STATIC_TYPES:
         try:
             aux = static_aux(lp, p.q, p.scale, qparams, p.bias)
         except UserError:
@@ -147,7 +148,7 @@ def finish_linear(p: PreparedLinear, qparams: tuple[float, float] | None, staged
     if p.x is not None:
         b = None if p.bias is None else p.bias.float()
         errs = output_errors(p.x, p.y_ref, p.q, p.scale, b, (res.input_scale, res.input_offset)
-                             if lp.qtype == STATIC else None)
+                             if lp.qtype in STATIC_TYPES else None)
         rec.errors.update({k: v for k, v in errs.items() if k not in rec.errors})
     seconds["fallback_check"] = seconds.get("fallback_check", 0.0) + time.process_time() - t
     return QuantizedLinear(lp, res, rec, seconds)
@@ -160,7 +161,7 @@ def quantize_linear(plan: QuantPlan, lp: LinearPlan, w: torch.Tensor, st: InputS
     and the decisions it made (for quant_report.json)."""
     p = prepare_linear(plan, lp, w, st, opts, bias, choice, y_ref)
     qparams = None
-    if lp.qtype == STATIC:
+    if lp.qtype in STATIC_TYPES:
         rng = st.clip_range() if st is not None else None
         if rng is None:
             raise UserError(f"layer {lp.module}: calibration never reached it (0 tokens)",

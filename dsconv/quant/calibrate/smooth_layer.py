@@ -17,7 +17,8 @@ from dsconv.quant.algorithms import smoothing as sm
 from dsconv.quant.algorithms.schemes import smooth_scales
 from dsconv.quant.calibrate.context import CalibContext, LayerActivations
 from dsconv.quant.calibrate.hooks import FlowProbe
-from dsconv.quant.plan.plan import ACT_QUANT, STATIC, LinearPlan
+from dsconv.qformat import STATIC_TYPES
+from dsconv.quant.plan.plan import ACT_QUANT, LinearPlan
 from dsconv.tensors import torch_dtype
 
 
@@ -103,7 +104,7 @@ def fold(run: CalibContext, i: int, probes: SmoothProbes, targets: dict[nn.Modul
                 for slot in ("gate", "up"):
                     w_absmax = torch.maximum(w_absmax, sk.load(names[slot]).abs().amax(dim=0))
         if auto:
-            static = any(targets[c].qtype == STATIC for c in linears)
+            static = any(targets[c].qtype in STATIC_TYPES for c in linears)
             s, entry["search"] = sm.search_scales(sites.sites[norm], [c.weight for c in linears], static)
             if s is None:
                 entry["reason"] = "search: no smoothing has the smallest output error"
@@ -129,7 +130,7 @@ def fold(run: CalibContext, i: int, probes: SmoothProbes, targets: dict[nn.Modul
             out.col_scale = s_eff
         entry.update(applied=True, max_scale=round(float(s_eff.max()), 4), min_scale=round(float(s_eff.min()), 4))
         out.log.append(entry)
-    log, downs = sm.smooth_up_down(probes.pairs, sites, lambda m: targets[m].qtype == STATIC,
+    log, downs = sm.smooth_up_down(probes.pairs, sites, lambda m: targets[m].qtype in STATIC_TYPES,
                                    lambda m: sk.ck_name(sk.module_names[m]))
     out.log += log
     out.inputs.update(downs)

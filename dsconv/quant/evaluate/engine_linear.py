@@ -2,6 +2,7 @@
 
 W8A8 static layers compute `(x_q @ w_q^T + quant_bias) * deq_scale` from the stored input_scale/input_offset/
 deq_scale/quant_bias (so a wrong auxiliary shows up in eval), W8A8_DYNAMIC layers quantize each token to int8,
+W8A8_MIX layers compute one of the two as asked (`path`: "static" as a decode instance does, "dynamic" as prefill),
 W4A8_DYNAMIC layers run the A8W4 kernel's arithmetic with the stored scale_bias, weight-only types multiply by the
 dequantized weight. The activation step is per token, so it is done once and every block of output rows reuses it:
 a linear is never widened to float32 whole (DeepSeek-V3's o_proj is 470 MB in float32, its dense MLP 1.6 GB).
@@ -13,7 +14,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from dsconv.qformat import dequant_weight
+from dsconv.qformat import W8A8_MIX, dequant_weight
 from dsconv.quant.algorithms.fake_quant import fake_quant_int8_rows, int8_rows
 from dsconv.quant.algorithms.schemes import quantize_activation
 from dsconv.quant.formats.msmodelslim import QuantLinear
@@ -28,12 +29,18 @@ def row_blocks(n: int, k: int, budget: int | None = None) -> Iterator[tuple[int,
         yield lo, min(n, lo + step)
 
 
-class EngineLinear:
-    """`y = linear(x)` as the engine computes the stored type `ql.qtype` (bias included)."""
+# a W8A8_MIX linear's two paths, as the type whose arithmetic each one is (docs/formats/w8a8_mix.md)
+MIX_PATHS = {"static": "W8A8", "dynamic": "W8A8_DYNAMIC"}
+DEFAULT_MIX_PATH = "dynamic"  # what an instance without a KV-transfer role (prefill, or PD colocated) runs
 
-    def __init__(self, ql: QuantLinear) -> None:
+
+class EngineLinear:
+    """`y = linear(x)` as the engine computes the stored type `ql.qtype` (bias included); a W8A8_MIX linear as its
+    `path` ("static" or "dynamic")."""
+
+    def __init__(self, ql: QuantLinear, path: str | None = None) -> None:
         self.ql = ql
-        self.qtype = ql.qtype
+        self.qtype = MIX_PATHS[path or DEFAULT_MIX_PATH] if ql.qtype == W8A8_MIX else ql.qtype
         self.n, self.k = ql.q.shape
         self.bias = None if ql.bias is None else torch.from_numpy(ql.bias)
         if ql.qtype == "W4A8_DYNAMIC":
@@ -48,7 +55,7 @@ class EngineLinear:
     def rows(self, lo: int, hi: int) -> torch.Tensor:
         """Dequantized float32 rows [lo, hi); static W8A8 derives the weight scale from deq_scale / input_scale."""
         ql = self.ql
-        if ql.weight_scale is not None:
+        if ql.weight_scale is not None and self.qtype != "W8A8":
             off = None if ql.weight_offset is None else ql.weight_offset[lo:hi]
             return torch.from_numpy(dequant_weight(ql.q[lo:hi], ql.weight_scale[lo:hi], off))
         scale = (ql.deq_scale[lo:hi].astype(np.float64) / float(ql.input_scale)).astype(np.float32)

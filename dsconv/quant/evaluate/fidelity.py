@@ -26,8 +26,8 @@ from dsconv.errors import UserError
 from dsconv.quant.calibrate.data import load_tokenizer, read_texts, read_utf8
 from dsconv.quant.calibrate.layers import ExpertLoop, install_forward, load_full_model
 from dsconv.quant.evaluate import int8_cache as int8_cache_sim
-from dsconv.quant.evaluate.engine_linear import EngineLinear
-from dsconv.qformat import cache_tensors
+from dsconv.quant.evaluate.engine_linear import MIX_PATHS, EngineLinear
+from dsconv.qformat import W8A8_MIX, cache_tensors
 from dsconv.quant.evaluate.qa import (DEFAULT_MAX_NEW_TOKENS, QAItem, check_lengths, greedy, prompt_ids,
                                       read_questions, stop_ids)
 from dsconv.quant.evaluate.qa import render as qa_render
@@ -39,6 +39,8 @@ from dsconv.quant.evaluate.streamed import batches as seq_batches
 from dsconv.quant.formats.msmodelslim import quantized_modules, read_linear
 
 DEFAULT_SEQ_LEN = 512
+# who runs each W8A8_MIX path (docs/formats/w8a8_mix.md)
+MIX_ROLE = {"static": "decode instance, kv_consumer", "dynamic": "prefill or PD-colocated instance"}
 
 
 # ------------------------------------------------------------------------------------------------ text
@@ -207,7 +209,9 @@ class QAOptions:
 
 def evaluate(model_dir: Path, quant_dir: Path, text: Path | None = None, seq_len: int = DEFAULT_SEQ_LEN,
              samples: int | None = None, progress: bool = True, qa: QAOptions | None = None,
-             execution: ExecOptions | None = None) -> dict[str, Any]:
+             execution: ExecOptions | None = None, mix_paths: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Fidelity of `quant_dir` against `model_dir`; a W8A8_MIX output on each of `mix_paths` (default both, the first
+    one the headline)."""
     from dsconv.quant.evaluate.onnx_lm import OnnxLM, fakequant_path
 
     ck = Checkpoint.open(model_dir)
@@ -223,13 +227,19 @@ def evaluate(model_dir: Path, quant_dir: Path, text: Path | None = None, seq_len
     items, qa_meta = (None, None) if qa is None else qa_items(ck, qck, qa, seq_len, progress)
     seqs = chunks + ([it.prompt + it.answer for it in items] if items else [])
     started = time.perf_counter()
-    pos = streamed_positions(ck, qck, seqs, execution, progress)
-    per_layer = pos.layer_seconds
-    metrics = text_metrics(pos, set(range(len(chunks))))
     desc = qck.quant_description
     counts: dict[str, int] = {}
     for t in quantized_modules(desc).values():
         counts[t] = counts.get(t, 0) + 1
+    # W8A8_MIX: both of its paths, each a pass of its own; the decode (static) one first, as it is the headline: it
+    # computes every generated token of a PD-split deployment
+    paths = (mix_paths or tuple(MIX_PATHS)) if W8A8_MIX in counts else (None,)
+    by_path = {}
+    for path in paths:
+        pos_p = streamed_positions(ck, qck, seqs, execution, progress, path)
+        by_path[path] = (pos_p, text_metrics(pos_p, set(range(len(chunks)))))
+    pos, metrics = by_path[paths[0]]
+    per_layer = pos.layer_seconds
     out = {"model": str(model_dir), "quantized": str(quant_dir), "model_quant_type": desc.get("model_quant_type"),
            "linears": dict(sorted(counts.items())), "text": source, "samples": len(chunks), "seq_len": seq_len,
            **({"kv_cache": form} if (form := int8_cache_sim.cache_form(desc)) else {}), **metrics,
@@ -237,6 +247,9 @@ def evaluate(model_dir: Path, quant_dir: Path, text: Path | None = None, seq_len
            "seconds_per_layer": round(sum(per_layer) / max(1, len(per_layer)), 3),
            "layer_seconds": [round(x, 3) for x in per_layer],
            "expert_seconds": round(pos.expert_seconds, 3), "expert_runs": pos.expert_runs}
+    if paths[0] is not None:
+        out["path"] = paths[0]
+        out["paths"] = {p: m for p, (_, m) in by_path.items()}
     if items:
         for k, it in enumerate(items):
             rows = np.where(pos.seq == len(chunks) + k)[0]
@@ -248,17 +261,17 @@ def evaluate(model_dir: Path, quant_dir: Path, text: Path | None = None, seq_len
 
 
 def streamed_positions(ck: Checkpoint, qck: Checkpoint, seqs: list[list[int]], execution: ExecOptions | None,
-                       progress: bool) -> Positions:
+                       progress: bool, path: str | None = None) -> Positions:
     """The streamed pass in this process, or split into runs of sequences over `--workers` / Ray (each job streams
     both checkpoints itself: more workers buy compute, not fewer weight reads)."""
     workers = 1 if execution is None else execution.resolved_workers()
     if workers <= 1 or len(seqs) < 2:
         orig = StreamedModel(ck, quantized=False)
-        return run_pass(orig, StreamedModel(qck, quantized=True), seqs, batch_tokens(orig.sk.config),
+        return run_pass(orig, StreamedModel(qck, quantized=True, path=path), seqs, batch_tokens(orig.sk.config),
                         progress=progress)
     starts = split(seqs, workers)
     ends = starts[1:] + [len(seqs)]
-    jobs = [EvalJob(str(ck.root), str(qck.root), seqs[a:b]) for a, b in zip(starts, ends)]
+    jobs = [EvalJob(str(ck.root), str(qck.root), seqs[a:b], path) for a, b in zip(starts, ends)]
     with make_executor(execution) as ex:
         parts = list(ex.map(eval_job, jobs))
     return Positions.concat(parts, starts)
@@ -378,5 +391,8 @@ def render(r: dict[str, Any]) -> str:
         f"logits: mean |error| {r['logits_mean_abs_error']:.5f} ({r['logits_relative_error'] * 100:.2f}% of mean "
         f"|logit|), max |error| {r['logits_max_abs_error']:.4f}, KL {r['kl_divergence']:.6f}",
         f"top-1 agreement: {r['top1_agreement'] * 100:.2f}%",
+        *([f"W8A8_MIX {p} path ({MIX_ROLE[p]}): perplexity {m['ppl_quantized']:.4f} ({m['ppl_change_pct']:+.3f}%), "
+           f"KL {m['kl_divergence']:.6f}, top-1 {m['top1_agreement'] * 100:.2f}%" for p, m in r["paths"].items()]
+          if "paths" in r else []),
         *(qa_render(r["qa"]) if "qa" in r else []),
     ])

@@ -65,11 +65,11 @@ class FloatRows:
 class LazyEngineLinear:
     """A quantized linear read when it runs and dropped after: one linear's int8 weight in memory at a time."""
 
-    def __init__(self, ck: Any, module: str, qtype: str) -> None:
-        self.ck, self.module, self.qtype = ck, module, qtype
+    def __init__(self, ck: Any, module: str, qtype: str, path: str | None = None) -> None:
+        self.ck, self.module, self.qtype, self.path = ck, module, qtype, path
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return EngineLinear(read_linear(self.ck, self.module, self.qtype))(x)
+        return EngineLinear(read_linear(self.ck, self.module, self.qtype), self.path)(x)
 
 
 class C8PassThrough:
@@ -88,8 +88,9 @@ class C8PassThrough:
 class StreamedModel:
     """One side of the evaluation (the float source, or a quantize output) run a decoder layer at a time."""
 
-    def __init__(self, ck: Any, quantized: bool) -> None:
+    def __init__(self, ck: Any, quantized: bool, path: str | None = None) -> None:
         self.ck = ck
+        self.path = path  # a W8A8_MIX linear's path (engine_linear.MIX_PATHS)
         self.sk = Skeleton(ck)
         self.types = quantized_modules(ck.quant_description) if quantized else {}
         self.form = int8_cache_sim.cache_form(ck.quant_description) if quantized else None
@@ -113,14 +114,14 @@ class StreamedModel:
     def _linear(self, module: str) -> Callable[[torch.Tensor], torch.Tensor]:
         t = self.types.get(module)
         if t is not None:
-            return LazyEngineLinear(self.ck, module, t)
+            return LazyEngineLinear(self.ck, module, t, self.path)
         bias = module + ".bias"
         return FloatRows(self.ck, module + ".weight", bias if bias in self.ck else None)
 
     def head_rows(self, lo: int, hi: int) -> torch.Tensor:
         if isinstance(self.head, FloatRows):
             return self.head.rows(lo, hi)
-        return EngineLinear(read_linear(self.ck, self.head.module, self.head.qtype)).rows(lo, hi)
+        return EngineLinear(read_linear(self.ck, self.head.module, self.head.qtype), self.path).rows(lo, hi)
 
     # ---- the pass ------------------------------------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -327,6 +328,7 @@ class EvalJob:
     model: str
     quantized: str
     seqs: list[list[int]]
+    path: str | None = None  # W8A8_MIX: which path the quantized side runs
 
 
 def eval_job(job: EvalJob) -> Positions:
@@ -334,7 +336,7 @@ def eval_job(job: EvalJob) -> Positions:
     from dsconv.checkpoint import Checkpoint
 
     orig = StreamedModel(Checkpoint.open(job.model), False)
-    return run_pass(orig, StreamedModel(Checkpoint.open(job.quantized), True), job.seqs,
+    return run_pass(orig, StreamedModel(Checkpoint.open(job.quantized), True, job.path), job.seqs,
                     batch_tokens(orig.sk.config), progress=False)
 
 

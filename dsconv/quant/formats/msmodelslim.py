@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from dsconv.errors import UserError
-from dsconv.qformat import C8, FA_QUANT, cache_tensors, scale_bias, scale_bias_sums
+from dsconv.qformat import C8, FA_QUANT, STATIC_TYPES, W8A8_MIX, cache_tensors, scale_bias, scale_bias_sums
 from dsconv.quant.algorithms.schemes import (deq_scale_as_int64, deq_scale_from_int64, dequant_weight, pack_int4,
                                              pack_int4_along_k, unpack_int4_by_shape)
 
@@ -42,6 +42,11 @@ LAYOUT: dict[str, tuple[Component, ...]] = {
     "W8A8_DYNAMIC": _W8_WEIGHT_ONLY,
     "W8A8": (("weight", "I8", ("n", "k")), ("input_scale", "F32", (1,)), ("input_offset", "F32", (1,)),
              ("deq_scale", DEQ, ("n",)), ("quant_bias", "I32", ("n",))),
+    # PD-mix (docs/formats/w8a8_mix.md): static W8A8's tensors for a decode instance and W8A8_DYNAMIC's weight scale
+    # for prefill, in one linear; the order msModelSlim writes them (ascendv1.py::AscendV1Saver.on_w8a8_pd_mix)
+    "W8A8_MIX": (("weight", "I8", ("n", "k")), ("quant_bias", "I32", ("n",)), ("input_scale", "F32", (1,)),
+                 ("input_offset", "F32", (1,)), ("deq_scale", DEQ, ("n",)), ("weight_scale", "F32", ("n", 1)),
+                 ("weight_offset", "F32", ("n", 1))),
     "W4A16": _W4,
     # msModelSlim's current per-channel form (docs/formats/w4a8.md): int4 always packed along the output dim, and
     # scale_bias, 8 * scale * sum of the int4 values (per row, or per 16 k-chunks of a row layer)
@@ -239,10 +244,10 @@ def read_linear(ck: Any, module: str, qtype: str) -> QuantLinear:
             raise UserError(f"{ck.root}: {P}.scale_bias is missing for a W4A8_DYNAMIC layer",
                             hint="the output is incomplete")
         ql.scale_bias = _np(ck, P + ".scale_bias").astype(np.float32)
-    if qtype == "W8A8":
-        for s in (f".{suffix}" for suffix, _, _ in LAYOUT["W8A8"] if suffix != "weight"):
+    if qtype in STATIC_TYPES:
+        for s in (f".{suffix}" for suffix, _, _ in LAYOUT[qtype] if suffix != "weight"):
             if not have(s):
-                raise UserError(f"{ck.root}: {P}{s} is missing for a W8A8 layer", hint="the output is incomplete")
+                raise UserError(f"{ck.root}: {P}{s} is missing for a {qtype} layer", hint="the output is incomplete")
         ql.input_scale = float(_np(ck, P + ".input_scale").reshape(-1)[0])
         ql.input_offset = float(_np(ck, P + ".input_offset").reshape(-1)[0])
         deq = _np(ck, P + ".deq_scale")
@@ -314,7 +319,7 @@ def check_description(desc: dict[str, Any], tensors: dict[str, tuple[str, tuple[
             name = f"{P}.{aux}"
             if aux not in need and name in tensors and types.get(name) != t:
                 problems.append(f"{name}: type {types.get(name)} differs from its weight's {t}")
-        if t == "W8A8" and P + ".deq_scale" in tensors:
+        if t in STATIC_TYPES and P + ".deq_scale" in tensors:
             n = w[1][0]
             if tensors[P + ".deq_scale"][1] != (n,) or tensors.get(P + ".quant_bias", ("", ()))[1] != (n,):
                 problems.append(f"{P}: deq_scale/quant_bias shapes do not match {n} output channels")
@@ -346,7 +351,27 @@ def verify_output(directory: Any) -> list[str]:
         return ["config.json still carries quantization_config"]
     tensors = {n: (i.dtype, tuple(i.shape)) for n, i in ck.tensors.items()}
     problems = check_description(ck.quant_description, tensors)
-    return problems or check_scale_bias(ck) + check_cache_scales(ck)
+    return problems or check_scale_bias(ck) + check_cache_scales(ck) + check_mix_paths(ck)
+
+
+def check_mix_paths(ck: Any) -> list[str]:
+    """Every W8A8_MIX linear's two paths hold one weight: deq_scale = input_scale * weight_scale (float32), as the
+    writer makes it. The engines load either side without looking at the other, and each instance reads only one: a
+    decode instance with a stale deq_scale, or a prefill one with a wrong weight_scale, serves another model while
+    the other instance looks fine."""
+    problems = []
+    for P, t in quantized_modules(ck.quant_description).items():
+        if t != W8A8_MIX:
+            continue
+        ql = read_linear(ck, P, t)
+        want = (np.float32(ql.input_scale) * ql.weight_scale.reshape(-1).astype(np.float32)).astype(np.float32)
+        if not np.array_equal(ql.deq_scale.reshape(-1), want):
+            bad = int((ql.deq_scale.reshape(-1) != want).sum())
+            problems.append(f"{P}: deq_scale (decode path) differs from input_scale * weight_scale (prefill path) in "
+                            f"{bad} of {want.size} channels")
+        if ql.weight_offset is not None and bool(np.any(ql.weight_offset)):
+            problems.append(f"{P}.weight_offset: nonzero (W8A8_MIX weights are symmetric)")
+    return problems
 
 
 def check_scale_bias(ck: Any) -> list[str]:

@@ -21,7 +21,8 @@ from dsconv.io.writer import OutputDir, TensorSetWriter
 from dsconv.quant.formats.msmodelslim import (DESCRIPTION_VERSION, FLOAT, GLOBAL_KEYS, LAYER_TYPE_KEY, STAGED,
                                              LinearResult, emit_linear, layout_names)
 from dsconv.quant.plan.kv_cache import kv_description
-from dsconv.quant.plan.plan import STATIC, LinearPlan, QuantPlan, float_spec, linear_specs, model_quant_type
+from dsconv.qformat import STATIC_TYPES, W8A8_MIX
+from dsconv.quant.plan.plan import LinearPlan, QuantPlan, float_spec, linear_specs, model_quant_type
 from dsconv.tensors import TensorSpec, torch_dtype
 
 STAGING = ".dsconv-staging"
@@ -54,9 +55,11 @@ def description(plan: QuantPlan, types: dict[str, str], specs: list[TensorSpec])
     cache = kv_description(plan.kv)
     desc.update({k: v for k, v in cache.items() if k in GLOBAL_KEYS})
     for spec in specs:
-        module, _, _ = spec.name.rpartition(".")
-        desc[spec.name] = cache.get(spec.name) or (owner.get(module, FLOAT) if spec.name not in plan.floats
-                                                   else FLOAT)
+        module, _, param = spec.name.rpartition(".")
+        t = owner.get(module, FLOAT)
+        if t == W8A8_MIX and param == "bias":
+            t = FLOAT  # msModelSlim describes a PD-mix linear's float bias FLOAT (ascendv1.py::on_w8a8_pd_mix)
+        desc[spec.name] = cache.get(spec.name) or (t if spec.name not in plan.floats else FLOAT)
     desc.update({k: v for k, v in cache.items() if k.endswith(LAYER_TYPE_KEY)})
     return desc
 
@@ -108,7 +111,7 @@ class QuantWriter:
         specs = []
         for lp in linears:
             bias_dtype = self._bias_dtype(lp)
-            specs += linear_specs(lp, STAGED if lp.qtype == STATIC else lp.qtype, self.plan, bias_dtype)
+            specs += linear_specs(lp, STAGED if lp.qtype in STATIC_TYPES else lp.qtype, self.plan, bias_dtype)
         specs += [float_spec(fp) for fp in floats]
         if not specs:
             return
@@ -132,7 +135,7 @@ class QuantWriter:
     def linear(self, lp: LinearPlan, res: LinearResult) -> None:
         if self.staged:  # a static candidate stages every component its final type may need; others their own
             ts = self._stage_set(lp.weight)
-            for name, arr in emit_linear(lp.module, STAGED if lp.qtype == STATIC else lp.qtype, res,
+            for name, arr in emit_linear(lp.module, STAGED if lp.qtype in STATIC_TYPES else lp.qtype, res,
                                          self.plan.deq_dtype, chunks=lp.scale_bias_chunks):
                 ts.write(name, arr)
             return
@@ -196,7 +199,7 @@ class QuantWriter:
                 continue
             module, _, param = spec.name.rpartition(".")
             lp = self.plan.linears.get(module)
-            if lp is None or lp.qtype != STATIC:
+            if lp is None or lp.qtype not in STATIC_TYPES:
                 self.ts.write(spec.name, get(spec.name))  # a float or a linear whose type never depended on data
                 self.written.add(spec.name)
                 continue

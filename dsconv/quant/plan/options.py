@@ -11,7 +11,8 @@ from dsconv.quant.algorithms import clipping
 from dsconv.quant.algorithms.methods import METHODS
 from dsconv.quant.algorithms.observers import ACT_METHODS
 from dsconv.quant.algorithms.smoothing import smoothing_mode
-from dsconv.quant.plan.plan import ACT_QUANT, FALLBACK_TARGETS, STATIC, QuantPlan
+from dsconv.qformat import STATIC_TYPES
+from dsconv.quant.plan.plan import ACT_QUANT, FALLBACK_TARGETS, QuantPlan
 
 # Default --fallback-threshold: static W8A8 units whose relative output error exceeds 10% fall back. Measured on a
 # small Llama trained here (benchmarks/bench_quantize.py): the down_proj units (input SiLU(gate) * up, the outliers
@@ -61,7 +62,7 @@ def fallback_policy(opts: QuantOptions, plan: QuantPlan) -> tuple[str, float] | 
         raise UserError(f"--fallback {opts.fallback} must be >= 0")
     if opts.fallback_threshold is not None and opts.fallback_threshold < 0:
         raise UserError(f"--fallback-threshold {opts.fallback_threshold} must be >= 0")
-    if plan.scheme != STATIC:
+    if plan.scheme not in STATIC_TYPES:
         if opts.fallback or opts.fallback_threshold is not None:
             raise UserError(f"--fallback/--fallback-threshold apply to static w8a8, not {plan.scheme.lower()}",
                             hint="drop them, or use --scheme w8a8")
@@ -93,7 +94,7 @@ def check_options(opts: QuantOptions, plan: QuantPlan) -> None:
 def needs_calibration(opts: QuantOptions, plan: QuantPlan) -> bool:
     """Weight-only round-to-nearest needs no activations; an explicit --calib still runs (for expert load), and
     C8 cache scales are measured on real text."""
-    return (plan.scheme == STATIC or opts.method in ("gptq", "awq") or smoothing_of(opts, plan) is not None
+    return (plan.scheme in STATIC_TYPES or opts.method in ("gptq", "awq") or smoothing_of(opts, plan) is not None
             or opts.calib is not None or bool(plan.kv))
 
 

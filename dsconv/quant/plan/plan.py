@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 from dsconv.errors import UserError
 from dsconv.families.roles import Category, Role
 from dsconv.engines import W4A8
-from dsconv.qformat import scale_bias_chunks
+from dsconv.qformat import STATIC_TYPES, scale_bias_chunks
 from dsconv.quant.algorithms.schemes import check_group_size
 from dsconv.quant.formats.msmodelslim import FLOAT, linear_layout
 from dsconv.quant.plan.kv_cache import KVLayer, plan_kv_cache
@@ -23,17 +23,16 @@ from dsconv.quant.plan.recipe import RECIPE_FLOAT_REASON, planned_type
 from dsconv.tensors import TensorSpec
 
 # scheme option -> description type
-SCHEMES = {"w8a8": "W8A8", "w8a8_dynamic": "W8A8_DYNAMIC", "w8a16": "W8A16", "w4a16": "W4A16",
-           "w4a8_dynamic": "W4A8_DYNAMIC"}
+SCHEMES = {"w8a8": "W8A8", "w8a8_dynamic": "W8A8_DYNAMIC", "w8a8_mix": "W8A8_MIX", "w8a16": "W8A16",
+           "w4a16": "W4A16", "w4a8_dynamic": "W4A8_DYNAMIC"}
 DEFAULT_SCHEME = {8: "w8a8", 4: "w4a16"}
-BITS = {"W8A8": 8, "W8A8_DYNAMIC": 8, "W8A16": 8, "W4A16": 4, "W4A8_DYNAMIC": 4}
-STATIC = "W8A8"
+BITS = {"W8A8": 8, "W8A8_DYNAMIC": 8, "W8A8_MIX": 8, "W8A16": 8, "W4A16": 4, "W4A8_DYNAMIC": 4}
 # the description's model_quant_type: most aggressive first (fewer weight bits, then static activations, then
 # dynamic, then weight-only). W4A8_DYNAMIC is not in msModelSlim's list (a mixed DeepSeek file says W8A8_DYNAMIC;
 # ascendv1.py QUANT_TYPE_PRIORITY), and engines read it that way.
-AGGRESSIVENESS = ("W4A16", "W8A8", "W8A8_DYNAMIC", "W8A16", FLOAT)
+AGGRESSIVENESS = ("W4A16", "W8A8", "W8A8_MIX", "W8A8_DYNAMIC", "W8A16", FLOAT)
 FALLBACK_TARGETS = ("w8a8_dynamic", "w8a16")
-ACT_QUANT = ("W8A8", "W8A8_DYNAMIC")  # types whose activations are quantized: smoothing helps them
+ACT_QUANT = ("W8A8", "W8A8_DYNAMIC", "W8A8_MIX")  # types whose activations are quantized: smoothing helps them
 
 
 def model_quant_type(types: Iterable[str]) -> str:
@@ -231,8 +230,9 @@ def make_plan(ck: Any, scheme: str, group_size: int | None = None, method: str =
     if not linears:
         raise UserError(f"{ck.root}: no linear layer is left to quantize",
                         hint="check --ignore: it excludes every quantizable layer")
-    if any(lp.qtype == STATIC for lp in linears.values()):
-        qtype = STATIC  # a recipe with static layers calibrates (plan.scheme drives calibration and fallback)
+    static = [lp.qtype for lp in linears.values() if lp.qtype in STATIC_TYPES]
+    if static and qtype not in STATIC_TYPES:
+        qtype = static[0]  # a recipe with static layers calibrates (plan.scheme drives calibration and fallback)
     return QuantPlan(scheme=qtype, group_size=group_size, method=method, model_dtype=model_dtype, linears=linears,
                      floats=floats, dropped=dropped, ignored=ignored, kv=plan_kv_cache(ck, kv_cache),
                      engine_dtype=engine_dtype or model_dtype)

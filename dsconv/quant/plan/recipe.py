@@ -10,9 +10,9 @@ o_proj and gate/up static: 6 of 7 linears of a dense layer (86%). `--recipe unif
 from __future__ import annotations
 
 from dsconv.families.roles import Role
+from dsconv.qformat import STATIC_TYPES
 from dsconv.quant.formats.msmodelslim import FLOAT
 
-STATIC = "W8A8"
 DYNAMIC = "W8A8_DYNAMIC"
 RECIPES = ("mixed", "uniform")
 DEFAULT_RECIPE = "mixed"
@@ -25,6 +25,6 @@ RECIPE_FLOAT_REASON = "recipe mixed: down_proj kept float (the engine reads one 
 
 def planned_type(qtype: str, role: Role, recipe: str = DEFAULT_RECIPE, mix_ok: bool = True) -> str:
     """The type a linear of `role` gets when the scheme asks for `qtype` (FLOAT where the engine cannot mix types)."""
-    if qtype == STATIC and recipe == "mixed" and role == Role.MLP_OUT:
+    if qtype in STATIC_TYPES and recipe == "mixed" and role == Role.MLP_OUT:
         return DYNAMIC if mix_ok else FLOAT
     return qtype

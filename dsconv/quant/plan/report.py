@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsconv.qformat import FA_QUANT, FA_QUANT_WHERE
-from dsconv.quant.plan.plan import STATIC, QuantPlan, model_quant_type
+from dsconv.qformat import FA_QUANT, FA_QUANT_WHERE, MIX_WHERE, W8A8_MIX
+from dsconv.qformat import STATIC_TYPES
+from dsconv.quant.plan.plan import ACT_QUANT, QuantPlan, model_quant_type
 from dsconv.quant.plan.recipe import RECIPE_FLOAT_REASON
 
 REPORT_FILE = "quant_report.json"
@@ -34,7 +35,7 @@ def unit_errors(plan: QuantPlan, records: dict[str, Any]) -> dict[str, tuple[flo
     """unit -> (static W8A8 sensitivity, members); None when nothing was measured."""
     out: dict[str, tuple[float | None, int]] = {}
     for unit, members in plan.units().items():
-        if members[0].qtype != STATIC:
+        if members[0].qtype not in STATIC_TYPES:
             continue
         errs = [(records[lp.module].errors.get("static"), records[lp.module].tokens or 0, lp.is_expert)
                 for lp in members if lp.module in records]
@@ -121,9 +122,9 @@ def build_report(ck: Any, plan: QuantPlan, opts: Any, records: dict[str, Any], d
         linears[m] = entry
     report: dict[str, Any] = {
         "scheme": plan.scheme, "method": plan.method, "group_size": plan.group_size,
-        "recipe": getattr(opts, "recipe", None) if plan.scheme == STATIC else None,
-        "act_method": opts.act_method if plan.scheme == STATIC else None,
-        "smooth_quant": opts.smooth_alpha if plan.scheme in ("W8A8", "W8A8_DYNAMIC") else None,
+        "recipe": getattr(opts, "recipe", None) if plan.scheme in STATIC_TYPES else None,
+        "act_method": opts.act_method if plan.scheme in STATIC_TYPES else None,
+        "smooth_quant": opts.smooth_alpha if plan.scheme in ACT_QUANT else None,
         "model_quant_type": model_quant_type(decision.types.values()),
         "calibration": calib.describe() if calib is not None else None,
         "fallback": {"policy": decision.policy, "target": decision.target, "units": decision.units,
@@ -176,7 +177,7 @@ def render(s: dict[str, Any]) -> str:
     """Terminal summary: per-layer weight error, fallback decisions, expert coverage."""
     lines = [f"{s['scheme']} ({s['method']}{', group ' + str(s['group_size']) if s['group_size'] else ''}) -> "
              f"{s['output']}: {', '.join(f'{n} {t}' for t, n in s['linears'].items())}; "
-             f"{s['kept_float']} linear(s) kept in float" + _kv_text(s.get("kv_cache"))]
+             f"{s['kept_float']} linear(s) kept in float" + _kv_text(s.get("kv_cache")) + _mix_text(s["linears"])]
     c = s.get("calibration")
     if c:
         lines.append(f"calibration: {c['samples']} samples, {c['tokens']} tokens (seq-len {c['seq_len']}) from "
@@ -309,6 +310,10 @@ def kv_cache_summary(plan: QuantPlan) -> dict[str, Any] | None:
             **({"used": FA_QUANT_WHERE} if form == FA_QUANT else {})}
 
 
+def _mix_text(linears: dict[str, int]) -> str:
+    return f"; W8A8_MIX runs {MIX_WHERE}" if W8A8_MIX in linears else ""
+
+
 def _kv_text(kv: dict[str, Any] | None) -> str:
     if not kv:
         return ""
@@ -321,7 +326,7 @@ def render_plan(p: dict[str, Any]) -> str:
             f"{len(p['kept_float'])} linear(s) kept in float by option; {p['tensors']} output tensors, "
             f"{p['output_bytes'] / 1e9:.3f} GB (input {p['input_bytes'] / 1e9:.3f} GB); calibration "
             f"{'yes' if p['calibration'] else 'not needed'}; fallback {p['fallback'] or 'none'}"
-            + _kv_text(p.get("kv_cache")))
+            + _kv_text(p.get("kv_cache")) + _mix_text(p["linears"]))
 
 
 def awq_summary(entries: list[dict[str, Any]]) -> dict[str, Any]:
