@@ -12,7 +12,7 @@ from collections import defaultdict
 from typing import Any
 
 from dsconv.families.roles import Category
-from dsconv.qformat import FA_QUANT, FA_QUANT_WHERE, cache_tensors, int8_cache, scale_bias_chunks
+from dsconv.qformat import FA_QUANT, FA_QUANT_WHERE, cache_form, cache_tensors, int8_cache, scale_bias_chunks
 from dsconv.soc import soc_facts
 from dsconv.tensors import human_bytes
 
@@ -79,7 +79,7 @@ def inspect_model(ck: Any) -> dict[str, Any]:
         "quantized": bool(ck.is_quantized),
         # the cache this checkpoint runs with: int8 when quantized with --kv-cache int8 (description C8)
         "kv_cache": "int8" if int8_cache(getattr(ck, "quant_description", None)) else "bf16",
-        "kv_cache_form": FA_QUANT if (getattr(ck, "quant_description", None) or {}).get("fa_quant_type") else None,
+        "kv_cache_form": cache_form(getattr(ck, "quant_description", None)),
     }
     recipes_bytes = {} if ck.is_quantized else {"w8a8_mix": mix, **({"w4a8": w4a8} if experts else {})}
     report["cards"] = cards_needed(quantizable, other, recipes_bytes or None)

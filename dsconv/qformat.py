@@ -183,6 +183,12 @@ def int8_cache(desc: dict | None) -> bool:
     return desc.get("kv_cache_type") == C8 or desc.get("kv_quant_type") == C8 or bool(desc.get("fa_quant_type"))
 
 
+def cache_form(desc: dict | None) -> str | None:
+    """C8 / FAQuant: the int8-cache form of a quantize output's description (None without one), from the types of
+    its cache tensors."""
+    return next((desc[name] for name in sorted(cache_tensors(desc))), None)
+
+
 def cache_tensors(desc: dict | None) -> set[str]:
     """The names a description types as int8 KV-cache tensors (C8 / FAQuant): scales for the serving engine's
     cache, which a graph export (ONNX, MindIR) has no place for."""

@@ -74,11 +74,11 @@ def test_every_linear_has_msmodelslims_seven_tensors(mix_out):
         assert t[P + ".weight_scale"].shape == (n, 1) and t[P + ".weight_offset"].shape == (n, 1)
         assert t[P + ".deq_scale"].shape == (n,) and t[P + ".quant_bias"].shape == (n,)
         assert all(desc[x] == ("FLOAT" if x.endswith(".bias") else "W8A8_MIX") for x in names)  # as msModelSlim
-    assert any(x.endswith("q_proj.bias") for x in t)  # Qwen2's q/k/v biases: quant_bias (static), bias (dynamic)
         # one weight for both paths: deq_scale is input_scale * weight_scale in float32
         want = (t[P + ".input_scale"] * t[P + ".weight_scale"].reshape(-1)).to(torch.float32)
         assert torch.equal(t[P + ".deq_scale"], want)
         assert not t[P + ".weight_offset"].any()
+    assert any(x.endswith("q_proj.bias") for x in t)  # Qwen2's q/k/v biases: quant_bias (static), bias (dynamic)
     # fused shards share one activation range (vLLM-Ascend keeps one input_scale per qkv / gate_up)
     for layer in (0, 1):
         for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):

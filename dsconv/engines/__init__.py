@@ -168,15 +168,19 @@ def _alternatives(prof: EngineProfile, kind: str, qtype: str) -> str:
     return alt
 
 
-def check_mix(prof: EngineProfile, model_type: str, linears: Iterable[Any]) -> None:
+def runs_mix(prof: EngineProfile, family: Any, model_type: str) -> bool:
+    """Whether the engine's model code for `model_type` runs W8A8_MIX linears (Family.w8a8_mix_engines)."""
+    return not prof.mix_per_model or model_type in _family(family).w8a8_mix_engines.get(prof.name, ())
+
+
+def check_mix(prof: EngineProfile, family: Any, model_type: str, linears: Iterable[Any]) -> None:
     """UserError (exit 2) for W8A8_MIX linears in a model whose code on this engine does not run them."""
-    if prof.mix_model_types is None or model_type in prof.mix_model_types:
+    if runs_mix(prof, family, model_type):
         return
     example = next((lp.module for lp in linears if lp.qtype == W8A8_MIX), None)
     if example is not None:
         rule = prof.rules["w8a8_mix"]
-        others = [p.name for p in ENGINES.values() if p is not prof and (p.mix_model_types is None
-                                                                       or model_type in p.mix_model_types)]
+        others = [p.name for p in ENGINES.values() if p is not prof and runs_mix(p, family, model_type)]
         raise UserError(f"--engine {prof.name}: {model_type} models cannot have W8A8_MIX linears (e.g. {example}): "
                         f"{prof.label}: {rule.text} ({rule.source})",
                         hint="use --scheme w8a8 or w8a8_dynamic" + "".join(f", or --engine {o}" for o in others))
@@ -450,7 +454,7 @@ def mix_engines(ck: Any) -> dict[str, str]:
     out = {}
     model_type = ck.config.get("model_type", "")
     for name, prof in ENGINES.items():
-        ok = prof.mix_model_types is None or model_type in prof.mix_model_types
+        ok = runs_mix(prof, ck.family, model_type)
         out[name] = ("loads" + (" (routed experts W8A8_DYNAMIC)" if ck.facts.num_experts else "")) if ok else \
             f"refused: {model_type} has no PD-mix path in {prof.label} ({prof.rules['w8a8_mix'].source.split(';')[0]})"
     return out

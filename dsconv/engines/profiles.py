@@ -77,8 +77,9 @@ class EngineProfile:
     tokenizer_list_keys: Mapping[str, str] = field(default_factory=dict)
     # what a rank's share of a row-parallel per-group int4 weight must hold (None: any whole number of groups)
     group_split: GroupSplitRule | None = None
-    # the model types whose model code runs W8A8_MIX (PD-mix) linears (None: any it loads); rules["w8a8_mix"]
-    mix_model_types: frozenset[str] | None = None
+    # W8A8_MIX (PD-mix) runs only in the model types a family names for this engine (Family.w8a8_mix_engines);
+    # False: in any model the engine loads; rules["w8a8_mix"]
+    mix_per_model: bool = False
     rules: Mapping[str, Rule] = field(default_factory=dict)
 
     def layer_type(self, kind: str) -> str:
@@ -145,7 +146,7 @@ MINDIE = EngineProfile(
     },
     dtypes=frozenset({"BF16", "F16"}),
     group_sizes=frozenset({0, 64, 128, 256}),
-    mix_model_types=frozenset({"llama", "qwen2", "qwen3"}),
+    mix_per_model=True,
     tokenizer_classes={"TokenizersBackend": "PreTrainedTokenizerFast"},
     tokenizer_list_keys={"extra_special_tokens": "additional_special_tokens"},
     group_split=GroupSplitRule("MindIE", 2, Rule(

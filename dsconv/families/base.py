@@ -202,6 +202,9 @@ class Family:
     #: engine -> the model types of this family whose loader reads its int8 KV-cache scales (C8, or FA quant for
     #: MLA) into the attention (`quantize --kv-cache int8`; engines/profiles.py kv_int8 says where it was read)
     kv_int8_engines: dict[str, tuple[str, ...]] = {}
+    #: engine -> the model types of this family whose model code runs W8A8_MIX (PD-mix) linears, for the engines
+    #: that run it per model (profiles: mix_per_model, rules["w8a8_mix"]; docs/formats/w8a8_mix.md)
+    w8a8_mix_engines: dict[str, tuple[str, ...]] = {}
     #: MindIE service config: the model section under `models` that sets its expert-parallel level (None: none)
     mindie_ep_section: str | None = None
     #: std of the seeded tiny model's router weights (dsconv.tiny): wide enough that routing varies by input

@@ -7,6 +7,7 @@ class Llama(Family):
     name = "llama"
     model_types = ("llama", "mistral")
     kv_int8_engines = {"mindie": ("llama",)}  # MindIE flash_causal_llama.py; vLLM-Ascend: KeyError
+    w8a8_mix_engines = {"mindie": ("llama",)}  # MindIE flash_causal_llama.py (not Mistral's model)
     table = decoder(attention=gqa_attention(), mlp=dense_mlp())
     tiny = {}
 

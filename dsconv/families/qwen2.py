@@ -7,6 +7,7 @@ class Qwen2(Family):
     name = "qwen2"
     model_types = ("qwen2",)
     kv_int8_engines = {"mindie": ("qwen2",)}  # MindIE flash_causal_qwen2.py; vLLM-Ascend: KeyError
+    w8a8_mix_engines = {"mindie": ("qwen2",)}  # MindIE flash_causal_qwen2.py
     table = decoder(attention=gqa_attention(), mlp=dense_mlp())
     tiny = {}
 

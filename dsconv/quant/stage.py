@@ -73,7 +73,7 @@ def planned_output(ck: Any, scheme: str, engine: str | None = None) -> tuple[lis
     plan = make_plan(ck, scheme, None, "rtn", (), assign=engines.assigner(prof, ck.family, ktypes),
                      mix_ok=prof.fallback_ok, mtp_type=engines.mtp_type(ktypes),
                      engine_dtype=engines.engine_dtype(prof, ck.family, ck.facts.dtype))
-    engines.check_mix(prof, ck.config.get("model_type", ""), plan.linears.values())
+    engines.check_mix(prof, ck.family, ck.config.get("model_type", ""), plan.linears.values())
     engines.check_plan(prof, ck.family, plan.linears.values())
     types = {m: lp.qtype for m, lp in plan.linears.items()}
     specs = final_specs(ck, plan, types)
@@ -109,7 +109,7 @@ def run(req: QuantRequest) -> QuantResult:
                         f"{prof.why_not[(engines.W4A8, 'linear')].text}; "
                         f"{prof.why_not[(engines.W4A8, 'linear')].source})",
                         hint="use --scheme w8a8_dynamic, or --bits 4 (W4A16)")
-    engines.check_mix(prof, ck.config.get("model_type", ""), preview)
+    engines.check_mix(prof, family, ck.config.get("model_type", ""), preview)
     engines.check_plan(prof, family, preview)  # before any work
     mtp_type = engines.mtp_type(ktypes)
     plan = make_plan(ck, opts.scheme, opts.group_size, opts.method, opts.ignore,

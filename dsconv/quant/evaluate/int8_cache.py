@@ -21,12 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dsconv.qformat import FA_QUANT, cache_tensors
-
-
-def cache_form(desc: dict[str, Any] | None) -> str | None:
-    """C8 / FAQuant: the int8-cache form of a quantize output's description (None without one)."""
-    return next((desc[name] for name in cache_tensors(desc)), None)
+from dsconv.qformat import FA_QUANT, cache_form, cache_tensors  # noqa: F401  (cache_form: read here by eval)
 
 
 def cache_scales(qck: Any) -> dict[int, dict[str, torch.Tensor]]:
