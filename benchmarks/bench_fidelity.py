@@ -521,8 +521,9 @@ def print_table(models: dict[str, Any]) -> None:
                 worse = r["increase_pct"] > rtn["increase_pct"]
                 extra.append(f"{r['increase_pct'] / rtn['increase_pct']:.2f}x RTN, "
                              + ("**worse than RTN**" if worse else "never worse than RTN: met"))
-            if "W8A8" in label and "DYN" not in label:
-                extra.append(f"{r['types'].get('W8A8', 0)}/{sum(r['types'].values())} static")
+            if "W8A8" in label and "DYN" not in label and "dynamic)" not in label:
+                total = sum(r["types"].values())
+                extra.append(f"{round(r.get('static_ratio', 0.0) * total)}/{total} static")
             if r.get("decisions", {}) and (r["decisions"] or {}).get("gptq_or_rtn"):
                 extra.append(", ".join(f"{k} {v}" for k, v in r["decisions"]["gptq_or_rtn"].items()))
             if r.get("same_as"):
