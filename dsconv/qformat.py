@@ -157,8 +157,10 @@ def dequant_weight(
 
 # the types with a static activation range (input_scale, input_offset, deq_scale, quant_bias): W8A8, and PD-mix's
 # W8A8_MIX, whose decode path is static W8A8 over the same int8 weight (docs/formats/w8a8_mix.md)
-STATIC_TYPES = ("W8A8", "W8A8_MIX")
 W8A8_MIX = "W8A8_MIX"
+STATIC_TYPES = ("W8A8", W8A8_MIX)
+# the types whose activations are quantized (static or per token): smoothing helps them
+ACT_QUANT = (*STATIC_TYPES, "W8A8_DYNAMIC")
 
 
 # the description types of the int8 KV-cache tensors (`quantize --kv-cache int8`; their layout rows are in

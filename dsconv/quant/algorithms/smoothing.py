@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 
 from dsconv.errors import UserError
+from dsconv.qformat import ACT_QUANT
 from dsconv.quant.algorithms.fake_quant import fake_quant_int8_rows
 from dsconv.quant.algorithms.sampling import RowSampler
 from dsconv.quant.algorithms.schemes import activation_qparams, smooth_scales
@@ -127,7 +128,7 @@ def up_down_pairs(lps: dict[str, Any]) -> list[tuple[str, str]]:
            if lp.slot == "up" and not lp.is_expert}
     out = []
     for lp in lps.values():
-        if lp.slot == "down" and not lp.is_expert and lp.qtype in ("W8A8", "W8A8_DYNAMIC", "W8A8_MIX"):
+        if lp.slot == "down" and not lp.is_expert and lp.qtype in ACT_QUANT:
             up = ups.get(lp.module.rsplit(".", 1)[0])
             if up is not None:
                 out.append((up, lp.module))

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 from dsconv.errors import UserError
 from dsconv.families.roles import Category, Role
 from dsconv.engines import W4A8
-from dsconv.qformat import STATIC_TYPES, scale_bias_chunks
+from dsconv.qformat import ACT_QUANT, STATIC_TYPES, scale_bias_chunks  # noqa: F401  (ACT_QUANT: read from here)
 from dsconv.quant.algorithms.schemes import check_group_size
 from dsconv.quant.formats.msmodelslim import FLOAT, linear_layout
 from dsconv.quant.plan.kv_cache import KVLayer, plan_kv_cache
@@ -32,7 +32,6 @@ BITS = {"W8A8": 8, "W8A8_DYNAMIC": 8, "W8A8_MIX": 8, "W8A16": 8, "W4A16": 4, "W4
 # ascendv1.py QUANT_TYPE_PRIORITY), and engines read it that way.
 AGGRESSIVENESS = ("W4A16", "W8A8", "W8A8_MIX", "W8A8_DYNAMIC", "W8A16", FLOAT)
 FALLBACK_TARGETS = ("w8a8_dynamic", "w8a16")
-ACT_QUANT = ("W8A8", "W8A8_DYNAMIC", "W8A8_MIX")  # types whose activations are quantized: smoothing helps them
 
 
 def model_quant_type(types: Iterable[str]) -> str:
