@@ -5,6 +5,8 @@
    proportions in 6) beside `cp -r` of the same input, interleaved in one run, the process tree's peak RSS sampled.
    Goals: >= 1.0x cp's speed; peak RSS <= 1.0 GB and flat. `--reps N`, `--code DIR` (another checkout's dsconv),
    `--quiet L` (wait for a 1-minute load below L before each pair, up to `--wait` seconds).
+1c. kernel: the rounding kernel alone on one DeepSeek expert-shaped weight (bf16 and float32, 8 and 4 bits), one
+   thread, CPU ns per element, and the start-up a CLI run pays before it.
 1. weight-only throughput and peak RSS: w8a16 round-to-nearest on synthetic Llama-like bf16 checkpoints of ~2 GB and
    ~8 GB (random data, deleted afterwards), against a plain copy of the same files; each run in a child process whose
    peak RSS is its own ru_maxrss. Goals: >= 0.7x the copy's throughput; peak RSS <= 1.5 GB and flat in model size.
@@ -15,7 +17,7 @@
    perplexity, W8A8 within 2%, W4A16 GPTQ clearly better than RTN at the same group size.
 
 Run all: `python -m benchmarks.bench_quantize` (or `python -m benchmarks quantize`); one part: `... throughput`,
-`... calibration`, `... targets`, `... memory`. Sizes: `--sizes 2,8` (GB).
+`... calibration`, `... targets`, `... memory`, `... kernel`. Sizes: `--sizes 2,8` (GB).
 """
 from __future__ import annotations
 
@@ -343,6 +345,46 @@ def bench_memory(work: Path, labels: list[str] | None = None, reps: int = 3, cod
     return out
 
 
+# ------------------------------------------------------------------------------------------ 1c. kernel
+KERNEL_CHILD = """
+import sys, time, json
+t0 = time.perf_counter()
+import numpy as np, torch
+from dsconv.quant.algorithms.schemes import quantize_weight_per_group
+from dsconv.quant.algorithms.error_metrics import sampled_weight_error
+imports = time.perf_counter() - t0
+torch.set_num_threads(1)
+gen = torch.Generator().manual_seed(0)
+out = {"imports_s": round(imports, 3)}
+for name, (n, k, g, bits) in {"expert 2048x7168 w8 per channel": (2048, 7168, 0, 8),
+                              "expert 2048x7168 w4 group 128": (2048, 7168, 128, 4)}.items():
+    w = (torch.randn(n, k, generator=gen) * 0.02).bfloat16()
+    for src, x in (("bf16", w), ("float32", w.float())):
+        t = time.perf_counter(); quantize_weight_per_group(x, g, bits); first = time.perf_counter() - t
+        best = 1e9
+        for _ in range(3):
+            c = time.process_time(); q, sc, _ = quantize_weight_per_group(x, g, bits); best = min(best, time.process_time() - c)
+        c = time.process_time(); sampled_weight_error(x, q, sc); err = time.process_time() - c
+        out[f"{name}, {src}"] = {"ns_per_element_cpu": round(best / (n * k) * 1e9, 3),
+                                 "first_call_s": round(first, 3), "report_error_ns_per_element": round(err / (n * k) * 1e9, 3)}
+RESULT = out
+"""
+
+
+def bench_kernel() -> dict[str, Any]:
+    """The rounding kernel alone (scale_grid + rtn_kernel: max |w|, both grid candidates, the integers) on one
+    DeepSeek expert-shaped weight, one thread, CPU ns per element; the first call includes loading (or compiling)
+    the kernel, `imports_s` the start-up every CLI run pays. Before the compiled kernel, the numpy rule cost 8.9 ns
+    per element on the same shape (docs/performance.md)."""
+    r = _child(KERNEL_CHILD)
+    for k, v in r.items():
+        if isinstance(v, dict):
+            print(f"[kernel] {k}: {v['ns_per_element_cpu']:.2f} ns/element CPU (first call {v['first_call_s']:.2f} s; "
+                  f"report error {v['report_error_ns_per_element']:.2f} ns/element)", flush=True)
+    print(f"[kernel] imports {r['imports_s']:.2f} s; peak RSS {r['peak_rss_bytes'] / 1e9:.2f} GB", flush=True)
+    return r
+
+
 # ------------------------------------------------------------------------------------------ 2. calibration time
 CALIB_CHILD = """
 import sys, time, torch
@@ -554,7 +596,7 @@ def bench_targets(work: Path, steps: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_quantize")
-    ap.add_argument("parts", nargs="*", default=["memory", "throughput", "calibration", "targets"])
+    ap.add_argument("parts", nargs="*", default=["memory", "kernel", "throughput", "calibration", "targets"])
     ap.add_argument("--sizes", default="2,8", help="synthetic model sizes in GB")
     ap.add_argument("--memory-sizes", default=None, help="of 2GB,5.7GB,6GB,8GB (default: all)")
     ap.add_argument("--reps", type=int, default=3, help="cp -r / quantize pairs per size (memory)")
@@ -564,7 +606,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--steps", type=int, default=400, help="training steps of the small model")
     ap.add_argument("--work", default=None, help="scratch directory (default: a temp dir, removed)")
     args = ap.parse_args(argv)
-    known = ("memory", "throughput", "calibration", "targets")
+    known = ("memory", "kernel", "throughput", "calibration", "targets")
     args.parts = [p for p in args.parts if p in known] or list(known)  # `python -m benchmarks quantize`: all
     RESULTS.mkdir(exist_ok=True)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="dsconv-bench-quant-"))
@@ -576,6 +618,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if "memory" in args.parts:
             results["memory"] = bench_memory(work, args.memory_sizes.split(",") if args.memory_sizes else None,
                                              args.reps, args.code, args.quiet, args.wait)
+        if "kernel" in args.parts:
+            results["kernel"] = bench_kernel()
         if "throughput" in args.parts:
             results["throughput"] = bench_throughput([int(x) for x in args.sizes.split(",")], work)
         if "calibration" in args.parts:

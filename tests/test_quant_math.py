@@ -140,6 +140,55 @@ def test_each_scale_is_the_better_of_its_grid_neighbours():
     assert below_won > 0  # the value below is chosen somewhere: the test covers both branches
 
 
+def test_compiled_kernel_reads_every_input_form_alike():
+    """The kernel's input forms give the same integers and scales: bf16 bit patterns (contiguous: widened in the
+    kernel), a strided bf16 view (widened in tiles), float32 in writable and in read-only memory (a float32
+    checkpoint's mapped pages), per channel and per group of 8 and 4 bits; a clipped range (the searches' ratio < 1)
+    clamps at both ends."""
+    from dsconv.quant.algorithms.scale_grid import absmax, quantize_rows
+
+    gen = torch.Generator().manual_seed(3)
+    base = (torch.randn(96, 512, generator=gen) * torch.exp(torch.randn(96, 1, generator=gen))).bfloat16()
+    strided = torch.stack([base, base], dim=2)[..., 0]  # same values, not contiguous
+    assert not strided.is_contiguous() and torch.equal(strided, base)
+    ref = base.float().numpy()
+    ro = np.frombuffer(ref.tobytes(), np.float32).reshape(ref.shape)
+    assert not ro.flags.writeable
+    for bits, g in ((8, 0), (4, 0), (4, 64)):
+        outs = [quantize_weight_per_group(x, g, bits)[:2] for x in (base, strided, ref, ro)]
+        for q, s in outs[1:]:
+            np.testing.assert_array_equal(q, outs[0][0])
+            np.testing.assert_array_equal(s, outs[0][1])
+    rows = ref.reshape(-1, 64)
+    q = np.empty(rows.shape, np.int8)
+    s = quantize_rows(rows, absmax(rows), -8, 7, q, ratio=0.5)
+    assert q.min() == -8 and q.max() == 7
+    np.testing.assert_array_equal(q, np.clip(np.rint(rows / s), -8, 7))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_bf16_weight_is_user_error(bad):
+    """max |w| taken on bf16 bit patterns still finds NaN and Inf (their patterns sort above every finite value)."""
+    w = torch.ones(4, 64, dtype=torch.bfloat16)
+    w[2, 5] = bad
+    with pytest.raises(UserError, match="bad.weight"):
+        quantize_weight_per_group(w, 0, 8, name="bad.weight")
+
+
+def test_reported_error_is_the_sampled_rows_relative_error():
+    """The report's weight error (compiled, float64 per row) equals the plain float64 formula on the same rows."""
+    from dsconv.quant.algorithms.error_metrics import sample_step, sampled_weight_error
+
+    gen = torch.Generator().manual_seed(4)
+    for n, g in ((1000, 0), (64, 32)):
+        w = torch.randn(n, 256, generator=gen).bfloat16()
+        q, scale, _ = quantize_weight_per_group(w, g, 4)
+        rows = slice(0, n, sample_step(n))
+        want = weight_error(w.float().numpy()[rows], dequant_weight(q[rows], scale[rows]))
+        assert sampled_weight_error(w, q, scale) == pytest.approx(want, rel=1e-12)
+    assert sampled_weight_error(np.zeros((3, 8), np.float32), np.zeros((3, 8), np.int8), np.ones((3, 1))) == 0.0
+
+
 def test_group_size_error_names_layer_and_valid_sizes():
     with pytest.raises(UserError) as err:
         quantize_weight_per_group(np.ones((4, 576), np.float32), 128, name="model.layers.3.self_attn.kv_a_proj")

@@ -13,17 +13,14 @@ from __future__ import annotations
 import mmap
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-import numpy as np
-import torch
 
 from dsconv.checkpoint import Checkpoint
 from dsconv.executor import Executor
 from dsconv.io.parts import PartLayout, PartWriter, Region
 from dsconv.io.tensorfile import TensorInfo, TensorReader, dequant_fp8_block
-from dsconv.quant.algorithms.error_metrics import weight_error
-from dsconv.quant.algorithms.schemes import dequant_weight
+from dsconv.quant.algorithms.error_metrics import sampled_weight_error
 from dsconv.quant.calibrate.stats import LinearRecord
 from dsconv.quant.formats.msmodelslim import LinearResult, emit_linear
 from dsconv.quant.formats.output import QuantWriter, as_float
@@ -31,7 +28,6 @@ from dsconv.quant.plan.plan import LinearPlan, QuantPlan, linear_specs
 from dsconv.quant.weights import quantize_weight, rtn_linear_into
 from dsconv.runtime.process import gc_paused
 
-ERROR_SAMPLE_ROWS = 256  # rows used to estimate a big tensor's relative error
 VIEWABLE = ("BF16", "F16", "F32")
 
 
@@ -157,11 +153,11 @@ def _run_part(job: PartJob) -> PartResult:
     wanted = set(job.names)
     records: list[tuple[str, str, float]] = []
     try:
-        with ThreadPoolExecutor(1) as writer:
+        with ThreadPoolExecutor(1) as writer, ThreadPoolExecutor(1, thread_name_prefix="dsconv-prefetch") as fetch:
             pending = None
+            ahead = 0  # sources before this index have been asked for (read-ahead window)
             for j, src in enumerate(job.sources):
-                if j + 1 < len(job.sources):
-                    reader.advise(job.sources[j + 1].weight, getattr(mmap, "MADV_WILLNEED", 3))
+                ahead = _read_ahead(lambda info: fetch.submit(reader.prefetch, info), job.sources, j, ahead)
                 if _by_rows(src, wanted, job.params.method):
                     if pending is not None:
                         pending.result()  # output in order
@@ -181,6 +177,24 @@ def _run_part(job: PartJob) -> PartResult:
         raise
     finally:
         reader.close()
+
+
+# Input bytes asked of the kernel ahead of the tensor being quantized, from a helper thread: with one tensor of
+# read-ahead (madvise on the rounding thread, which holds the GIL while the kernel queues the reads) a cold disk and
+# the rounding took turns instead of overlapping. Page-cache pages, not this process's memory.
+READ_AHEAD_BYTES = 256 << 20
+
+
+def _read_ahead(ask: Callable[[TensorInfo], Any], sources: tuple[Source, ...], j: int, ahead: int) -> int:
+    """``ask`` for the sources after ``j`` until READ_AHEAD_BYTES are requested beyond it (always the next one);
+    returns the index of the first source not yet asked for."""
+    ahead = max(ahead, j + 1)
+    window = sum(s.weight.nbytes for s in sources[j + 1:ahead])
+    while ahead < len(sources) and (ahead == j + 1 or window < READ_AHEAD_BYTES):
+        ask(sources[ahead].weight)
+        window += sources[ahead].weight.nbytes
+        ahead += 1
+    return ahead
 
 
 def _by_rows(src: Source, wanted: set[str], method: str) -> bool:
@@ -237,16 +251,8 @@ def _produce(reader: TensorReader, src: Source, params: Params, records: list) -
     else:
         t = reader.read(info)
     q, scale = quantize_weight(lp, t, params, None, 0.0)  # type: ignore[arg-type]  # Params has what it reads
-    records.append((lp.module, lp.qtype, _sampled_error(t, q, scale)))
+    records.append((lp.module, lp.qtype, sampled_weight_error(t, q, scale)))
     bias = reader.read(src.bias) if src.bias is not None else None
     return list(emit_linear(lp.module, lp.qtype, LinearResult(q=q, scale=scale, bias=bias), params.deq_dtype,
                             chunks=lp.scale_bias_chunks))
 
-
-def _sampled_error(w: torch.Tensor, q: np.ndarray, scale: np.ndarray) -> float:
-    """Relative Frobenius error, from evenly spaced rows for big tensors (the estimate is within a few percent of
-    the exact figure; the exact one would cost a second bf16 widening of the whole tensor)."""
-    n = w.shape[0]
-    step = max(1, n // ERROR_SAMPLE_ROWS)
-    rows = slice(0, n, step)
-    return weight_error(w[rows], dequant_weight(q[rows], scale[rows]))

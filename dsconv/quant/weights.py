@@ -10,10 +10,10 @@ import torch
 
 from dsconv.qformat import scale_bias_sums
 from dsconv.quant.algorithms import grid
-from dsconv.quant.algorithms.error_metrics import weight_error
+from dsconv.quant.algorithms.error_metrics import row_sq_errors, rows_error, sample_step
 from dsconv.quant.algorithms.gptq import gptq_quantize
-from dsconv.quant.algorithms.schemes import (dequant_weight, iter_quantized_rows, qrange, quantize_weight_per_channel,
-                                             quantize_weight_per_group, to_float32)
+from dsconv.quant.algorithms.schemes import (iter_quantized_rows, qrange, quantize_weight_per_channel,
+                                             quantize_weight_per_group)
 from dsconv.quant.formats.msmodelslim import LinearResult, components, emit_linear, pack_weight_rows
 from dsconv.quant.plan.plan import BITS, LinearPlan, QuantPlan
 
@@ -79,9 +79,6 @@ def quantize_weight(lp: LinearPlan, w: torch.Tensor, plan: QuantPlan, hessian: n
     return ROUNDING[method or plan.method](lp, w, RoundingInput(bits, g, hessian, damp, chosen))
 
 
-ERROR_SAMPLE_ROWS = 256  # rows used to estimate a big tensor's relative error
-
-
 def rtn_linear_into(w: Any, lp: LinearPlan, qtype: str, group_size: int, deq_dtype: str, bias: Any,
                     write_chunks: Callable[[str, Iterable[Any]], None],
                     write: Callable[[str, Any], None], release: Callable[[int, int], None] | None = None) -> float:
@@ -90,14 +87,13 @@ def rtn_linear_into(w: Any, lp: LinearPlan, qtype: str, group_size: int, deq_dty
     the next blocks, then `write(name, array)` each small component (scales, offsets, bias) - the same tensors and
     bytes as `emit_linear(quantize_weight(...))`, with memory a few row blocks instead of the weight's int8 copy.
     `release(row_start, row_stop)` drops input rows once written. Sink-agnostic and per tensor, so a worker with its
-    own part writer can call it. Returns the relative error from evenly spaced rows (ERROR_SAMPLE_ROWS)."""
+    own part writer can call it. Returns the relative error from evenly spaced rows (error_metrics.sample_step)."""
     bits = BITS[lp.qtype]
     g = group_size if bits == 4 else 0
     n, k = lp.shape
     groups = 1 if g in (0, k) else k // g
-    step = max(1, n // ERROR_SAMPLE_ROWS)
+    step = sample_step(n)
     sampled: list[np.ndarray] = []
-    sampled_w: list[np.ndarray] = []
     scale = np.ones((n, groups), np.float32)
     sb_chunks = lp.scale_bias_chunks
     sums = np.zeros((n, sb_chunks), np.int64) if any(c[0] == "scale_bias" for c in components(qtype)) else None
@@ -108,19 +104,13 @@ def rtn_linear_into(w: Any, lp: LinearPlan, qtype: str, group_size: int, deq_dty
             if sums is not None:
                 sums[s:e] = scale_bias_sums(q, sb_chunks)
             first = -(-s // step) * step
-            if first < e:
-                # the sampled rows now, while the block's pages are mapped (a strided read of the whole view later
-                # maps most of its pages again); copies, since a view would keep each whole block alive
-                sampled.append(q[first - s:e - s:step].copy())
-                sampled_w.append(to_float32(w[first:e:step]))
+            if first < e:  # the sampled rows' errors now, while the block's pages are mapped
+                sampled.append(row_sq_errors(w[first:e:step], q[first - s:e - s:step], sc[first - s:e - s:step]))
             yield pack_weight_rows(lp.module, qtype, q, groups)
 
     write_chunks(f"{lp.module}.weight", chunks())  # the layout's first component, in every type
     res = LinearResult(q=np.broadcast_to(np.int8(0), (n, k)), scale=scale, bias=bias, sums=sums)
     for name, arr in emit_linear(lp.module, qtype, res, deq_dtype, skip_weight=True, chunks=sb_chunks):
         write(name, arr)
-    rows = slice(0, n, step)
-    q_rows = np.concatenate(sampled) if sampled else np.empty((0, k), np.int8)
-    w_rows = np.concatenate(sampled_w) if sampled_w else np.empty((0, k), np.float32)
-    return weight_error(w_rows, dequant_weight(q_rows, scale[rows]))
+    return rows_error(np.concatenate(sampled) if sampled else np.zeros((0, 2)))
 

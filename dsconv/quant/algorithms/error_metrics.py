@@ -27,6 +27,44 @@ def weight_error(w: Any, w_hat: Any) -> float:
     return num / den
 
 
+# Rows a big tensor's reported error is estimated from (evenly spaced; within a few percent of the exact figure, which
+# would cost a second widening of the whole weight).
+ERROR_SAMPLE_ROWS = 256
+
+
+def sample_step(n: int) -> int:
+    """The stride of the reported rows: rows 0, step, 2 * step, ... of an ``n``-row weight."""
+    return max(1, n // ERROR_SAMPLE_ROWS)
+
+
+def row_sq_errors(w_rows: Any, q_rows: np.ndarray, scale_rows: np.ndarray) -> np.ndarray:
+    """``[m, 2]`` float64 per row: the squared error of the dequantized row ``q * scale`` against ``w`` and the squared
+    norm of ``w`` (compiled, one pass, bf16 rows read as their bit patterns; summed by :func:`rows_error`)."""
+    from dsconv.quant.algorithms.rtn_kernel import row_sq_errors as kernel
+    from dsconv.quant.algorithms.schemes import bf16_bits
+
+    bits = bf16_bits(w_rows)
+    x = to_float32(w_rows) if bits is None else bits
+    out = np.empty((len(x), 2), np.float64)
+    if len(x):
+        kernel(x, bits is not None, np.asarray(q_rows, dtype=np.int8), np.asarray(scale_rows, np.float32).reshape(len(x), -1), out)
+    return out
+
+
+def rows_error(rows: np.ndarray) -> float:
+    """``||w - w_hat|| / ||w||`` from :func:`row_sq_errors` rows; 0/0 -> 0, x/0 -> inf."""
+    num, den = float(np.sqrt(rows[:, 0].sum())), float(np.sqrt(rows[:, 1].sum()))
+    if den == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return num / den
+
+
+def sampled_weight_error(w: Any, q: np.ndarray, scale: np.ndarray) -> float:
+    """The reported relative error of a quantized weight, from its evenly spaced rows (:func:`sample_step`)."""
+    rows = slice(0, w.shape[0], sample_step(w.shape[0]))
+    return rows_error(row_sq_errors(w[rows], q[rows], scale[rows]))
+
+
 def relative_error(approx: torch.Tensor, ref: torch.Tensor, float64: bool = False, zero_ref: str = "zero") -> float:
     """``||approx - ref|| / ||ref||`` of torch tensors. `float64`: the norms accumulate in float64 (the reported
     output errors) rather than in the tensors' dtype (the searches). `zero_ref` (ZERO_REF) when ||ref|| is 0:

@@ -46,10 +46,9 @@ def search(w: torch.Tensor, qmin: int, qmax: int, importance: torch.Tensor | Non
         b2 = blk.numpy().reshape(-1, g)
         amax = absmax(b2)
         q = np.empty(b2.shape, np.int8)
-        scratch, scratch2 = np.empty_like(b2), np.empty_like(b2)
         best_scale = best_r = best_err = None
         for r in ratios:
-            sc = torch.from_numpy(quantize_rows(b2, amax, qmin, qmax, q, scratch, scratch2, r).reshape(-1, groups))
+            sc = torch.from_numpy(quantize_rows(b2, amax, qmin, qmax, q, r).reshape(-1, groups))
             d = torch.from_numpy(q).to(torch.float32).reshape(blk.shape).mul_(sc[..., None]).sub_(blk)
             if hblocks is not None:
                 dt = d.transpose(0, 1)

@@ -16,8 +16,9 @@ round-to-nearest: a lower error without clipping the outliers (wider searches th
 squared error further but not the output's divergence from the float model, docs/accuracy.md). The written format
 is unchanged: one float32 scale per channel or group, zero offsets.
 
-Everything works on one block of rows at a time (``[channels or groups, g]`` float32), so a bf16 weight is never
-widened to float32 whole. Activation and KV-cache scales keep :func:`grid_ceil` (schemes.usable_scale): rounding them up
+Everything works on one block of rows at a time (``[channels or groups, g]``, float32 or bf16 bit patterns), so a
+bf16 weight is never widened to float32 whole; the rows go through the compiled kernel (rtn_kernel.py), which
+scores both candidates in one pass over each row. Activation and KV-cache scales keep :func:`grid_ceil` (schemes.usable_scale): rounding them up
 keeps every calibrated value inside the int8 range, and they have no weights to choose against.
 """
 from __future__ import annotations
@@ -75,7 +76,7 @@ def choose_scales(w3, qmin: int, qmax: int) -> tuple[np.ndarray, np.ndarray]:
     b = np.ascontiguousarray(w3, dtype=np.float32)
     q = np.empty(b.shape, np.int8)
     b2, q2 = b.reshape(-1, b.shape[-1]), q.reshape(-1, b.shape[-1])
-    sc = quantize_rows(b2, absmax(b2), qmin, qmax, q2, np.empty_like(b2), np.empty_like(b2))
+    sc = quantize_rows(b2, absmax(b2), qmin, qmax, q2)
     return q, sc.reshape(*b.shape[:-1], 1)
 
 
@@ -97,14 +98,10 @@ def grid_neighbours(exact: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return hi.view(np.float32), lo.view(np.float32)
 
 
-# Elements per tile of the row passes (128 K: two float32 scratch tiles of 512 KB stay in a core's L2 cache through
-# the passes below; each pass over a 16 MB block went to memory). Rows are never split.
-TILE_ELEMS = 1 << 17
-
-
 class RowPlan:
     """The two candidate scales of every row (channel or group) of a block and what their quantization needs,
-    worked out once per block from the rows' max |w| (numpy's per-call cost is paid per block, not per tile)."""
+    worked out once per block from the rows' max |w| (numpy's per-call cost is paid per block, not per row); the
+    rows themselves go through the compiled kernel (rtn_kernel), in any number of calls."""
 
     def __init__(self, absmax: np.ndarray, qmin: int, qmax: int, ratio: float = 1.0) -> None:
         self.qmin, self.qmax, self.clipped = qmin, qmax, ratio != 1.0
@@ -116,18 +113,22 @@ class RowPlan:
         self.hi = hi
         # rows where w / lo can round to qmax + 1 (the largest weight exactly half a step above qmax: rint goes to
         # even); below, -qmax - 1.5 < w / lo always rounds into range. A clipped range clamps everything.
-        self.over = None if self.clipped else \
-            np.flatnonzero(np.divide(absmax[:, 0], self.lo[:, 0]) >= np.float32(qmax + 0.5))
+        self.over = np.zeros(len(absmax), np.bool_) if self.clipped else \
+            np.divide(absmax[:, 0], self.lo[:, 0]) >= np.float32(qmax + 0.5)
         self.two = bool((self.lo < hi).any())
-        self.lo2, self.hi2 = np.square(self.lo[:, 0]), np.square(hi[:, 0])
         self.keep: list[np.ndarray] = []
 
-    def tile(self, a: int, blk: np.ndarray, q_out: np.ndarray, t_buf: np.ndarray, r_buf: np.ndarray) -> None:
-        """Quantize rows a .. a + len(blk) (``blk`` float32, read only) into ``q_out``; buffers of blk's shape."""
+    def tile(self, a: int, blk: np.ndarray, q_out: np.ndarray) -> None:
+        """Quantize rows a .. a + len(blk) into ``q_out`` (int8, blk's shape): ``blk`` float32 rows, or uint16 rows
+        of bf16 bit patterns (read only either way)."""
+        from dsconv.quant.algorithms import rtn_kernel
+
         b = a + len(blk)
-        over = None if self.over is None else self.over[(self.over >= a) & (self.over < b)] - a
-        self.keep.append(_tile(blk, self.lo[a:b], self.hi[a:b], self.lo2[a:b], self.hi2[a:b], self.qmin, self.qmax,
-                               q_out, t_buf[: b - a], r_buf[: b - a], over, self.two) + a)
+        kernel = rtn_kernel.quantize_bf16 if blk.dtype == np.uint16 else rtn_kernel.quantize_f32
+        keep = np.empty(b - a, np.int64)
+        nk = kernel(blk, self.lo[a:b], self.hi[a:b], self.clipped, self.over[a:b], self.two, self.qmin, self.qmax,
+                    q_out, keep)
+        self.keep.append(keep[:nk] + a)
 
     def scales(self) -> np.ndarray:
         """The chosen scale of every row ``[R, 1]``, once every tile is done."""
@@ -139,79 +140,25 @@ class RowPlan:
         return out
 
 
+def absmax_bf16(bits: np.ndarray) -> np.ndarray:
+    """:func:`absmax` of rows of bf16 bit patterns (uint16 ``[R, g]``) as float32 ``[R, 1]``, without widening."""
+    from dsconv.quant.algorithms import rtn_kernel
+
+    out = np.empty((len(bits), 1), np.float32)
+    rtn_kernel.absmax_bf16(bits, out)
+    return out
+
+
 def quantize_rows(blk: np.ndarray, absmax: np.ndarray, qmin: int, qmax: int, q_out: np.ndarray,
-                  scratch: np.ndarray, scratch2: np.ndarray, ratio: float = 1.0) -> np.ndarray:
-    """Round-to-nearest of ``blk [R, g]`` (float32, read only; one channel or group per row) against the grid scale
-    each row prefers: writes the integers into ``q_out`` (int8 ``[R, g]``) and returns the scales ``[R, 1]``.
-    ``absmax`` is max |row| ``[R, 1]``; ``ratio`` < 1 clips the range to ``ratio * absmax`` (the clip searches);
-    ``scratch``/``scratch2`` are float32 buffers of at least min(R, a tile's rows) rows of g.
+                  ratio: float = 1.0) -> np.ndarray:
+    """Round-to-nearest of ``blk [R, g]`` (float32, or uint16 bf16 bit patterns; read only; one channel or group per
+    row) against the grid scale each row prefers: writes the integers into ``q_out`` (int8 ``[R, g]``) and returns
+    the scales ``[R, 1]``. ``absmax`` is max |row| ``[R, 1]``; ``ratio`` < 1 clips the range to ``ratio * absmax``
+    (the clip searches).
 
     Each row is quantized against the grid value below ``absmax / qmax`` where that keeps every weight within half
     a step (on real weights nearly every row), else the one above, and its error summed; then against the value
-    above, which it keeps where the error is not larger (ties: the former rule's value, above). Per tile of rows:
-    two passes of divide, round, subtract and a row reduction, one cast, and row copies where the value above wins
-    (RowPlan)."""
+    above, which it keeps where the error is not larger (ties: the value above)."""
     plan = RowPlan(absmax, qmin, qmax, ratio)
-    n, g = blk.shape
-    step = max(1, min(n, len(scratch), TILE_ELEMS // max(1, g)))
-    for a in range(0, n, step):
-        b = min(n, a + step)
-        plan.tile(a, blk[a:b], q_out[a:b], scratch, scratch2)
+    plan.tile(0, blk, q_out)
     return plan.scales()
-
-
-def _tile(blk: np.ndarray, lo: np.ndarray, hi: np.ndarray, lo2: np.ndarray, hi2: np.ndarray, qmin: int, qmax: int,
-          q_out: np.ndarray, t_buf: np.ndarray, r_buf: np.ndarray, over: np.ndarray | None,
-          two: bool) -> np.ndarray:
-    """One tile of :func:`quantize_rows`: q_out against ``lo``, then the rows (indices into the tile) where ``hi``
-    rounds with an error no larger, whose q_out rows it rewrites. ``over``: the rows to clamp at qmax (None: clamp
-    every value, a clipped range). Divisions and subtractions go through torch when ``blk`` is writable memory
-    (always but for a float32 checkpoint's mapped pages): numpy buffers a copy of the per-row divisor for every row,
-    torch broadcasts it (IEEE division either way: the same bits)."""
-    div, sub = (_torch_div, _torch_sub) if blk.flags.writeable else (np.divide, np.subtract)
-    t = div(blk, lo, t_buf)
-    r = np.rint(t, out=r_buf)
-    _clamp(r, over, qmin, qmax)
-    np.copyto(q_out, r, casting="unsafe")
-    if not two:
-        return np.flatnonzero(lo[:, 0] < hi[:, 0])  # (empty)
-    sub(t, r, t)
-    err_lo = np.einsum("ij,ij->i", t, t) * lo2
-    t = div(blk, hi, t_buf)
-    r = np.rint(t, out=r_buf)
-    if over is None:  # (absmax / hi <= qmax: only a clipped range reaches past it)
-        _clamp(r, None, qmin, qmax)
-    sub(t, r, t)
-    keep_hi = np.flatnonzero(np.einsum("ij,ij->i", t, t) * hi2 <= err_lo)
-    if keep_hi.size <= 64:  # a few rows: row copies beat numpy's fancy indexing
-        for i in keep_hi.tolist():
-            np.copyto(q_out[i], r[i], casting="unsafe")
-    else:
-        q_out[keep_hi] = r[keep_hi]
-    return keep_hi
-
-
-def _clamp(r: np.ndarray, rows: np.ndarray | None, qmin: int, qmax: int) -> None:
-    """Rounded values into [qmin, qmax]: every row (rows None), else only ``rows`` at the top (np.clip costs four
-    times a subtraction; most tiles have no row to clamp)."""
-    if rows is None:
-        import torch
-
-        torch.from_numpy(r).clamp_(qmin, qmax)
-        return
-    for i in rows.tolist():
-        np.minimum(r[i], np.float32(qmax), out=r[i])
-
-
-def _torch_div(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
-    import torch
-
-    torch.div(torch.from_numpy(a), torch.from_numpy(b), out=torch.from_numpy(out))
-    return out
-
-
-def _torch_sub(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
-    import torch
-
-    torch.sub(torch.from_numpy(a), torch.from_numpy(b), out=torch.from_numpy(out))
-    return out

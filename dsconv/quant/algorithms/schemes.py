@@ -21,7 +21,7 @@ import numpy as np
 
 from dsconv.errors import UserError
 # the stored format's math lives below the stages (readers need it too); re-exported for the quantizer
-from dsconv.quant.algorithms.scale_grid import MIN_SCALE, TILE_ELEMS, RowPlan, absmax, grid_ceil
+from dsconv.quant.algorithms.scale_grid import MIN_SCALE, RowPlan, absmax, absmax_bf16, grid_ceil
 from dsconv.qformat import (deq_scale_as_int64, deq_scale_from_int64, dequant_weight, pack_int4,  # noqa: F401
                             pack_int4_along_k, unpack_int4, unpack_int4_along_k, unpack_int4_by_shape)
 
@@ -68,6 +68,23 @@ def iter_row_blocks(w: Any, rows: int | None = None) -> Iterator[tuple[int, int,
     for s in range(0, n, step):
         e = min(n, s + step)
         yield s, e, to_float32(w[s:e])
+
+
+# float32 elements per tile of the widening path (128 K: the widened rows stay in a core's L2 cache between the
+# max |w| pass and the quantizing one)
+TILE_ELEMS = 1 << 17
+
+
+def bf16_bits(w: Any, contiguous: bool = False) -> np.ndarray | None:
+    """A CPU bf16 torch tensor's bit patterns as a zero-copy uint16 numpy view (strided like the tensor; with
+    `contiguous`, only for a contiguous tensor), else None."""
+    if not is_torch(w):
+        return None
+    import torch
+
+    if w.dtype != torch.bfloat16 or w.device.type != "cpu" or (contiguous and not w.is_contiguous()):
+        return None
+    return w.detach().view(torch.int16).numpy().view(np.uint16)
 
 
 def _fill_float32(out: np.ndarray, src: Any) -> np.ndarray:
@@ -204,21 +221,27 @@ def _quantized_rows(w: Any, bits: int, group_size: int, name: str, out: np.ndarr
 
     rows = max(1, min(step, TILE_ELEMS // k))  # a tile: the rows widened and quantized while in the core's cache
     g = k // groups
+    bits = bf16_bits(w, contiguous=True)
 
     def job(s: int) -> tuple[int, int, np.ndarray, np.ndarray]:
-        if not hasattr(local, "buf"):
-            local.buf, local.t, local.r = (np.empty((rows, k), np.float32) for _ in range(3))
         e = min(n, s + step)
+        q = np.empty((e - s, k), np.int8) if out is None else out[s:e]
+        if bits is not None:  # bf16: max |w| on the bit patterns, each row widened in the kernel, never in memory
+            blk = bits[s:e].reshape(-1, g)
+            plan = RowPlan(_finite(absmax_bf16(blk), name), qmin, qmax)
+            plan.tile(0, blk, q.reshape(-1, g))
+            return s, e, q, plan.scales().reshape(e - s, groups)
+        if not hasattr(local, "buf"):
+            local.buf = np.empty((rows, k), np.float32)
         amax = np.empty(((e - s) * groups, 1), np.float32)
         for a in range(s, e, rows):  # every tile's max |w| first: the candidates are worked out once per block
             b = min(e, a + rows)
             amax[(a - s) * groups:(b - s) * groups] = absmax(_fill_float32(local.buf[: b - a], w[a:b]).reshape(-1, g))
         plan = RowPlan(_finite(amax, name), qmin, qmax)
-        q = np.empty((e - s, k), np.int8) if out is None else out[s:e]
         for a in range(s, e, rows):  # widened again: cheaper than reading back a block-sized float32 copy
             b = min(e, a + rows)
             plan.tile((a - s) * groups, _fill_float32(local.buf[: b - a], w[a:b]).reshape(-1, g),
-                      q[a - s:b - s].reshape(-1, g), local.t.reshape(-1, g), local.r.reshape(-1, g))
+                      q[a - s:b - s].reshape(-1, g))
         return s, e, q, plan.scales().reshape(e - s, groups)
 
     from dsconv.runtime.threads import ordered_map

@@ -19,14 +19,14 @@ import torch
 from dsconv.checkpoint import Checkpoint
 from dsconv.errors import UserError
 from dsconv.quant.algorithms import selection
-from dsconv.quant.algorithms.error_metrics import weight_error
-from dsconv.quant.algorithms.schemes import activation_qparams, dequant_weight, w8a8_static_params
+from dsconv.quant.algorithms.error_metrics import sampled_weight_error
+from dsconv.quant.algorithms.schemes import activation_qparams, w8a8_static_params
 from dsconv.quant.calibrate.stats import InputStats, LinearRecord, output_errors
 from dsconv.quant.formats.msmodelslim import LinearResult
 from dsconv.quant.plan.options import QuantOptions
 from dsconv.qformat import STATIC_TYPES
 from dsconv.quant.plan.plan import LinearPlan, QuantPlan
-from dsconv.quant.weights import ERROR_SAMPLE_ROWS, quantize_weight
+from dsconv.quant.weights import quantize_weight
 
 
 @dataclass(frozen=True)
@@ -98,9 +98,7 @@ def prepare_linear(plan: QuantPlan, lp: LinearPlan, w: torch.Tensor, st: InputSt
         decisions["gptq_or_rtn"] = {lp.module: picked}
     seconds = {"gptq" if hess is not None else "quantize": time.process_time() - t}
     t = time.process_time()
-    rows = slice(0, lp.n, max(1, lp.n // ERROR_SAMPLE_ROWS))  # evenly spaced rows, as the weight-only path reports
-    rec = LinearRecord(lp.module, lp.qtype, weight_error(w[rows], dequant_weight(q[rows], scale[rows])),
-                       tokens=st.tokens if st is not None else 0)
+    rec = LinearRecord(lp.module, lp.qtype, sampled_weight_error(w, q, scale), tokens=st.tokens if st is not None else 0)
     if picked_errors is not None:
         rec.errors.update(picked_errors)
         rec.note = f"{picked} (smaller error on held-out prompts)"
