@@ -2,11 +2,12 @@
 
 1. A synthetic DeepSeek-architecture BF16 checkpoint of ~2.5 GB (random normals): a plain user-space copy of its
    files (read + write in 16 MiB blocks; again right before each shard run, best of two pairs), then
-   `quantize --scheme w8a16`, `shard --ep 4 --tp 2 --format ranks` and the default `shard --ep 4 --tp 2` (MindIE
-   layout) with `--workers 1`, `--workers 2` (local processes) and `--executor ray` on a local Ray with 2 CPUs
-   (started once, its start-up reported apart), in one warm process each (benchmarks.cli_runner; a first
-   quantize run, timed apart, starts the worker pools' forkserver). Speedups are against `--workers 1`; shard
-   throughput (bytes written per second) is against the user-space copy at the start of the same pair.
+   `quantize --scheme w8a16 --engine vllm-ascend --moe-scheme w8a8_dynamic`, `shard --ep 4 --tp 2 --format ranks`
+   and the default `shard --ep 4 --tp 2` (MindIE layout) with `--workers 1`, `--workers 2` (local processes) and
+   `--executor ray` on a local Ray with 2 CPUs (started once, its start-up reported apart), in one warm process
+   each (benchmarks.cli_runner; a first quantize run, timed apart, starts the worker pools' forkserver). Speedups
+   are against `--workers 1`; shard throughput (bytes written per second) is against the user-space copy at the
+   start of the same pair.
 2. The calibrated `quantize --bits 8` of a medium DeepSeek-shaped MoE model with `--workers 1` and `--workers 2`
    (wall time, the jobs' speedup, the calibration forward's split over its batches - forward wall with 1 and 2
    workers -, per-layer and per-expert cost, whether the outputs are byte-identical), and from
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import bench_shard, worker_memory
+from benchmarks.bench_quantize import QUANTIZE_ARGS
 from benchmarks.cli_runner import run_cli_jobs
 from benchmarks.common import RESULTS, save, scratch
 
@@ -50,7 +52,9 @@ def bench_fanout() -> dict[str, Any]:
         total, largest = bench_shard.write_synthetic(src, SYNTH, normal=True)
         for f in sorted(src.glob("*.safetensors")):
             f.read_bytes()  # page cache warm for every run alike
-        quantize = ["quantize", "-m", str(src), "-o", str(root / "q"), "--scheme", "w8a16"]
+        # (the weight-only recipe both engines take for DeepSeek: MindIE refuses W8A16 shared experts, vLLM-Ascend
+        # has no W8A16 MoE method; bench_quantize's memory pairs run the same)
+        quantize = ["quantize", "-m", str(src), "-o", str(root / "q"), *QUANTIZE_ARGS]
         jobs = [["first", quantize], ["quantize", quantize],  # the first pays the pool's start-up: timed apart
                 *[job for i in (1, 2) for job in (  # two (anchor, shard) pairs: the best of each, load is noisy
                     [f"copy{i}", [str(src), str(root / "copy")]],

@@ -44,7 +44,9 @@ def measure(bf16_src: Path, work: Path, code: Path = ROOT, fp8_layers: int = 2) 
     fp8_src = work / "fp8"
     info = write_synthetic_fp8(fp8_src, {**SYNTH, "num_hidden_layers": fp8_layers,
                                          "first_k_dense_replace": fp8_layers})
-    jobs = {"quantize_w8a16": ["quantize", "-m", str(bf16_src), "-o", str(work / "out"), "--scheme", "w8a16"],
+    from benchmarks.bench_quantize import QUANTIZE_ARGS  # the weight-only recipe both engines take for DeepSeek
+
+    jobs = {"quantize_w8a16": ["quantize", "-m", str(bf16_src), "-o", str(work / "out"), *QUANTIZE_ARGS],
             "fp8_to_bf16": ["export", "--format", "safetensors", "-m", str(fp8_src), "-o", str(work / "out")]}
     out: dict[str, Any] = {"code": str(code), "fp8_checkpoint": info,
                            "bf16_checkpoint_gb": round(sum(p.stat().st_size for p in bf16_src.glob("*.safetensors"))
