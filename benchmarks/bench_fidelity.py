@@ -71,12 +71,15 @@ SCHEMES: dict[str, tuple[list[str], float | str | None]] = {
     "W8A8_MIX prefill path (dynamic)": (["--scheme", "w8a8_mix", "--engine", "vllm-ascend"], 1.5),
     # not in the default table: static everywhere (what an engine that reads one type per model gets)
     "W8A8 static, uniform recipe": (["--bits", "8", "--recipe", "uniform"], 2.0),
+    # not in the default table: W8A8_DYNAMIC's weights alone, without the SmoothQuant search's choices
+    "W8A8_DYNAMIC without SmoothQuant": (["--scheme", "w8a8_dynamic", "--smooth-quant", "off"], 1.5),
 }
 KEYS = {"w8a16": "W8A16", "w8a8": "W8A8 static (--bits 8)", "w8a8_vllm": "W8A8 static (--bits 8 --engine vllm-ascend)",
         "w8a8_dynamic": "W8A8_DYNAMIC", "rtn": "W4A16 g64 RTN", "w4": "W4A16 g64 (default method)",
         "mse": "W4A16 g64 MSE (searched scales)", "gptq": "W4A16 g64 GPTQ",
         "awq": "W4A16 g64 AWQ", "w8a16_awq": "W8A16 AWQ",
         "w8a16_gptq": "W8A16 GPTQ", "uniform": "W8A8 static, uniform recipe",
+        "w8a8_dynamic_nosmooth": "W8A8_DYNAMIC without SmoothQuant",
         "w4a8": "W4A8_DYNAMIC MoE recipe RTN", "w4a8_gptq": "W4A8_DYNAMIC MoE recipe GPTQ",
         "w4a8_mse": "W4A8_DYNAMIC MoE recipe MSE", "w8a8_c8": "W8A8 static + C8 KV cache (--bits 8 --kv-cache int8)",
         "w8a8_mix": "W8A8_MIX decode path (static; --scheme w8a8_mix --engine vllm-ascend)"}
