@@ -179,9 +179,9 @@ def _run_part(job: PartJob) -> PartResult:
         reader.close()
 
 
-# Input bytes asked of the kernel ahead of the tensor being quantized, from a helper thread: with one tensor of
-# read-ahead (madvise on the rounding thread, which holds the GIL while the kernel queues the reads) a cold disk and
-# the rounding took turns instead of overlapping. Page-cache pages, not this process's memory.
+# Input bytes read ahead of the tensor being quantized, by a helper thread (TensorReader.prefetch): with only the
+# kernel's read-ahead (madvise WILLNEED on the rounding thread) a cold disk and the rounding took turns more than
+# they overlapped. Page-cache pages, not this process's memory.
 READ_AHEAD_BYTES = 256 << 20
 
 
