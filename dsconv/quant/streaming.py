@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
-
 from dsconv.checkpoint import Checkpoint
 from dsconv.executor import Executor
 from dsconv.io.parts import PartLayout, PartWriter, Region

@@ -47,7 +47,8 @@ def row_sq_errors(w_rows: Any, q_rows: np.ndarray, scale_rows: np.ndarray) -> np
     x = to_float32(w_rows) if bits is None else bits
     out = np.empty((len(x), 2), np.float64)
     if len(x):
-        kernel(x, bits is not None, np.asarray(q_rows, dtype=np.int8), np.asarray(scale_rows, np.float32).reshape(len(x), -1), out)
+        kernel(x, bits is not None, np.asarray(q_rows, dtype=np.int8),
+               np.asarray(scale_rows, np.float32).reshape(len(x), -1), out)
     return out
 
 

@@ -111,8 +111,8 @@ def quantize_bf16(bits: np.ndarray, lo: np.ndarray, hi: np.ndarray, clamp_all: b
 @njit(**_FLAGS)
 def row_sq_errors(x: np.ndarray, bits: bool, q: np.ndarray, scale: np.ndarray,
                   out: np.ndarray) -> None:  # pragma: no cover (compiled)
-    """Per row of ``x [m, k]`` (float32, or with ``bits`` uint16 bf16 bit patterns; rows may be strided) against int8 ``q`` and
-    float32 ``scale [m, groups]``: ``out[i] = (sum of (w - q * s)^2, sum of w^2)`` in float64 (the report's error
+    """Per row of ``x [m, k]`` (float32, or with ``bits`` uint16 bf16 bit patterns; rows may be strided) against
+    int8 ``q`` and float32 ``scale [m, groups]``: ``out[i] = (sum of (w - q * s)^2, sum of w^2)`` in float64 (the report's error
     figure; vectorised sums, so its last digits may differ between CPUs)."""
     m, k = x.shape
     groups = scale.shape[1]
