@@ -62,6 +62,21 @@ def torch_dtype(st_dtype: str):
     return getattr(torch, attr)
 
 
+def numpy_dtype(st_dtype: str):
+    """The numpy dtype of a safetensors dtype name; BF16 is ml_dtypes' bfloat16 (KeyError for one numpy cannot
+    hold). Why: the weight-only path reads tensors as numpy views and never loads torch (2 s of its start-up)."""
+    import numpy as np
+
+    if st_dtype == "BF16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    code = DTYPES[st_dtype].numpy
+    if code is None:
+        raise KeyError(st_dtype)
+    return np.dtype("<" + code)
+
+
 def precision_torch_dtype(precision: str):
     """The torch dtype of a `--dtype` choice (fp32, fp16, bf16)."""
     return torch_dtype(PRECISIONS[precision])
@@ -77,7 +92,7 @@ def safetensors_dtype(t: Any) -> str:
     import numpy as np
 
     if isinstance(t, np.ndarray):
-        return _NP_TO_ST[t.dtype.str[1:]]
+        return "BF16" if t.dtype.name == "bfloat16" else _NP_TO_ST[t.dtype.str[1:]]
     if not _TORCH_TO_ST:
         import torch
 

@@ -18,7 +18,7 @@ from dsconv.io.writer import TensorSetWriter, sha256_file
 from dsconv.quant.algorithms import schemes
 from dsconv.tensors import TensorSpec, torch_dtype
 
-pytestmark = [pytest.mark.cli, pytest.mark.slow]
+pytestmark = [pytest.mark.cli]
 
 
 # ---------------------------------------------------------------------------------------------- writer
@@ -185,6 +185,42 @@ def test_weight_only_matches_whole_tensor_reference(tiny_model, tmp_path):
     with safe_open(str(part), framework="np") as f:
         for name, arr in want.items():
             assert np.array_equal(f.get_tensor(name), np.asarray(arr)), name
+
+
+_NO_TORCH = """
+import json, sys
+class NoTorch:  # any import of torch fails the run
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("the weight-only path imported torch")
+sys.meta_path.insert(0, NoTorch())
+from dsconv.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as e:
+    assert not e.code, e.code
+print(json.dumps(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["bf16", None])
+def test_weight_only_quantize_never_imports_torch(tiny_model, tmp_path, dtype):
+    """Its 2 s import was a sixth of a weight-only run (docs/performance.md): the same bytes with torch blocked."""
+    import subprocess
+    import sys
+
+    model = tiny_model("deepseek_v3", dtype=dtype)
+    args = ["quantize", "-m", str(model), "--scheme", "w8a16", "--method", "rtn", "--engine", "vllm-ascend",
+            "--moe-scheme", "w8a8_dynamic", "--force"]
+    from dsconv.cli import main
+    with pytest.raises(SystemExit) as done:
+        main([*args, "-o", str(tmp_path / "with")])
+    assert not done.value.code
+    res = subprocess.run([sys.executable, "-c", _NO_TORCH, *args, "-o", str(tmp_path / "without")],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == []
+    assert _files(tmp_path / "with") == _files(tmp_path / "without")
 
 
 # ---------------------------------------------------------------------------------------------- MoE export

@@ -15,6 +15,23 @@ from dsconv.quant.algorithms.methods import DEFAULT_METHOD, METHODS, SCHEME_DEFA
 SCHEME_NAMES = ["w8a8", "w8a8_dynamic", "w8a8_mix", "w8a16", "w4a16", "w4a8_dynamic"]  # quant.plan.SCHEMES (kept light)
 
 
+def parse_smooth(value: str | None) -> float | str | None:
+    """--smooth-quant auto | off | ALPHA."""
+    if value is None or value == "auto":
+        return "auto"
+    if value == "off":
+        return None
+    try:
+        alpha = float(value)
+    except ValueError:
+        raise UserError(f"--smooth-quant {value!r} is not auto, off or a number",
+                        hint="e.g. --smooth-quant auto (default), --smooth-quant 0.5") from None
+    if not 0.0 <= alpha <= 1.0:  # nan fails this too; s = act^ALPHA / w^(1-ALPHA) migrates a share, 0..1
+        raise UserError(f"--smooth-quant {value!r} is not an ALPHA in 0..1",
+                        hint="e.g. --smooth-quant 0.5, or auto to search it per site")
+    return alpha
+
+
 @click.command()
 @model_option
 @output_option
@@ -103,7 +120,6 @@ def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: 
              force: bool, as_json: bool) -> None:
     """Quantize a model to INT8/INT4 in the layout Ascend serving engines load, layer by layer."""
     from dsconv import engines
-    from dsconv.quant.algorithms.smoothing import parse_smooth
     from dsconv.quant.plan.options import QuantOptions
     from dsconv.quant.plan.plan import BITS, DEFAULT_SCHEME, SCHEMES
     from dsconv.quant.stage import QuantRequest, run

@@ -21,7 +21,7 @@ import numpy as np
 from dsconv import schemas
 from dsconv.errors import UserError
 from dsconv.schemas.core import os_reason
-from dsconv.tensors import TensorSpec, torch_dtype
+from dsconv.tensors import TensorSpec, numpy_dtype, torch_dtype
 
 MAX_HEADER = 100 * 2**20  # safetensors' own limit
 PAGE = mmap.PAGESIZE
@@ -204,6 +204,15 @@ class TensorReader:
             t = torch.frombuffer(self._map(info.file), dtype=torch_dtype(info.dtype), count=info.numel,
                                  offset=info.start)
         return t.reshape(info.shape)
+
+    def array(self, info: TensorInfo) -> np.ndarray:
+        """`view()` as a read-only numpy array (BF16 as ml_dtypes' bfloat16): the weight-only path rounds numpy
+        arrays and so never imports torch. Call `release(info)` when done with it."""
+        mm = self._map(info.file)
+        dtype = numpy_dtype(info.dtype)
+        if mm is None or info.numel == 0:
+            return np.empty(info.shape, dtype)
+        return np.frombuffer(mm, dtype=dtype, count=info.numel, offset=info.start).reshape(info.shape)
 
     def advise(self, info: TensorInfo, advice: int) -> None:
         """madvise a tensor's pages: MADV_WILLNEED to read ahead, MADV_DONTNEED to drop them from this process."""

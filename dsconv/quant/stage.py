@@ -18,9 +18,6 @@ from dsconv.errors import UserError
 from dsconv.families.roles import Category
 from dsconv.executor import ExecOptions, make_executor
 from dsconv.io.writer import OutputDir
-from dsconv.quant.algorithms.selection import HOLD_EVERY, MIN_PROMPTS, held_out_prompts
-from dsconv.quant.calibrate.calibration import Calibrator
-from dsconv.quant.calibrate.data import load_calib, load_tokenizer, min_tokens_warning
 from dsconv.quant.formats.msmodelslim import C8, FA_QUANT
 from dsconv.quant.formats.output import QuantWriter, description, final_specs
 from dsconv.quant.plan import report as rep
@@ -80,6 +77,33 @@ def planned_output(ck: Any, scheme: str, engine: str | None = None) -> tuple[lis
     return specs, description(plan, types, specs)
 
 
+def _load_calibration(ck: Any, plan: Any, opts: QuantOptions, warn: Callable[[str], None]) -> Any:
+    """The tokenized calibration set, with a warning where it is too small for what the plan fits on it.
+
+    Its modules (and the Calibrator) are imported where used, not at the top: a weight-only run never loads torch,
+    whose 2 s import was a sixth of its time (docs/performance.md)."""
+    from dsconv.quant.algorithms.selection import HOLD_EVERY, MIN_PROMPTS, held_out_prompts
+    from dsconv.quant.calibrate.data import load_calib, load_tokenizer, min_tokens_warning
+
+    calib = load_calib(opts.calib, load_tokenizer(ck.root), opts.calib_samples, opts.seq_len)
+    needs = {}
+    if plan.scheme in STATIC_TYPES:
+        needs["static activation ranges"] = 512
+    if plan.method == "gptq":  # a Hessian fitted on fewer tokens than ~2x its width overfits (docs/accuracy.md)
+        k = max(lp.k for lp in plan.linears.values())
+        needs[f"GPTQ Hessians (2 x the widest input, {k}, after holding out 1/{HOLD_EVERY} of the prompts)"] = \
+            -(-2 * k * HOLD_EVERY // (HOLD_EVERY - 1))
+    w = min_tokens_warning(calib, needs)
+    unchecked = {"gptq": "GPTQ is used on every layer without checking it against round-to-nearest",
+                 "awq": "AWQ's choices against round-to-nearest are judged on the rows they were searched on"}
+    if plan.method in unchecked and held_out_prompts(len(calib.samples)) is None:
+        warn(f"{len(calib.samples)} calibration prompts are too few to hold some out: "
+             f"{unchecked[plan.method]} (give >= {MIN_PROMPTS} prompts)")
+    if w:
+        warn(w)
+    return calib
+
+
 def run(req: QuantRequest) -> QuantResult:
     """Run `dsconv quantize`."""
     t0 = time.perf_counter()
@@ -130,24 +154,7 @@ def run(req: QuantRequest) -> QuantResult:
         dry.update(engine=prof.name, config_keys=cfg_keys, layer_types=engines.kind_table(
             plan.linears.values(), plan.ignored, {ck.role(n).module: ck.role(n) for n in ck.names()}))
         return QuantResult(dry, dry_run=True)
-    calib = None
-    if calibrate:
-        calib = load_calib(opts.calib, load_tokenizer(ck.root), opts.calib_samples, opts.seq_len)
-        needs = {}
-        if plan.scheme in STATIC_TYPES:
-            needs["static activation ranges"] = 512
-        if plan.method == "gptq":  # a Hessian fitted on fewer tokens than ~2x its width overfits (docs/accuracy.md)
-            k = max(lp.k for lp in plan.linears.values())
-            needs[f"GPTQ Hessians (2 x the widest input, {k}, after holding out 1/{HOLD_EVERY} of the prompts)"] = \
-                -(-2 * k * HOLD_EVERY // (HOLD_EVERY - 1))
-        w = min_tokens_warning(calib, needs)
-        unchecked = {"gptq": "GPTQ is used on every layer without checking it against round-to-nearest",
-                     "awq": "AWQ's choices against round-to-nearest are judged on the rows they were searched on"}
-        if plan.method in unchecked and held_out_prompts(len(calib.samples)) is None:
-            req.warn(f"{len(calib.samples)} calibration prompts are too few to hold some out: "
-                     f"{unchecked[plan.method]} (give >= {MIN_PROMPTS} prompts)")
-        if w:
-            req.warn(w)
+    calib = _load_calibration(ck, plan, opts, req.warn) if calibrate else None
     with OutputDir(output, stage="quantize", inputs=[model_dir], force=req.force, options=opts.as_dict(),
                    input_identity=ck.identity()) as out:
         qw = QuantWriter(out, ck, plan, opts.layout, opts.max_shard_size, staged=policy is not None,
@@ -157,6 +164,7 @@ def run(req: QuantRequest) -> QuantResult:
         t_cal = time.perf_counter()
         with make_executor(req.execution) as ex:
             if calib is not None:  # linears and routed experts of each layer as jobs (calib_jobs.py)
+                from dsconv.quant.calibrate.calibration import Calibrator
                 cal = Calibrator(ck, plan, opts, calib, qw, req.progress, executor=ex)
                 cal.run()
                 records = cal.records

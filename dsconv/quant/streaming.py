@@ -20,10 +20,10 @@ from dsconv.executor import Executor
 from dsconv.io.parts import PartLayout, PartWriter, Region
 from dsconv.io.tensorfile import TensorInfo, TensorReader, dequant_fp8_block
 from dsconv.quant.algorithms.error_metrics import sampled_weight_error
-from dsconv.quant.calibrate.stats import LinearRecord
 from dsconv.quant.formats.msmodelslim import LinearResult, emit_linear
 from dsconv.quant.formats.output import QuantWriter, as_float
 from dsconv.quant.plan.plan import LinearPlan, QuantPlan, linear_specs
+from dsconv.quant.plan.report import LinearRecord
 from dsconv.quant.weights import quantize_weight, rtn_linear_into
 from dsconv.runtime.process import gc_paused
 
@@ -212,7 +212,7 @@ def _rtn_rows(reader: TensorReader, src: Source, params: Params, out: PartWriter
     (any --max-shard-size can cut there), and the next part's job writes the rest through `_produce`."""
     info, lp = src.weight, src.lp
     row = info.nbytes // max(1, info.shape[0])
-    w = reader.view(info)
+    w = reader.array(info)
     bias = reader.read(src.bias) if src.bias is not None else None
     try:
         err = rtn_linear_into(w, lp, lp.qtype, params.group_size, params.deq_dtype, bias, out.write_chunks,
@@ -246,7 +246,7 @@ def _produce(reader: TensorReader, src: Source, params: Params, records: list) -
     if src.scale is not None:
         t = dequant_fp8_block(reader.read(info), reader.read(src.scale), params.fp8_block)
     elif info.dtype in VIEWABLE and info.numel:
-        t = reader.view(info)
+        t = reader.array(info) if params.method == "rtn" else reader.view(info)
     else:
         t = reader.read(info)
     q, scale = quantize_weight(lp, t, params, None, 0.0)  # type: ignore[arg-type]  # Params has what it reads

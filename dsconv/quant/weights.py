@@ -3,20 +3,20 @@ function registered in ROUNDING, chosen by name, never by branches at the call s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
-import torch
 
 from dsconv.qformat import scale_bias_sums
-from dsconv.quant.algorithms import grid
 from dsconv.quant.algorithms.error_metrics import row_sq_errors, rows_error, sample_step
-from dsconv.quant.algorithms.gptq import gptq_quantize
 from dsconv.quant.algorithms.schemes import (iter_quantized_rows, qrange, quantize_weight_per_channel,
                                              quantize_weight_per_group)
 from dsconv.quant.formats.msmodelslim import LinearResult, components, emit_linear, pack_weight_rows
 from dsconv.quant.plan.plan import BITS, LinearPlan, QuantPlan
 
+
+if TYPE_CHECKING:  # GPTQ and the searched scales import torch when used: a weight-only run never loads it
+    import torch
 
 Weight = tuple[np.ndarray, np.ndarray]  # int8 values [n, k] and float32 scales [n, groups]
 
@@ -35,15 +35,19 @@ class RoundingInput:
 
 def round_to_nearest(lp: LinearPlan, w: torch.Tensor, inp: RoundingInput) -> Weight:
     """max |w| scales, per output channel (8 bits) or per group (4 bits)."""
+    if not isinstance(w, np.ndarray) and str(w.dtype) == "torch.float32":
+        w = w.numpy()  # float32 tensors as their numpy view; bf16/fp16 tensors go as they are (schemes reads them)
     if inp.bits == 8:
-        return quantize_weight_per_channel(w if w.dtype != torch.float32 else w.numpy(), 8, lp.module)
-    q, scale, _ = quantize_weight_per_group(w if w.dtype != torch.float32 else w.numpy(), inp.group, 4, lp.module)
+        return quantize_weight_per_channel(w, 8, lp.module)
+    q, scale, _ = quantize_weight_per_group(w, inp.group, 4, lp.module)
     return q, scale
 
 
 def round_searched(lp: LinearPlan, w: torch.Tensor, inp: RoundingInput) -> Weight:
     """Scales searched for the smallest weight error (grid.py). Not a default: on the real fixture they lowered
     every group's error yet raised perplexity 2.6x over plain rounding (docs/accuracy.md)."""
+    from dsconv.quant.algorithms import grid
+
     qmin, qmax = qrange(inp.bits)
     qt, st = grid.quantize_searched(w, inp.group, qmin, qmax)
     return qt.numpy(), st.numpy()
@@ -54,6 +58,8 @@ def round_gptq(lp: LinearPlan, w: torch.Tensor, inp: RoundingInput) -> Weight:
     (a linear calibration never reached), round-to-nearest."""
     if inp.hessian is None:
         return round_to_nearest(lp, w, inp)
+    from dsconv.quant.algorithms.gptq import gptq_quantize
+
     q, scale, _ = gptq_quantize(w, inp.hessian, bits=inp.bits, group_size=inp.group, damp=inp.damp, act_order=True,
                                 name=lp.module)
     return q, scale

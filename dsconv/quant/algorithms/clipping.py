@@ -16,10 +16,10 @@ from torch import nn
 
 from dsconv.qformat import STATIC_TYPES
 from dsconv.quant.algorithms.fake_quant import fake_quant_int8_rows
+from dsconv.quant.algorithms.methods import ACT_SEARCH
 from dsconv.quant.algorithms.schemes import activation_qparams
 from dsconv.quant.algorithms.smoothing import MAX_OUT_ROWS
 
-METHOD = "search"  # --act-method value: min/max, then the clip ratio with the smallest output error
 CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5, 0.45, 0.4)
 
 
@@ -46,7 +46,7 @@ def best_clip(x: torch.Tensor, lo: float, hi: float, weights: list[torch.Tensor]
 
 def observer_method(act_method: str) -> str:
     """The streaming observer behind an --act-method ("search" starts from min/max)."""
-    return "minmax" if act_method == METHOD else act_method
+    return "minmax" if act_method == ACT_SEARCH else act_method
 
 
 def choose_clips(group: dict[nn.Module, Any], targets: dict[nn.Module, Any], log: dict[str, Any]) -> None:

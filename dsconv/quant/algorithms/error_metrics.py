@@ -6,12 +6,14 @@ parameters, never silently unified.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from dsconv.quant.algorithms.schemes import to_float32
+
+if TYPE_CHECKING:  # the weight errors are numpy: a weight-only run never loads torch (its start-up is copy speed)
+    import torch
 
 ZERO_REF = ("zero", "inf", "absolute")  # what ||ref|| = 0 gives: 0; 0 for 0/0 else inf; the absolute error
 
@@ -71,6 +73,8 @@ def relative_error(approx: torch.Tensor, ref: torch.Tensor, float64: bool = Fals
     output errors) rather than in the tensors' dtype (the searches). `zero_ref` (ZERO_REF) when ||ref|| is 0:
     "zero" -> 0 (the searches: nothing to lose), "inf" -> 0 for 0/0 else inf (the reported errors: a nonzero output
     where none belongs is infinitely wrong), "absolute" -> ||approx - ref|| (the clip search, which divides by 1)."""
+    import torch
+
     dtype = torch.float64 if float64 else None
     den = float(torch.linalg.vector_norm(ref, dtype=dtype))
     num = float(torch.linalg.vector_norm(approx - ref, dtype=dtype))
@@ -89,6 +93,8 @@ def output_error(x: torch.Tensor, w: torch.Tensor, w_hat: torch.Tensor) -> float
     """A weight's relative output error on rows x, ``||x (W_hat - W)^T|| / ||x W^T||`` (the difference taken on the
     weights, then multiplied), in x's dtype; 0 when x W^T is 0. What AWQ's searches and the GPTQ-or-rounding choice
     compare candidates by."""
+    import torch
+
     den = float(torch.linalg.vector_norm(x @ w.T))
     num = float(torch.linalg.vector_norm(x @ (w_hat - w).T))
     return num / den if den else 0.0

@@ -15,7 +15,15 @@ from __future__ import annotations
 METHODS = ("rtn", "mse", "gptq", "awq")
 DEFAULT_METHOD = {8: "rtn", 4: "gptq"}
 SCHEME_DEFAULT_METHOD = {"w4a8_dynamic": "rtn"}  # where a scheme's evidence differs from its bit width's
+ACT_SEARCH = "search"  # --act-method default: min/max, then the clip ratio with the smallest output error (clipping.py)
 
 
 def default_method(scheme: str, bits: int) -> str:
     return SCHEME_DEFAULT_METHOD.get(scheme, DEFAULT_METHOD[bits])
+
+
+def smoothing_mode(value: float | str | None, act_quantized: bool) -> float | str | None:
+    """None (off), "auto" (searched per site, smoothing.py) or a fixed alpha; weight-only schemes never smooth."""
+    if not act_quantized or value in (None, "off"):
+        return None
+    return value

@@ -76,8 +76,12 @@ TILE_ELEMS = 1 << 17
 
 
 def bf16_bits(w: Any, contiguous: bool = False) -> np.ndarray | None:
-    """A CPU bf16 torch tensor's bit patterns as a zero-copy uint16 numpy view (strided like the tensor; with
-    `contiguous`, only for a contiguous tensor), else None."""
+    """The bit patterns of a CPU bf16 torch tensor or numpy (ml_dtypes) bfloat16 array as a zero-copy uint16 numpy
+    view (strided like the input; with `contiguous`, only for a contiguous input), else None."""
+    if isinstance(w, np.ndarray):
+        if w.dtype.name != "bfloat16" or (contiguous and not w.flags.c_contiguous):
+            return None
+        return w.view(np.uint16)
     if not is_torch(w):
         return None
     import torch

@@ -25,7 +25,6 @@ from typing import Any, Callable
 
 import torch
 
-from dsconv.errors import UserError
 from dsconv.qformat import ACT_QUANT
 from dsconv.quant.algorithms.fake_quant import fake_quant_int8_rows
 from dsconv.quant.algorithms.sampling import RowSampler
@@ -204,27 +203,3 @@ class SiteProbe:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
-
-
-def smoothing_mode(value: float | str | None, act_quantized: bool) -> float | str | None:
-    """None (off), "auto" (searched per site) or a fixed alpha; weight-only schemes never smooth."""
-    if not act_quantized or value in (None, "off"):
-        return None
-    return value
-
-
-def parse_smooth(value: str | None) -> float | str | None:
-    """--smooth-quant auto | off | ALPHA."""
-    if value is None or value == "auto":
-        return "auto"
-    if value == "off":
-        return None
-    try:
-        alpha = float(value)
-    except ValueError:
-        raise UserError(f"--smooth-quant {value!r} is not auto, off or a number",
-                        hint="e.g. --smooth-quant auto (default), --smooth-quant 0.5") from None
-    if not 0.0 <= alpha <= 1.0:  # nan fails this too; s = act^ALPHA / w^(1-ALPHA) migrates a share, 0..1
-        raise UserError(f"--smooth-quant {value!r} is not an ALPHA in 0..1",
-                        hint="e.g. --smooth-quant 0.5, or auto to search it per site")
-    return alpha

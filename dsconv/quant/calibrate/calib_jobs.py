@@ -36,10 +36,10 @@ from dsconv.quant.calibrate.context import CalibContext, StatsSpec
 from dsconv.quant.calibrate.layers import SLOTS, Skeleton, expert_forward
 from dsconv.quant.calibrate.linear import (PreparedLinear, QuantizedLinear, WeightChoice, load_bias, prepare_linear,
                                            quantize_linear)
-from dsconv.quant.calibrate.stats import LinearRecord
 from dsconv.quant.formats.msmodelslim import LinearResult
 from dsconv.quant.plan.options import QuantOptions
 from dsconv.quant.plan.plan import LinearPlan, QuantPlan
+from dsconv.quant.plan.report import LinearRecord
 
 JOBS_DIR = ".dsconv-calib-jobs"
 JOB_THREADS = 1

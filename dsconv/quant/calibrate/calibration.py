@@ -41,12 +41,12 @@ from dsconv.quant.calibrate.hooks import ExpertRecorder
 from dsconv.quant.calibrate.kv_cache import CacheStats
 from dsconv.quant.calibrate.layers import Skeleton, install_forward
 from dsconv.quant.calibrate.linear import QuantizedLinear, finish_linear, load_bias, quantize_linear
-from dsconv.quant.calibrate.stats import InputStats, LinearRecord
+from dsconv.quant.calibrate.stats import InputStats
 from dsconv.quant.calibrate.steps import StepClock, calibrate_layer
 from dsconv.quant.formats.output import QuantWriter
 from dsconv.quant.plan.options import QuantOptions
 from dsconv.quant.plan.plan import LinearPlan, QuantPlan
-from dsconv.quant.plan.report import Findings
+from dsconv.quant.plan.report import Findings, LinearRecord
 
 
 class Calibrator:

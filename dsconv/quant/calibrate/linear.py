@@ -21,11 +21,12 @@ from dsconv.errors import UserError
 from dsconv.quant.algorithms import selection
 from dsconv.quant.algorithms.error_metrics import sampled_weight_error
 from dsconv.quant.algorithms.schemes import activation_qparams, w8a8_static_params
-from dsconv.quant.calibrate.stats import InputStats, LinearRecord, output_errors
+from dsconv.quant.calibrate.stats import InputStats, output_errors
 from dsconv.quant.formats.msmodelslim import LinearResult
 from dsconv.quant.plan.options import QuantOptions
 from dsconv.qformat import STATIC_TYPES
 from dsconv.quant.plan.plan import LinearPlan, QuantPlan
+from dsconv.quant.plan.report import LinearRecord
 from dsconv.quant.weights import quantize_weight
 
 

@@ -7,9 +7,6 @@ not once per consumer. Memory is O(channels) for the observer, k^2 for a Hessian
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 import numpy as np
 import torch
 
@@ -90,31 +87,6 @@ class InputStats:
         self.hessian = None
         self.held = None
         self.sampler.rows = []
-
-
-@dataclass
-class LinearRecord:
-    """What quantizing one linear measured (goes to quant_report.json)."""
-
-    module: str
-    planned: str
-    weight_error: float
-    tokens: int | None = None
-    errors: dict[str, float] = field(default_factory=dict)  # output error on calibration rows, by type
-    range_source: str | None = None  # "own" | "borrowed" (under-covered expert: union of the layer's ranges)
-    note: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"planned": self.planned, "weight_error": round(self.weight_error, 6)}
-        if self.tokens is not None:
-            d["tokens"] = self.tokens
-        if self.errors:
-            d["output_error"] = {k: round(v, 6) for k, v in self.errors.items()}
-        if self.range_source:
-            d["range"] = self.range_source
-        if self.note:
-            d["note"] = self.note
-        return d
 
 
 def output_errors(x: torch.Tensor, y_ref: torch.Tensor, q: np.ndarray, scale: np.ndarray,

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from dsconv.quant.algorithms import clipping
+from dsconv.quant.algorithms.methods import ACT_SEARCH
 from dsconv.quant.algorithms.observers import MinMaxObserver
 from dsconv.quant.algorithms.schemes import dequant_weight
 from dsconv.quant.calibrate import awq
@@ -237,7 +238,7 @@ def calibrate_layer(cal: LayerRun, i: int) -> None:
         cache.remove()
         with clock("write"):
             qw.kv_cache(cache.tensors(plan.kv[i]))
-    if run.static and run.opts.act_method == clipping.METHOD:
+    if run.static and run.opts.act_method == ACT_SEARCH:
         with clock("clip_search"):
             clipping.choose_clips(hooks.group, targets, cal.decisions.setdefault("clipping", {}))
     order = sorted(targets.items(), key=lambda kv: list(lps).index(kv[1].module))

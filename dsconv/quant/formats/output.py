@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from dsconv.io.passthrough import copy_tensor
 from dsconv.io.writer import OutputDir, TensorSetWriter
@@ -24,6 +23,9 @@ from dsconv.quant.plan.kv_cache import kv_description
 from dsconv.qformat import STATIC_TYPES, W8A8_MIX
 from dsconv.quant.plan.plan import LinearPlan, QuantPlan, float_spec, linear_specs, model_quant_type
 from dsconv.tensors import TensorSpec, torch_dtype
+
+if TYPE_CHECKING:  # torch is imported by what runs a model; a weight-only run never loads it (copy speed)
+    import torch
 
 STAGING = ".dsconv-staging"
 

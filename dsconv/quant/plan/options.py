@@ -7,10 +7,8 @@ from typing import Any
 
 from dsconv.errors import UserError
 from dsconv.io.writer import DEFAULT_MAX_SHARD_SIZE
-from dsconv.quant.algorithms import clipping
-from dsconv.quant.algorithms.methods import METHODS
+from dsconv.quant.algorithms.methods import ACT_SEARCH, METHODS, smoothing_mode
 from dsconv.quant.algorithms.observers import ACT_METHODS
-from dsconv.quant.algorithms.smoothing import smoothing_mode
 from dsconv.qformat import STATIC_TYPES
 from dsconv.quant.plan.plan import ACT_QUANT, FALLBACK_TARGETS, QuantPlan
 
@@ -27,7 +25,7 @@ class QuantOptions:
     scheme: str = "w8a8"
     group_size: int | None = None
     method: str = "rtn"
-    act_method: str = clipping.METHOD  # min/max clipped by output error (clipping.py); or an observer method
+    act_method: str = ACT_SEARCH  # min/max clipped by output error (clipping.py); or an observer method
     smooth_alpha: float | str | None = "auto"  # "auto": searched per site (smoothing.py); None: off; or an alpha
     fallback: int | None = None
     fallback_threshold: float | None = None
@@ -76,9 +74,9 @@ def fallback_policy(opts: QuantOptions, plan: QuantPlan) -> tuple[str, float] | 
 
 
 def check_options(opts: QuantOptions, plan: QuantPlan) -> None:
-    if opts.act_method not in ACT_METHODS + (clipping.METHOD,):
+    if opts.act_method not in ACT_METHODS + (ACT_SEARCH,):
         raise UserError(f"unknown --act-method {opts.act_method}",
-                        hint=f"choose one of {', '.join((clipping.METHOD,) + ACT_METHODS)}")
+                        hint=f"choose one of {', '.join((ACT_SEARCH,) + ACT_METHODS)}")
     if opts.fallback_to not in FALLBACK_TARGETS:
         raise UserError(f"--fallback-to {opts.fallback_to} is not a fallback type",
                         hint=f"choose {' or '.join(FALLBACK_TARGETS)}")

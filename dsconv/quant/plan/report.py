@@ -18,6 +18,32 @@ from dsconv.qformat import STATIC_TYPES
 from dsconv.quant.plan.plan import ACT_QUANT, QuantPlan, model_quant_type
 from dsconv.quant.plan.recipe import RECIPE_FLOAT_REASON
 
+
+@dataclass
+class LinearRecord:
+    """What quantizing one linear measured (goes to quant_report.json)."""
+
+    module: str
+    planned: str
+    weight_error: float
+    tokens: int | None = None
+    errors: dict[str, float] = field(default_factory=dict)  # output error on calibration rows, by type
+    range_source: str | None = None  # "own" | "borrowed" (under-covered expert: union of the layer's ranges)
+    note: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"planned": self.planned, "weight_error": round(self.weight_error, 6)}
+        if self.tokens is not None:
+            d["tokens"] = self.tokens
+        if self.errors:
+            d["output_error"] = {k: round(v, 6) for k, v in self.errors.items()}
+        if self.range_source:
+            d["range"] = self.range_source
+        if self.note:
+            d["note"] = self.note
+        return d
+
+
 REPORT_FILE = "quant_report.json"
 EXPERT_LOAD_FILE = "expert_load.json"
 
