@@ -18,8 +18,10 @@ from dsconv.quant.algorithms.error_metrics import relative_error
 from dsconv.quant.algorithms.fake_quant import fake_quant_int8_rows, fake_quant_static
 from dsconv.quant.calibrate import steps
 from dsconv.quant.calibrate.stats import InputStats
+from dsconv.qformat import dequant_weight
+from dsconv.quant.algorithms.schemes import quantize_weight_per_channel
 
-pytestmark = [pytest.mark.cli, pytest.mark.slow]
+pytestmark = [pytest.mark.cli]
 
 
 def outlier_rows(tokens: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -62,7 +64,8 @@ def test_rescaled_statistics_equal_a_second_forward_over_the_smoothed_norm():
 @pytest.mark.unit
 @pytest.mark.parametrize("static", [True, False])
 def test_batched_candidates_score_as_one_by_one(static):
-    """candidate_errors (every alpha and clip in one bmm) gives each candidate's error as scoring it alone."""
+    """candidate_errors (every alpha and clip in one bmm) gives each candidate's error as scoring it alone, with the
+    smoothed weight rounded as it is written (the grid scales of scale_grid.py, not float max|w| / 127)."""
     x = outlier_rows(2000, 96)
     site = sm.SiteSample(2000, cap=128)
     for a in range(0, 2000, 300):
@@ -74,7 +77,8 @@ def test_batched_candidates_score_as_one_by_one(static):
     got = sm.candidate_errors(site.x, w, S, site.cmin, site.cmax, static)
     ref = site.x @ w.T
     for s, e in zip(S, got):
-        xs, ws = site.x / s, fake_quant_int8_rows(w * s)
+        q, scale = quantize_weight_per_channel((w * s).numpy(), 8)
+        xs, ws = site.x / s, torch.from_numpy(dequant_weight(q, scale))
         if static:
             lo, hi = float((site.cmin / s).min()), float((site.cmax / s).max())
             want = min(relative_error(fake_quant_static(xs, lo * c, hi * c) @ ws.T, ref) for c in sm.SEARCH_CLIPS)
