@@ -333,8 +333,8 @@ def module_marks(path: Path) -> set[str]:
 
 
 def test_every_test_module_has_one_category():
-    """`unit` or `cli` (exactly one) on every test module, so `-m unit`, `-m cli` and `make test-fast` see them all;
-    the markers are registered in pyproject.toml."""
+    """`unit` or `cli` (exactly one) on every test module, so `-m unit`, `-m cli`, `make test` and `make test-slow`
+    see them all; the markers are registered in pyproject.toml."""
     wrong = {}
     for path in sorted((ROOT / "tests").rglob("test_*.py")):
         marks = module_marks(path)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.cli, pytest.mark.slow]
+pytestmark = [pytest.mark.cli]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from dsconv.quant.formats.msmodelslim import read_linear
 from dsconv.quant.plan.options import QuantOptions
 from dsconv.quant.stage import QuantRequest
 
-pytestmark = [pytest.mark.cli, pytest.mark.slow]
+pytestmark = [pytest.mark.cli]
 
 SMALL = dict(calib_samples=8, seq_len=48)
 

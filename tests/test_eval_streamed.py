@@ -18,7 +18,7 @@ from dsconv.quant.evaluate.streamed import HeadStats, StreamedModel, run_pass, t
 from dsconv.quant.plan.options import QuantOptions
 from dsconv.quant.stage import QuantRequest
 
-pytestmark = [pytest.mark.cli, pytest.mark.slow]
+pytestmark = [pytest.mark.cli]
 
 SMALL = dict(calib_samples=8, seq_len=48)
 # family, scheme, engine, kv cache: every kind of quantized linear the eval computes (static and dynamic int8

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = [pytest.mark.cli, pytest.mark.slow]
+pytestmark = [pytest.mark.cli]
 
 
 # ---- ONNX: transposed weights in blocks ------------------------------------------------------------------------

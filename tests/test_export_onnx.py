@@ -26,7 +26,7 @@ CASES = [("llama", False), ("qwen2", False), ("qwen3", False), ("qwen2_moe", Tru
 MOE = {"qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "granitemoe"}
 
 
-pytestmark = [pytest.mark.cli, pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.cli, pytest.mark.usefixtures("one_torch_thread")]
 
 
 def session(path: Path) -> ort.InferenceSession:

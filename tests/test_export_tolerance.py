@@ -23,7 +23,7 @@ from onnx import numpy_helper
 from dsconv.convert import tolerance
 from dsconv.convert.onnx import export_onnx, recheck
 
-pytestmark = [pytest.mark.cli, pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.cli, pytest.mark.usefixtures("one_torch_thread")]
 
 #: the fixed absolute tolerance the fp32 check had before (its default --atol)
 OLD_FP32_ATOL = 1e-4

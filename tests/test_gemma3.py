@@ -13,7 +13,7 @@ from dsconv.checkpoint import Checkpoint
 from dsconv.inspect import inspect_model
 from dsconv.tiny import build_model
 
-pytestmark = [pytest.mark.cli, pytest.mark.slow]
+pytestmark = [pytest.mark.cli]
 
 
 @pytest.fixture(scope="module")

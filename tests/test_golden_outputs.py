@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import pytest
 
-pytestmark = [pytest.mark.cli, pytest.mark.slow]
+pytestmark = [pytest.mark.cli]
 
 GOLDEN = Path(__file__).with_name("golden_outputs.json")
 REPO = Path(__file__).resolve().parents[1]

@@ -454,7 +454,6 @@ def test_mindie_offline_sharding_refuses_fa_quant(run_cli, tmp_path):
     assert run_cli([*shard, "-o", tmp_path / "r", "--format", "ranks"]).code == 0
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["onnx", "mindir"])
 def test_graph_exports_leave_the_cache_scales_out_and_say_so(models, run_cli, tmp_path, fmt):
     """A graph (fake-quant ONNX checked against dsconv's simulation, or MindIR) attends in float: the cache scales

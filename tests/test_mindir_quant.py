@@ -23,7 +23,7 @@ from dsconv.quant.algorithms.schemes import (pack_int4, pack_int4_along_k,  # no
                                              quantize_weight_per_channel, quantize_weight_per_group,
                                              w8a8_static_params)
 
-pytestmark = [pytest.mark.cli, pytest.mark.slow]
+pytestmark = [pytest.mark.cli]
 
 
 def write_quantized(src: Path, dst: Path, pick, group: int = 16) -> Path:

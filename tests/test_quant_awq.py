@@ -15,7 +15,7 @@ from dsconv.quant.algorithms.fake_quant import fake_quant_groups
 from dsconv.quant.algorithms.schemes import dequant_weight, quantize_weight_per_group
 from dsconv.quant.calibrate import awq
 
-pytestmark = [pytest.mark.cli, pytest.mark.slow]
+pytestmark = [pytest.mark.cli]
 
 
 def outlier_rows(tokens: int = 1024, k: int = 256, seed: int = 0) -> torch.Tensor:

@@ -15,7 +15,7 @@ from dsconv.quant.algorithms.fake_quant import fake_quant_int8_rows, fake_quant_
 from dsconv.quant.algorithms.gptq import gptq_quantize
 from dsconv.quant.algorithms.schemes import quantize_weight_per_group
 
-pytestmark = [pytest.mark.cli, pytest.mark.slow]
+pytestmark = [pytest.mark.cli]
 
 
 def llm_like(tokens: int = 2048, k: int = 256, seed: int = 0) -> torch.Tensor:

@@ -21,7 +21,7 @@ from dsconv.quant.formats.msmodelslim import check_description, verify_output
 from dsconv.quant.plan.options import QuantOptions
 from dsconv.quant.stage import QuantRequest
 
-pytestmark = [pytest.mark.cli, pytest.mark.slow]
+pytestmark = [pytest.mark.cli]
 
 # the mechanics of static W8A8 itself: without the default smoothing, clipping searches and mixed recipe (tested in
 # test_quant_mechanisms.py)

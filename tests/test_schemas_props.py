@@ -16,7 +16,7 @@ from dsconv import schemas
 from dsconv.errors import UserError
 from dsconv.schemas.model import DTYPE_SIZES
 
-pytestmark = [pytest.mark.unit, pytest.mark.slow]
+pytestmark = [pytest.mark.unit]
 
 SETTINGS = settings(max_examples=300, derandomize=True, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

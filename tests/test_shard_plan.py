@@ -16,7 +16,7 @@ from dsconv.shard.memory import FitSettings
 from dsconv.shard.placement import iter_tensor_ranks, slice_for_rank, tensor_entry
 from dsconv.shard.table import build_table
 
-pytestmark = [pytest.mark.cli, pytest.mark.slow]
+pytestmark = [pytest.mark.cli]
 
 DATA = Path(__file__).parent / "data"
 GiB = 2**30

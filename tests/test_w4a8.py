@@ -72,7 +72,6 @@ def _w4a8_linears(d: Path) -> dict[str, dict[str, np.ndarray]]:
             for n, v in desc.items() if v == "W4A8_DYNAMIC" and n.endswith(".weight") and n in t}
 
 
-@pytest.mark.slow
 def test_gptq_path_writes_consistent_scale_bias(tiny_model, run_cli, tmp_path):
     """The calibrated path keeps q whole (scale_bias from it), the streamed path sums row blocks: both must give
     8 * s * sum(q); GPTQ must actually change some values against round-to-nearest."""
@@ -213,7 +212,6 @@ def test_verify_recomputes_scale_bias(tiny_model, run_cli, tmp_path):
     assert len(problems) == 1 and "up_proj.scale_bias differs" in problems[0], problems
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
 def test_deepseek_mtp_layer_follows_the_recipe(run_cli, tmp_path, method):
     """msModelSlim's recipe makes the MTP layer W8A8_DYNAMIC (its kv_b_proj float) and writes mtp_quantize, so MindIE

@@ -25,7 +25,7 @@ from tests.engine_contract import vllm_ascend
 from tests.engine_contract.common import Problems, routing, tensor
 from tests.engine_contract.conftest import ENGINES, FAMILIES, SCHEMES
 
-pytestmark = [pytest.mark.cli, pytest.mark.slow]
+pytestmark = [pytest.mark.cli]
 README = Path(__file__).resolve().parents[2] / "README.md"
 CASES = [(f, s) for f in FAMILIES for s in SCHEMES]
 
