@@ -22,7 +22,7 @@ test: install
 	$(BIN)/python -m pytest -q -m "not slow"
 
 # The heavy end-to-end cases (pyproject.toml [tool.pytest.ini_options] markers): two-process and Ray executors
-# writing the bytes one worker writes, MindSpore MindIR exports, DeepSeek-R1's full-size plan (~6 min on 2 cores).
+# writing the bytes one worker writes, MindSpore MindIR exports, DeepSeek-R1's full-size plan (~5 min on 2 cores).
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
 
