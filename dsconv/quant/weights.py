@@ -13,6 +13,7 @@ from dsconv.quant.algorithms.schemes import (iter_quantized_rows, qrange, quanti
                                              quantize_weight_per_group)
 from dsconv.quant.formats.msmodelslim import LinearResult, components, emit_linear, pack_weight_rows
 from dsconv.quant.plan.plan import BITS, LinearPlan, QuantPlan
+from dsconv.tensors import safetensors_dtype
 
 
 if TYPE_CHECKING:  # GPTQ and the searched scales import torch when used: a weight-only run never loads it
@@ -35,7 +36,7 @@ class RoundingInput:
 
 def round_to_nearest(lp: LinearPlan, w: torch.Tensor, inp: RoundingInput) -> Weight:
     """max |w| scales, per output channel (8 bits) or per group (4 bits)."""
-    if not isinstance(w, np.ndarray) and str(w.dtype) == "torch.float32":
+    if not isinstance(w, np.ndarray) and safetensors_dtype(w) == "F32":
         w = w.numpy()  # float32 tensors as their numpy view; bf16/fp16 tensors go as they are (schemes reads them)
     if inp.bits == 8:
         return quantize_weight_per_channel(w, 8, lp.module)
