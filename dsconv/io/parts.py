@@ -79,6 +79,28 @@ def put(fd: int, data: memoryview, pos: int, update: Any = None) -> None:
             raise e
 
 
+_WRITEBACK: list[Any] = []  # libc's sync_file_range, once looked up ([None] where there is none)
+
+
+def start_writeback(fd: int, pos: int, nbytes: int) -> None:
+    """Ask the kernel to start writing bytes [pos, pos + nbytes) of `fd` to disk now, without waiting
+    (sync_file_range with SYNC_FILE_RANGE_WRITE; Linux only, a no-op elsewhere). A streamed output left to the
+    page cache's dirty limits is written in bursts, and the last 10-20% of RAM waits for the disk at close; started
+    as each tensor is done, the writes overlap the reading and rounding of the next (the pages stay cached)."""
+    if not _WRITEBACK:
+        fn = None
+        try:
+            import ctypes
+
+            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+            fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+        except (OSError, AttributeError):
+            fn = None
+        _WRITEBACK.append(fn)
+    if _WRITEBACK[0] is not None and nbytes > 0:
+        _WRITEBACK[0](fd, pos, nbytes, 2)  # SYNC_FILE_RANGE_WRITE; a failure here is the final sync's to report
+
+
 class Known:
     """A part's digest computed elsewhere (by the task that wrote it)."""
 
@@ -145,6 +167,7 @@ class PartWriter:
         """One slot from byte chunks (memoryviews, bytes, contiguous arrays), so no tensor need be whole in memory."""
         slot = self._slot(name)
         self._check_end(name, slot, self._put(name, slot, chunks, slot.offset))
+        start_writeback(self._fd, slot.offset, slot.nbytes)
 
     def write_regions(self, name: str, regions: Iterable["Region"]) -> None:
         """One slot from byte regions of source files (see `Region`): contiguous ranges are copied in the kernel
@@ -164,6 +187,7 @@ class PartWriter:
                 pos = self._put(name, slot, region_chunks(regions[i]), pos)
                 i += 1
         self._check_end(name, slot, pos)
+        start_writeback(self._fd, slot.offset, slot.nbytes)
 
     @staticmethod
     def _check_end(name: str, slot: Slot, pos: int) -> None:
@@ -192,7 +216,7 @@ class PartWriter:
                     fds[r.file] = os.open(r.file, os.O_RDONLY)
             t = None
             if self._hash is not None:  # hashing (outside the GIL) beside the copy
-                t = _Beside(_hash_ranges, self._hash, [(fds[r.file], r.start, r.nbytes) for r in regions])
+                t = _Beside(hash_ranges, self._hash, [(fds[r.file], r.start, r.nbytes) for r in regions])
             current = regions[0].file
             try:
                 for r in regions:
@@ -218,6 +242,52 @@ class PartWriter:
         return self._hash.hexdigest() if self._hash is not None else None
 
     def abort(self) -> None:
+        os.close(self._fd)
+
+
+class BehindHash:
+    """The sha256 of a planned part that tasks fill in runs (several jobs, each a subset of its slots): the driver
+    reports each finished run (`wrote`), and a helper thread hashes the part from the page cache as far as its slots
+    are written in order, behind the tasks still writing the rest. Hashing the whole part at close instead ran on
+    one core after everything else: 2.5 s for the 3.3 GB output of a 5.3 GB DeepSeek-shaped checkpoint, a third of
+    the run."""
+
+    def __init__(self, part: PartLayout) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._slots = sorted(part.slots, key=lambda s: s.offset)
+        self._size = part.size
+        self._done: set[str] = set()
+        self._next = 0  # index of the first slot not yet handed to the hash
+        self._pos = 0   # bytes of the part handed to the hash (the header first)
+        self._hash = hashlib.sha256()
+        self._fd = os.open(part.path, os.O_RDONLY)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dsconv-hash")
+        self._jobs: list[Any] = []
+
+    @property
+    def complete(self) -> bool:
+        return self._next == len(self._slots)
+
+    def wrote(self, names: Iterable[str]) -> None:
+        """These slots are written: hash on through every slot now written in order."""
+        self._done.update(names)
+        while self._next < len(self._slots) and self._slots[self._next].name in self._done:
+            self._next += 1
+        end = self._size if self.complete else self._slots[self._next].offset
+        if end > self._pos:
+            self._jobs.append(self._pool.submit(hash_ranges, self._hash, [(self._fd, self._pos, end - self._pos)]))
+            self._pos = end
+
+    def hexdigest(self) -> str:
+        """The part's digest once every slot is written (waits for the helper)."""
+        assert self.complete, "a part's digest before all its slots were written"
+        for j in self._jobs:
+            j.result()
+        return self._hash.hexdigest()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
         os.close(self._fd)
 
 
@@ -368,7 +438,7 @@ def _named(e: BaseException, path: str | None) -> BaseException:
     return OSError(e.errno, e.strerror or str(e), path)
 
 
-def _hash_ranges(h: Any, ranges: list[tuple[int, int, int]]) -> None:
+def hash_ranges(h: Any, ranges: list[tuple[int, int, int]]) -> None:
     """Feed byte ranges (fd, start, nbytes) of files to `h` in order from the page cache, one mapped window at a time
     (nothing stays mapped)."""
     for fd, start, nbytes in ranges:

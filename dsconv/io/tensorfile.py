@@ -159,20 +159,25 @@ class TensorReader:
             pass
 
     @staticmethod
-    def prefetch(info: TensorInfo, chunk: int = 8 << 20) -> None:
-        """Read a tensor's bytes into the page cache from a helper thread (pread into one reused buffer, which
-        releases the GIL): on a cold disk, POSIX_FADV_WILLNEED of 256 MB was measured to read nothing ahead, and a
-        wider MADV_WILLNEED window did not shorten the run, so a mapped tensor's first touch waited for the disk."""
+    def prefetch(info: TensorInfo, chunk: int = 64 << 20) -> None:
+        """Bring a tensor's bytes into the page cache from a helper thread: each window mapped on its own and
+        populated (MADV_POPULATE_READ, which waits for the disk outside the GIL), then unmapped, so nothing is
+        copied and nothing stays in this process. On a cold disk POSIX_FADV_WILLNEED of 256 MB was measured to read
+        nothing ahead, and a wider MADV_WILLNEED window did not shorten the run; `pread` into a buffer worked but
+        copied every byte (0.7 s against 0.07 s for 4 GB in the page cache). Kernels before 5.14: `pread`."""
         if info.nbytes == 0:
             return
-        buf = bytearray(min(chunk, info.nbytes))
         fd = os.open(info.file, os.O_RDONLY)
         try:
-            pos = info.start
+            pos = info.start - info.start % mmap.ALLOCATIONGRANULARITY
             while pos < info.end:
-                n = os.preadv(fd, [memoryview(buf)[: min(len(buf), info.end - pos)]], pos)
-                if n <= 0:
-                    break
+                n = min(chunk, info.end - pos)
+                try:
+                    with mmap.mmap(fd, n, offset=pos, access=mmap.ACCESS_READ) as mm:
+                        mm.madvise(MADV_POPULATE_READ)
+                except OSError:
+                    _pread_range(fd, pos, info.end)
+                    return
                 pos += n
         finally:
             os.close(fd)
@@ -255,3 +260,13 @@ def dequant_fp8_block(weight, scale_inv, block: tuple[int, int] = (128, 128), ou
         stripe.mul_(scale_inv[i // b0].to(torch.float32)[col_scale_idx])
         out[i:i + b0] = stripe.to(out_dtype)
     return out
+
+
+def _pread_range(fd: int, pos: int, end: int, chunk: int = 8 << 20) -> None:
+    """Read bytes [pos, end) of `fd` through one reused buffer (into the page cache; the buffer is discarded)."""
+    buf = memoryview(bytearray(min(chunk, end - pos)))
+    while pos < end:
+        n = os.preadv(fd, [buf[: min(len(buf), end - pos)]], pos)
+        if n <= 0:
+            return
+        pos += n

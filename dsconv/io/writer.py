@@ -25,7 +25,7 @@ import numpy as np
 
 from dsconv import __version__, schemas
 from dsconv.errors import UserError
-from dsconv.io.parts import DURABLE, Known, PartLayout, Slot, put
+from dsconv.io.parts import DURABLE, Known, PartLayout, Slot, hash_ranges, put
 from dsconv.tensors import TensorSpec, is_within, safetensors_dtype
 
 MANIFEST = "dsconv_manifest.json"
@@ -199,11 +199,15 @@ class TensorSetWriter:
         self._fds = []
 
 
-def sha256_file(path: Path, chunk: int = 16 * 2**20) -> str:
+def sha256_file(path: Path) -> str:
+    """A file's sha256 from mapped windows of the page cache: reading it into a buffer cost a copy of every byte,
+    a quarter of the hash's own time (3.05 s against 2.48 s for a 3.3 GB part)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        hash_ranges(h, [(fd, 0, os.fstat(fd).st_size)])
+    finally:
+        os.close(fd)
     return h.hexdigest()
 
 

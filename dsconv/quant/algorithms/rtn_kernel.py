@@ -8,8 +8,9 @@ divides by both candidates, rounds, writes the integers and sums both errors whi
 loop rewrites the row only where the value above wins (a few percent of rows).
 
 The arithmetic is the rule's: IEEE float32 ``w / s`` (never a reciprocal), round half to even, the same clamps.
-The squared errors are summed in float64 in the vectorised order of the host's instruction set (``reassoc`` is the
-only fast-math flag), so a row could choose differently on another CPU only if its two errors agreed to float64's
+The squared errors are summed in float32, and again in float64 for the rows where float32 cannot tell the two
+candidates apart (see ``_row``), in the vectorised order of the host's instruction set (``reassoc`` is the only
+fast-math flag), so a row could choose differently on another CPU only if its two errors agreed to float64's
 precision.
 
 bf16 rows are read as their bit patterns: max |w| is taken on the bits (non-negative floats order as their bit
@@ -33,31 +34,57 @@ def absmax_bf16(bits: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover 
     as_f32 = tmp.view(np.float32)
     for i in range(n):
         m = np.uint16(0)
-        for j in range(g):
-            v = bits[i, j] & np.uint16(0x7FFF)
-            m = v if v > m else m
+        for j in range(g):  # kept in 16 bits (numba widens `&` to 64): 16 lanes per vector instead of 4
+            m = max(m, np.uint16(bits[i, j] & np.uint16(0x7FFF)))
         tmp[0] = np.uint32(m) << np.uint32(16)
         out[i, 0] = as_f32[0]
 
 
 @njit(inline="always", **_FLAGS)
-def _row(x, q, s_lo, s_hi, cap_lo, low, cap_hi_all, two, l2, h2):  # pragma: no cover (compiled)
-    """One row: integers against s_lo into q; True where s_hi's error is no larger (q then holds s_hi's)."""
+def _errors64(x, s_lo, s_hi, cap_lo, low, cap_hi_all):  # pragma: no cover (compiled)
+    """Both candidates' squared errors of one row, summed in float64 (each float32 square exact)."""
     e_lo = 0.0
     e_hi = 0.0
+    for j in range(x.shape[0]):
+        t = x[j] / s_lo
+        d = np.float64(t - min(max(np.rint(t), low), cap_lo))
+        e_lo += d * d
+        t2 = x[j] / s_hi
+        d2 = np.float64(t2 - min(max(np.rint(t2), low), cap_hi_all))
+        e_hi += d2 * d2
+    return e_lo, e_hi
+
+
+@njit(inline="always", **_FLAGS)
+def _row(x, q, s_lo, s_hi, cap_lo, low, cap_hi_all, two, l2, h2):  # pragma: no cover (compiled)
+    """One row: integers against s_lo into q; True where s_hi's error is no larger (q then holds s_hi's).
+
+    The errors are summed in float32 (twice the vector lanes of float64, a third less time per element); where the
+    two candidates come within ``(g + 2) * 2**-22`` of each other (relative: four times the error bound of squaring
+    and summing g float32 terms in any order, about 2**-24 each), the row is summed again in float64 and decided on
+    that, so every row makes the float64 choice. On random DeepSeek-shaped bf16 weights a float32-only decision
+    changed 1 row in 483,584."""
+    e_lo = np.float32(0.0)
+    e_hi = np.float32(0.0)
     g = x.shape[0]
     for j in range(g):
         w = x[j]
         t = w / s_lo
         r = min(max(np.rint(t), low), cap_lo)
         q[j] = np.int8(r)
-        d = np.float64(t - r)
+        d = t - r
         e_lo += d * d
         t2 = w / s_hi
         r2 = min(max(np.rint(t2), low), cap_hi_all)
-        d2 = np.float64(t2 - r2)
+        d2 = t2 - r2
         e_hi += d2 * d2
-    if not (two and s_lo < s_hi and e_hi * h2 <= e_lo * l2):
+    if not (two and s_lo < s_hi):
+        return False
+    a, b = np.float64(e_hi) * h2, np.float64(e_lo) * l2
+    if abs(a - b) <= (g + 2) * 2.0 ** -22 * max(a, b):
+        e64_lo, e64_hi = _errors64(x, s_lo, s_hi, cap_lo, low, cap_hi_all)
+        a, b = e64_hi * h2, e64_lo * l2
+    if not a <= b:
         return False
     for j in range(g):
         q[j] = np.int8(min(max(np.rint(x[j] / s_hi), low), cap_hi_all))
