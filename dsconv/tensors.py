@@ -88,7 +88,7 @@ def config_dtype_name(precision: str) -> str:
 
 
 def safetensors_dtype(t: Any) -> str:
-    """safetensors dtype name of a torch tensor or numpy array."""
+    """safetensors dtype name of a torch tensor or numpy array, or of a torch dtype."""
     import numpy as np
 
     if isinstance(t, np.ndarray):
@@ -97,7 +97,7 @@ def safetensors_dtype(t: Any) -> str:
         import torch
 
         _TORCH_TO_ST.update({getattr(torch, d.torch): d.name for d in _TABLE if d.torch})
-    return _TORCH_TO_ST[t.dtype]
+    return _TORCH_TO_ST[getattr(t, "dtype", t)]
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from dsconv.errors import UserError
 from dsconv.families.roles import Role
 from dsconv.io.passthrough import check_finite
 from dsconv.runtime.process import gc_paused, peak_rss_bytes
-from dsconv.tensors import FLOAT_DTYPES, FP8_DTYPES, PRECISIONS, config_dtype_name
+from dsconv.tensors import FLOAT_DTYPES, FP8_DTYPES, PRECISIONS, config_dtype_name, numpy_dtype, safetensors_dtype
 
 INDEX_SUFFIX = ".safetensors.index.json"
 STRIPE_ROWS = 128
@@ -172,7 +172,7 @@ def iter_dequantized_fp8(weight, scale_inv, block: tuple[int, int], out_dtype, n
                         f"{b0}x{b1} blocks", hint="the scale does not belong to this weight")
     col_scale = np.repeat((scale.numpy() * np.float32(_REBIAS)).astype(np.float32), b1, axis=1)[:, :cols]
     i8 = weight.view(torch.int8).numpy()
-    np_out = _numpy_dtype(out_dtype)
+    np_out = numpy_dtype(safetensors_dtype(out_dtype))
     # a stripe never straddles a block row: a divisor of it, or whole block rows
     step = STRIPE_ROWS if b0 % STRIPE_ROWS == 0 else b0 * max(1, STRIPE_ROWS // b0)
 
@@ -266,16 +266,6 @@ def _round_into(dst: np.ndarray, f: np.ndarray) -> None:
         return
     for lo in range(0, to.numel(), _GRAIN):
         to[lo:lo + _GRAIN].copy_(src[lo:lo + _GRAIN])
-
-
-def _numpy_dtype(torch_dtype):
-    import torch
-
-    if torch_dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return torch.empty(0, dtype=torch_dtype).numpy().dtype
 
 
 def _numpy_view(t):

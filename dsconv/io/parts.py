@@ -86,7 +86,9 @@ def start_writeback(fd: int, pos: int, nbytes: int) -> None:
     """Ask the kernel to start writing bytes [pos, pos + nbytes) of `fd` to disk now, without waiting
     (sync_file_range with SYNC_FILE_RANGE_WRITE; Linux only, a no-op elsewhere). A streamed output left to the
     page cache's dirty limits is written in bursts, and the last 10-20% of RAM waits for the disk at close; started
-    as each tensor is done, the writes overlap the reading and rounding of the next (the pages stay cached)."""
+    as each tensor is done, the writes overlap the reading and rounding of the next (the pages stay cached). The
+    cost: an output small enough to sit in the page cache now waits for a slow disk before the command returns
+    (its data is then on disk); at DeepSeek scale the dirty limits make every writer wait for the disk anyway."""
     if not _WRITEBACK:
         fn = None
         try:
@@ -261,7 +263,7 @@ class BehindHash:
         self._next = 0  # index of the first slot not yet handed to the hash
         self._pos = 0   # bytes of the part handed to the hash (the header first)
         self._hash = hashlib.sha256()
-        self._fd = os.open(part.path, os.O_RDONLY)
+        self._path = part.path
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dsconv-hash")
         self._jobs: list[Any] = []
 
@@ -276,8 +278,17 @@ class BehindHash:
             self._next += 1
         end = self._size if self.complete else self._slots[self._next].offset
         if end > self._pos:
-            self._jobs.append(self._pool.submit(hash_ranges, self._hash, [(self._fd, self._pos, end - self._pos)]))
+            self._jobs.append(self._pool.submit(self._hash_range, self._pos, end))
             self._pos = end
+
+    def _hash_range(self, lo: int, hi: int) -> None:
+        # opened for each range, after the tasks that wrote it closed the file: on shared storage (NFS) only an open
+        # after the writer's close is sure to see its bytes
+        fd = os.open(self._path, os.O_RDONLY)
+        try:
+            hash_ranges(self._hash, [(fd, lo, hi - lo)])
+        finally:
+            os.close(fd)
 
     def hexdigest(self) -> str:
         """The part's digest once every slot is written (waits for the helper)."""
@@ -288,7 +299,6 @@ class BehindHash:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
-        os.close(self._fd)
 
 
 WINDOW = 64 * 2**20
