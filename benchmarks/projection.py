@@ -30,11 +30,16 @@ the bundled set through a real tokenizer (Qwen2.5's, from the real-model fixture
 tokens; DeepSeek-V3's 128k vocabulary cuts text alike) - and, for comparison with the earlier projection, the
 medium model's own toy tokenizer (384 tokens of vocabulary, about 2.7x as many tokens).
 
+One node: the driver's forward and searches on torch's threads, at the speedup the wide probe measured with
+`--workers 1` on every core (`thread_speedup`: one thread's CPU seconds over the threaded wall seconds).
+
 On N nodes (WORKERS_PER_NODE workers each, Ray): a layer's forward splits over at most as many jobs as there are
-calibration batches (whole batches, in rounds); its input rows go to the jobs through shared storage, its output
-rows back through the driver's link, and each job reads the layer's non-expert weights; the searches run in the
-driver; a layer's linear jobs spread over at most its linears' count of workers, its experts over every worker
-(whole experts, in rounds); routed activations and expert outputs go through the driver's link.
+calibration batches (whole batches, in rounds), and when there are fewer jobs than workers each job holds a node's
+CPUs and threads (Executor.cpus_per_job), at the threaded speedup; its input rows go to the jobs through shared
+storage, its output rows back through the driver's link, and each job reads the layer's non-expert weights; the
+searches run in the driver, on its node's threads; a layer's linear jobs spread over at most its linears' count of
+workers, its experts over every worker (whole experts, in rounds); routed activations and expert outputs go through
+the driver's link.
 """
 from __future__ import annotations
 
@@ -232,12 +237,15 @@ def measure_costs() -> dict[str, Any]:
         split = _quantize(medium, root / "q", RUNS["--bits 8"][0], 2, {**env, "DSCONV_FORWARD_SPLIT": "1"})
         base = runs["--bits 8"]
         same = base["report"]["linears"] == split["report"]["linears"] and base["_files"] == split["_files"]
-        wide = {}
+        wide, threaded = {}, None
         for dtype in sorted({d for _, d in RUNS.values()}):  # the same seed: the same weights, rounded to dtype
             model = _build(root, f"wide-{dtype}", WIDE, dtype, env)
             for name, (args, want) in RUNS.items():
                 if want == dtype and name != "W4A8 recipe (RTN experts)":
                     wide[name] = _quantize(model, root / "q", [*args, "--calib-samples", str(WIDE_SAMPLES)], 1, one)
+            if dtype == RUNS["--bits 8"][1]:  # the driver's steps on a whole node: torch's threads on every core
+                threaded = _quantize(model, root / "q", [*RUNS["--bits 8"][0], "--calib-samples", str(WIDE_SAMPLES)],
+                                     1, env)
             shutil.rmtree(model, ignore_errors=True)
         cfg = json.loads((medium / "config.json").read_text())
         t1, t2 = base["timings"], split["timings"]
@@ -251,9 +259,24 @@ def measure_costs() -> dict[str, Any]:
                 "job_speedup": round(jobs1 / jobs2, 2) if jobs2 else 1.0,
                 "fwd_speedup": round(t1["forward_cpu"] / t2["forward_cpu_critical"], 2),
                 "fwd_speedup_wall": round(t1["forward_wall"] / t2["forward_wall"], 2) if t2["forward_wall"] else 1.0,
-                "real_tokens": real_tokens()}
+                "thread_speedup": _thread_speedup(wide["--bits 8"], threaded),
+                "wide_threaded": _kept(threaded), "real_tokens": real_tokens()}
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _thread_speedup(one: dict[str, Any], threaded: dict[str, Any]) -> dict[str, float]:
+    """What a whole node's threads buy the driver's steps on the wide probe: one thread's CPU seconds over the
+    threaded run's wall seconds, for the forward and for the searches (smoothing strength and clipping)."""
+    cpu, wall = one["report"]["timings"]["steps_cpu"], threaded["report"]["timings"]["steps"]
+    searches = ("smooth_search", "clip_search")
+
+    def ratio(a: float, b: float) -> float:
+        return round(a / b, 2) if b > 0 else 1.0
+
+    return {"forward": ratio(cpu.get("forward", 0.0), wall.get("forward", 0.0)),
+            "searches": ratio(sum(cpu.get(k, 0.0) for k in searches), sum(wall.get(k, 0.0) for k in searches)),
+            "threads": os.cpu_count() or 1}
 
 
 # ------------------------------------------------------------------------------------------------ projecting
@@ -298,6 +321,9 @@ def project(m: dict[str, Any], io_s_per_gb: float, nodes: tuple[int, ...] = (1, 
         tok, samples = m["real_tokens"]
         bases = {"real tokenizer": (tok, samples, _batches(tok, samples)), **bases}
     fgain, gain = max(1.0, m["fwd_speedup"]), max(1.0, m["job_speedup"])
+    # a saved measurement from before the threaded run: the driver's forward as two split processes, searches as one
+    tg = m.get("thread_speedup") or {"forward": fgain, "searches": 1.0}
+    tgain = {"forward": max(1.0, tg["forward"]), "searches": max(1.0, tg["searches"])}
     pattern = m["runs"]["--bits 8"]["report"]  # the per-layer pattern: both layer kinds' linears and searches
     for name in RUNS:
         calibrated = m["runs"][name]["calibrated"] if name in m["runs"] else True
@@ -312,7 +338,7 @@ def project(m: dict[str, Any], io_s_per_gb: float, nodes: tuple[int, ...] = (1, 
                          tokens) if calibrated else {}
                 for n in nodes:
                     rows.append({"run": name, "rates": probe, "tokens": basis, "calib_tokens": tokens, "nodes": n,
-                                 **_hours(rate, w, tokens, nb, n, fgain, gain)})
+                                 **_hours(rate, w, tokens, nb, n, fgain, gain, tgain)})
     text = _text(m, rows, io_s_per_gb)
     return {"rows": rows, "assumptions": {"net_gbps": NET_GBPS, "storage_gbps": STORAGE_GBPS, "seq": SEQ,
                                           "workers_per_node": WORKERS_PER_NODE,
@@ -327,26 +353,31 @@ def _batches(tokens: int, samples: int) -> int:
 
 
 def _hours(rate: dict[str, float], w: dict[str, float], tokens: int, nb: int, n: int, fgain: float,
-           gain: float) -> dict[str, Any]:
-    """One run on n nodes: hours per term (see the module docstring)."""
+           gain: float, tgain: dict[str, float]) -> dict[str, Any]:
+    """One run on n nodes: hours per term (see the module docstring). `fgain`: two single-threaded jobs on one node
+    against one thread; `tgain`: a whole node's threads against one, for the forward and the driver's searches."""
     layers, moe, E = REAL["num_hidden_layers"], REAL["num_hidden_layers"] - REAL["first_k_dense_replace"], \
         REAL["n_routed_experts"]
     wb = weight_bytes(REAL)
     workers = n * WORKERS_PER_NODE
     jobs = min(workers, nb)
+    threads = max(1, min(WORKERS_PER_NODE, workers // jobs))  # Executor.cpus_per_job
     rate = {k: rate.get(k, 0.0) for k in ("forward", "kv_cache", "smooth_search", "clip_search", "linear_jobs",
                                          "expert_forward", "expert_weights", "io_s_per_gb")}
     w = {k: w.get(k, 0.0) for k in rate}
     layer_fwd = (rate["forward"] * w["forward"] + rate["kv_cache"] * w["kv_cache"]) / layers  # one worker
     if n == 1:  # one node: the driver's threads on each batch (dsconv's default on one host)
-        fwd = layer_fwd * WORKERS_PER_NODE / fgain / WORKERS_PER_NODE
-    else:  # split over jobs of whole batches, in rounds
+        fwd = layer_fwd / tgain["forward"]
+    elif threads >= WORKERS_PER_NODE:  # fewer jobs than workers: each job a node's threads (Executor.cpus_per_job)
+        fwd = layer_fwd * math.ceil(nb / jobs) / nb / tgain["forward"]
+    else:  # split over single-threaded jobs of whole batches, in rounds, two to a node
         fwd = layer_fwd * math.ceil(nb / jobs) / nb * WORKERS_PER_NODE / fgain
     h_bytes = tokens * REAL["hidden_size"] * 4
     layer_weights = (wb["total"] - moe * E * wb["per_expert"] - 4 * REAL["vocab_size"] * REAL["hidden_size"]) / layers
     fwd_io = 0.0 if n == 1 or not w["forward"] else h_bytes / (STORAGE_GBPS * 1e9) + \
         h_bytes / (NET_GBPS * 1e9) + jobs * layer_weights / (STORAGE_GBPS * 1e9)
-    searches = rate["smooth_search"] * w["smooth_search"] + rate["clip_search"] * w["clip_search"]
+    searches = (rate["smooth_search"] * w["smooth_search"] + rate["clip_search"] * w["clip_search"]) / \
+        tgain["searches"]  # in the driver, on its node's threads
     lin = rate["linear_jobs"] * w["linear_jobs"] / layers / min(n * gain, 8)
     expert_s = (rate["expert_forward"] * w["expert_forward"] + rate["expert_weights"] * w["expert_weights"]) / \
         (moe * E)
@@ -362,7 +393,7 @@ def _hours(rate: dict[str, float], w: dict[str, float], tokens: int, nb: int, n:
     hours = {f"{k}_h": round(v / 3600, 3) for k, v in parts.items()}
     target, goal = TARGETS.get(n, (None, None))
     return {"hours": round(total / 3600, 2), **hours, "dominant": max(parts, key=parts.get),
-            "forward_jobs_per_layer": jobs, "batches": nb,
+            "forward_jobs_per_layer": jobs, "forward_threads_per_job": threads if n > 1 else None, "batches": nb,
             "target_h": target, "met": None if target is None else total / 3600 <= target,
             "goal_h": goal, "goal_met": None if goal is None else total / 3600 <= goal}
 
@@ -386,6 +417,12 @@ def _text(m: dict[str, Any], rows: list[dict[str, Any]], io_s_per_gb: float) -> 
     text.append(f"  medium --workers 2, forward split: {m['split_2_workers']['seconds']} s; forward {m['fwd_speedup']}x "
                 f"on free cores ({m['fwd_speedup_wall']}x wall here), jobs {m['job_speedup']}x; bytes identical to "
                 f"--workers 1: {m['bytes_identical_1_vs_2']}")
+    tg = m.get("thread_speedup")
+    if tg:
+        wt = m["wide_threaded"]
+        text.append(f"  wide --bits 8 --workers 1 on {tg['threads']} threads: {wt['seconds']} s wall (load "
+                    f"{wt['load_before']}); against one thread's CPU s: forward {tg['forward']}x, searches "
+                    f"{tg['searches']}x")
     text.append("  | run | rates | calibration tokens | nodes | hours | forward | searches | linear jobs | experts | "
                 "I/O | routed transfer | dominant | target |")
     for r in rows:

@@ -69,11 +69,12 @@ class Executor:
         self.used = "inline"  # what actually ran the last map (inline when too little work to fan out)
 
     def map(self, fn: Callable[[Any], Any], jobs: Sequence[Any], work_bytes: int | None = None,
-            threads: bool = False) -> Iterator[Any]:
+            threads: bool = False, cpus: int = 1) -> Iterator[Any]:
         """`fn(job)` for every job, in order. `work_bytes` (bytes the jobs touch) lets a small run stay inline.
         `threads`: the jobs spend their time outside the GIL (numpy, hashing, kernel copies), so on this host they
         run on `workers` threads of this process: a process pool would add its start-up (a forkserver importing
-        torch, each worker importing the stage) to jobs of seconds. Ray still runs them as tasks."""
+        torch, each worker importing the stage) to jobs of seconds. Ray still runs them as tasks. `cpus`: the CPUs
+        each job holds (Ray reserves them; the job sets its own threads: see `cpus_per_job`)."""
         jobs = list(jobs)
         if len(jobs) <= 1 or self.workers <= 1 or (work_bytes is not None and work_bytes < INLINE_BELOW):
             self.used = "inline"
@@ -86,10 +87,15 @@ class Executor:
             return _closing(_bounded(lambda j: pool.submit(fn, j), lambda f: f.result(), jobs, 2 * self.workers),
                             pool)
         self.used = self.name
-        return self._map(fn, jobs)
+        return self._map(fn, jobs, cpus)
 
-    def _map(self, fn: Callable[[Any], Any], jobs: list[Any]) -> Iterator[Any]:
+    def _map(self, fn: Callable[[Any], Any], jobs: list[Any], cpus: int = 1) -> Iterator[Any]:
         return (fn(j) for j in jobs)
+
+    def cpus_per_job(self, jobs: int) -> int:
+        """How many CPUs each of `jobs` concurrent jobs may use without another job waiting: 1 here - on one host
+        the driver's own threads already cover every core, and local workers split them (`_worker_init`)."""
+        return 1
 
     def summary(self) -> dict[str, Any]:
         return {"executor": self.name, "workers": self.workers, "ran": self.used}
@@ -164,7 +170,7 @@ class ProcessExecutor(Executor):
                                              initargs=(share,))
         return self._pool
 
-    def _map(self, fn: Callable[[Any], Any], jobs: list[Any]) -> Iterator[Any]:
+    def _map(self, fn: Callable[[Any], Any], jobs: list[Any], cpus: int = 1) -> Iterator[Any]:
         pool = self._start()
         return _bounded(lambda j: pool.submit(fn, j), lambda f: f.result(), jobs, 2 * self.workers)
 
@@ -175,7 +181,7 @@ class ProcessExecutor(Executor):
 
 
 class RayExecutor(Executor):
-    """Ray tasks (one CPU each). Connects to `address` (e.g. "auto" after `ray start --head`), or starts a local
+    """Ray tasks (one CPU each, unless `map` is given more). Connects to `address` (e.g. "auto" after `ray start --head`), or starts a local
     instance with `workers` CPUs; a Ray already initialised in this process (a test's) is used as it is."""
 
     name = "ray"
@@ -199,9 +205,16 @@ class RayExecutor(Executor):
         super().__init__(workers or cpus)
         self._ray = ray
 
-    def _map(self, fn: Callable[[Any], Any], jobs: list[Any]) -> Iterator[Any]:
+    def cpus_per_job(self, jobs: int) -> int:
+        """The cluster's share per job when there are fewer jobs than workers (a layer's forward over 5 calibration
+        batches on 16 workers), at most one node's CPUs - a task's threads share one host's memory."""
+        nodes = [int(n["Resources"].get("CPU", 0)) for n in self._ray.nodes() if n.get("Alive")]
+        node = min((c for c in nodes if c > 0), default=1)
+        return max(1, min(node, self.workers // max(1, jobs)))
+
+    def _map(self, fn: Callable[[Any], Any], jobs: list[Any], cpus: int = 1) -> Iterator[Any]:
         ray = self._ray
-        remote = ray.remote(num_cpus=1, max_retries=0)(fn)
+        remote = ray.remote(num_cpus=cpus, max_retries=0)(fn)
 
         def wait(ref: Any) -> Any:
             try:

@@ -218,6 +218,22 @@ def test_local_ray_writes_the_same_bytes(case, inline, run_cli, models, tmp_path
     assert files == inline[case[0]][0]
 
 
+def test_forward_jobs_fewer_than_workers_take_a_node_each(inline, run_cli, models, tmp_path, fan_out, ray_local,
+                                                          monkeypatch):
+    """Twice as many workers as batches: each forward job holds two CPUs (Ray's num_cpus), runs two torch threads -
+    as reported by the jobs themselves - and still writes the serial bytes."""
+    monkeypatch.delenv(SPLIT_ENV)
+    case = next(c for c in CASES if c[0] == "fwd-bits8-moe")
+    batches = inline[case[0]][1]["forward"]["batches"]
+    assert batches >= 2
+    files, summary = _run(run_cli, tmp_path / "o", models, case, ["--executor", "ray", "--workers", str(2 * batches)])
+    fwd = summary["forward"]
+    assert fwd["split"] and fwd["jobs_per_pass"] == batches and fwd["threads_per_job"] == 2, fwd
+    assert files == inline[case[0]][0]
+    one = _run(run_cli, tmp_path / "p", models, case, ["--executor", "ray", "--workers", str(batches)])[1]
+    assert one["forward"]["threads_per_job"] == 1, one["forward"]
+
+
 def test_job_statistics_are_never_plainly_unpickled(tmp_path):
     """A statistics file swapped into the shared job directory cannot run code: only dsconv's classes load."""
     import pickle

@@ -153,3 +153,35 @@ def test_behind_hash_follows_runs_finished_out_of_order(tmp_path):
         assert h.hexdigest() == hashlib.sha256(open(part.path, "rb").read()).hexdigest()
     finally:
         h.close()
+
+
+def test_a_set_adopting_runs_hashes_them_behind_and_around_the_drivers_own_writes(tmp_path, monkeypatch):
+    """TensorSetWriter.adopt with no digest: the part is hashed behind the runs (never read back whole at close),
+    the driver's own writes into the same part - before the first run and between runs - included."""
+    from dsconv.io import writer
+    from dsconv.tensors import TensorSpec
+
+    sizes = [4096, 7, 65536, 3, 5000]
+    specs = [TensorSpec(f"t{i}", "U8", (n,)) for i, n in enumerate(sizes)]
+    ts = writer.TensorSetWriter(tmp_path, specs, "model", 1 << 30)
+    rng = np.random.default_rng(2)
+    data = {s.name: rng.integers(0, 256, s.nbytes, dtype=np.uint8) for s in specs}
+    read_back = []
+    monkeypatch.setattr(writer, "sha256_file", lambda p: read_back.append(p) or "0" * 64)
+    part = ts.layout()[0]
+    ts.write("t3", data["t3"])                      # the driver's, before any run
+    for run in ({"t4"}, {"t0", "t1"}):              # tasks' runs, the later one first
+        w = PartWriter(part.subset(run))
+        for s in part.slots:
+            if s.name in run:
+                w.write(s.name, data[s.name])
+        ts.adopt(0, sorted(run), w.close())
+    ts.write("t2", data["t2"])                      # the driver's, between runs
+    assert ts._behind[0].complete
+    digest = ts.close()["model.safetensors"]["sha256"]
+    assert not read_back
+    assert digest == hashlib.sha256((tmp_path / "model.safetensors").read_bytes()).hexdigest()
+    from safetensors.numpy import load_file
+
+    loaded = load_file(tmp_path / "model.safetensors")
+    assert all(np.array_equal(loaded[k], v) for k, v in data.items())

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from dsconv.checkpoint import Checkpoint
 from dsconv.executor import Executor
-from dsconv.io.parts import BehindHash, PartLayout, PartWriter, Region
+from dsconv.io.parts import PartLayout, PartWriter, Region
 from dsconv.io.tensorfile import TensorInfo, TensorReader, dequant_fp8_block
 from dsconv.quant.algorithms.error_metrics import sampled_weight_error
 from dsconv.quant.formats.msmodelslim import LinearResult, emit_linear
@@ -132,27 +132,14 @@ def weight_only(ck: Checkpoint, plan: QuantPlan, qw: QuantWriter, progress: bool
     jobs = part_jobs(ck, plan, qw, ex.workers)
     records: dict[str, LinearRecord] = {}
     total = sum(j.nbytes for j in jobs)
-    layouts = qw.ts.layout()
-    behind: dict[int, BehindHash] = {}  # parts written in runs, hashed behind the jobs
-    try:
-        with tqdm(total=total, unit="B", unit_scale=True, desc="quantize", disable=None if progress else True,
-                  leave=False) as bar, gc_paused():  # blocks make acyclic arrays: no collection walks them
-            for job, res in zip(jobs, ex.map(run_part, jobs, work_bytes=total, threads=True)):
-                sha = res.sha256
-                if sha is None:
-                    if job.index not in behind:
-                        behind[job.index] = BehindHash(layouts[job.index])
-                    h = behind[job.index]
-                    h.wrote(job.names)
-                    sha = h.hexdigest() if h.complete else None
-                qw.ts.adopt(job.index, job.names, sha)
-                qw.written.update(job.names)
-                for module, qtype, err in res.records:
-                    records[module] = LinearRecord(module, qtype, err)
-                bar.update(job.nbytes)
-    finally:
-        for h in behind.values():
-            h.close()
+    with tqdm(total=total, unit="B", unit_scale=True, desc="quantize", disable=None if progress else True,
+              leave=False) as bar, gc_paused():  # blocks make acyclic arrays: no collection walks them
+        for job, res in zip(jobs, ex.map(run_part, jobs, work_bytes=total, threads=True)):
+            qw.ts.adopt(job.index, job.names, res.sha256)  # a part written in runs is hashed behind the jobs
+            qw.written.update(job.names)
+            for module, qtype, err in res.records:
+                records[module] = LinearRecord(module, qtype, err)
+            bar.update(job.nbytes)
     return records
 
 

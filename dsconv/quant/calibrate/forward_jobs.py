@@ -17,10 +17,12 @@ starts its samplers at the token count of the batches before it (checked when me
 the concatenated samples are the serial ones. Float sums are not order-free: a GPTQ Hessian comes back as one X^T X
 per batch (k^2 float32 each: memory a worker pays for exactness) and the driver adds them in batch order, as the
 serial accumulator does. awq's scale search and the histogram observers (--act-method percentile/mse) stay on the
-serial forward, and the run says so (`summary()`, in the --json output). Jobs run single-threaded (JOB_THREADS);
-the driver's serial loop keeps torch's threads: the forward's bits were measured equal with 1 and 2 threads (layers
-of the medium DeepSeek-shaped model, DeepSeek-V3-sized matmuls, SDPA, X^T X), and tests/test_calib_jobs.py compares
-the serial bytes with split runs on every run of the suite.
+serial forward, and the run says so (`summary()`, in the --json output). A job runs on the CPUs the executor gives
+it (`Executor.cpus_per_job`): one, unless there are fewer jobs than workers - on Ray, 5 calibration batches on 8
+nodes of 2 CPUs get a node each, the cluster's otherwise idle cores. The driver's serial loop keeps torch's threads.
+The forward's bits were measured equal with 1 and 2 threads (layers of the medium DeepSeek-shaped model,
+DeepSeek-V3-sized matmuls, SDPA, X^T X), and tests/test_calib_jobs.py compares the serial bytes with split runs of
+one and of two threads per job on every run of the slow suite.
 
 Where it splits (`SPLIT_ENV`): over Ray workers by default (other nodes' cores); over local processes only when
 asked. On one host torch's threads already use every core, and splitting over processes measured slower: Qwen
@@ -78,6 +80,7 @@ class ForwardJob:
     held_offset: int                 # held-out tokens in the batches before this job's
     names: dict[str, Any]            # the modules hooked, by in-memory name (Forward.smooth_pass / stats_pass)
     write: bool                      # return the layer's output rows
+    threads: int = JOB_THREADS       # torch threads: the CPUs the executor gave it (Executor.cpus_per_job)
 
 
 @dataclass
@@ -92,7 +95,8 @@ class ForwardResult:
     recorded: tuple | None = None    # ExpertRecorder's (hidden, index, weights, pos) of its batches
     kv: tuple | None = None          # the cache statistics' partial() of its batches (--kv-cache int8)
     forward_s: float = 0.0
-    cpu_s: float = 0.0               # the job's CPU seconds (single-threaded: its compute, whatever the load)
+    cpu_s: float = 0.0               # the job's CPU seconds (all its threads': its compute, whatever the load)
+    threads: int = 1                 # torch's threads as the job ran
 
 
 def serial_reason(run: CalibContext | None, executor: Any = None) -> str | None:
@@ -141,7 +145,7 @@ def run_forward(job: ForwardJob) -> ForwardResult:
     """Task: layer i (materialised from the checkpoint, the driver's changes applied) over a run of batches, with
     the same hooks as the driver's pass; their partial statistics and the output rows returned."""
     ctx, i = job.ctx, job.layer
-    with job_threads(JOB_THREADS), torch.no_grad():
+    with job_threads(job.threads), torch.no_grad():
         ck, _ = open_job_checkpoint(ctx)
         sk = _SKELETONS.get(ctx.key)
         if sk is None:  # its own, never the driver's (whose layer i holds the driver's changes) even inline
@@ -236,6 +240,7 @@ def _run(job: ForwardJob, sk: Any, layer: nn.Module) -> ForwardResult:
             cache.remove()
             res.kv = cache.partial()
     res.forward_s, res.cpu_s = time.perf_counter() - t, time.process_time() - c
+    res.threads = torch.get_num_threads()
     return res
 
 
@@ -255,6 +260,7 @@ class Forward:
         self.versions: dict[str, tuple[int, int]] = {}
         self.h_path: str | None = None
         self.jobs_per_pass: list[int] = []
+        self.job_threads = 0             # the most torch threads a job ran with
         self.wall = self.cpu = self.cpu_critical = 0.0
         self._job_cpu: list[float] = []
 
@@ -262,7 +268,7 @@ class Forward:
         """How the forward ran (the --json output): jobs per pass, or why it stayed serial."""
         split = max(self.jobs_per_pass, default=1)
         return {"split": split > 1, "jobs_per_pass": split, "batches": len(self.acts.batches),
-                "serial_reason": self.reason}
+                "threads_per_job": self.job_threads or None, "serial_reason": self.reason}
 
     def serial_batch(self, layer: nn.Module, samples: list[int], write: bool,
                      recorder: ExpertRecorder | None = None, cache: Any = None) -> None:
@@ -329,13 +335,16 @@ class Forward:
         held = None if acts.held_tokens is None else acts.held_tokens.numpy()
         held_tokens = [0 if held is None else sum(acts.lengths[j] * bool(held[acts.starts[j]]) for j in b)
                        for b in acts.batches]
+        runs = self.runs()
+        cpus = d.ex.cpus_per_job(len(runs))
         jobs = [ForwardJob(d.ctx, i, kind, a, acts.batches[a:b], np.asarray(acts.lengths), acts.starts,
                            str(d.dir / self.h_path), state, int(sum(tokens[:a])), held, int(sum(held_tokens[:a])),
-                           names, write)
-                for a, b in self.runs()]
+                           names, write, cpus)
+                for a, b in runs]
         self.jobs_per_pass.append(len(jobs))
         try:
-            for job, r in zip(jobs, d.ex.map(run_forward, jobs, work_bytes=d.work)):
+            for job, r in zip(jobs, d.ex.map(run_forward, jobs, work_bytes=d.work, cpus=cpus)):
+                self.job_threads = max(self.job_threads, r.threads)
                 self.forward_s += r.forward_s
                 self._job_cpu.append(r.cpu_s)
                 if write:  # safe before the other jobs end: they read the layer input from its file
