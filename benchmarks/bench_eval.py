@@ -3,6 +3,7 @@ projection of a full DeepSeek-V3 eval of 2 x 512 tokens.
 
     python -m benchmarks eval              # ~5.7 GB checkpoint: 1 dense + 1 MoE layer (4 experts), vocab 129280
     python -m benchmarks.bench_eval --moe-layers 2 --experts 8
+    python -m benchmarks.bench_eval mix    # W8A8_MIX on the Qwen fixture: both paths beside one float pass
 
 The checkpoint is benchmarks/bench_quantize.py's synthetic DeepSeek-V3 (real hidden size, MLA, dense MLP 18432,
 expert 2048, the real 1.85 GB embedding and lm_head) with a small trained tokenizer; the quantized side is
@@ -13,7 +14,6 @@ whose VmHWM (anonymous and mapped file pages) is the peak. Goal: <= 1.5 GB for 2
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import time
@@ -121,12 +121,73 @@ def equivalence_real(work: Path) -> dict[str, Any]:
     return out
 
 
+MIX_CHILD = """
+import sys, time
+from pathlib import Path
+from dsconv.quant.evaluate.fidelity import evaluate
+model, q, text = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+keep = ("ppl_original", "ppl_quantized", "kl_divergence", "top1_agreement")
+t = time.perf_counter()
+both = evaluate(model, q, text=text, seq_len=512, samples=4, progress=False)
+t_both = time.perf_counter() - t
+each, t = {}, time.perf_counter()
+for path in ("static", "dynamic"):
+    each[path] = evaluate(model, q, text=text, seq_len=512, samples=4, progress=False, mix_paths=(path,))
+t_each = time.perf_counter() - t
+RESULT = {"both_s": round(t_both, 1), "each_s": round(t_each, 1), "tokens": both["tokens"],
+          "both": {p: {k: m[k] for k in keep} for p, m in both["paths"].items()},
+          "each": {p: {k: r[k] for k in keep} for p, r in each.items()}}
+"""
+
+
+def mix_real(work: Path) -> dict[str, Any]:
+    """`dsconv eval` of a W8A8_MIX output (the Qwen fixture, `--engine vllm-ascend`, 32 calibration pairs: the eval's
+    cost does not depend on them) over 4 x 512 tokens of pydoc_data.topics: both paths in one run - one float pass
+    beside the two quantized ones - against each path evaluated on its own (a float pass each, as before
+    2026-12-03 late), in one child process. The figures must be the same."""
+    import pydoc_data.topics as topics
+
+    from benchmarks.bench_fidelity import fixture_dir
+    from dsconv.quant.plan.options import QuantOptions
+    from dsconv.quant.stage import QuantRequest, run
+
+    model = fixture_dir("qwen")
+    if not (model / "config.json").exists():
+        print(f"[eval] no fixture {model}: build it with `python -m benchmarks.real_models` - skipped")
+        return {}
+    text = work / "topics.txt"
+    text.write_text(" ".join(topics.topics[k].strip().replace("\n", " ") for k in sorted(topics.topics)))
+    q = work / "qwen-w8a8-mix"
+    run(QuantRequest(model, q, QuantOptions(scheme="w8a8_mix", engine="vllm-ascend", calib_samples=32), force=True,
+                     progress=False))
+    load0 = _load()
+    r = _child(MIX_CHILD, str(model), str(q), str(text))
+    r.update(load_before=load0, load_after=_load(), saved=round(1 - r["both_s"] / r["each_s"], 3),
+             same_figures=r["both"] == r["each"])
+    print(f"  => W8A8_MIX eval of {r['tokens']} tokens, Qwen2.5-Coder-0.5B: both paths in one run {r['both_s']} s, each "
+          f"on its own {r['each_s']} s ({r['saved']:.0%} less); the same figures: {r['same_figures']}; load {load0}",
+          flush=True)
+    shutil.rmtree(q, ignore_errors=True)
+    return r
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = list(argv if argv is not None else sys.argv[1:])
+    if argv[:1] == ["mix"]:  # the W8A8_MIX pair alone, merged into the last eval.json
+        from benchmarks.common import merge
+
+        work = Path("/tmp/dsconv-bench-eval-mix")
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        r = mix_real(work)
+        merge("eval", "w8a8_mix_real", r, quiet=True)
+        shutil.rmtree(work, ignore_errors=True)
+        return r
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--moe-layers", type=int, default=1)
     ap.add_argument("--experts", type=int, default=4)
     ap.add_argument("--work", type=Path, default=Path("/tmp/dsconv-bench-eval"))
-    a = ap.parse_args(argv if argv is not None else sys.argv[1:])
+    a = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from benchmarks.common import save
 
@@ -148,6 +209,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"  => full DeepSeek-V3 (61 layers, 256 experts), 2 x 512 tokens, one host: {p['one_host_h']} h "
           f"(dense layer {p['dense_layer_s']} s, MoE layer {p['full_moe_layer_s']} s)", flush=True)
     res["real_fixtures"] = equivalence_real(a.work)
+    res["w8a8_mix_real"] = mix_real(a.work)
     save("eval", res, quiet=True)
     shutil.rmtree(a.work, ignore_errors=True)
     return res

@@ -30,7 +30,7 @@ from typing import Any
 from benchmarks import bench_shard, worker_memory
 from benchmarks.bench_quantize import QUANTIZE_ARGS
 from benchmarks.cli_runner import run_cli_jobs
-from benchmarks.common import RESULTS, save, scratch
+from benchmarks.common import merge, save, scratch
 
 ROOT = Path(__file__).resolve().parent.parent
 SYNTH = {**bench_shard.SYNTH, "num_hidden_layers": 8}  # 2.5 GB
@@ -116,26 +116,17 @@ def bench_memory_only(code: Path) -> dict[str, Any]:
 from benchmarks.projection import measure_costs, project  # noqa: E402
 
 
-def _merge(key: str, value: Any) -> None:
-    """One part's figures into the last scale.json (the other parts kept)."""
-    previous = RESULTS / "scale.json"
-    kept = json.loads(previous.read_text()) if previous.is_file() else {}
-    kept.pop("benchmark", None)
-    kept.pop("time", None)
-    save("scale", {**kept, key: value})
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["memory"]:  # worker memory alone, merged into the last scale.json
         code = Path(argv[argv.index("--code") + 1]) if "--code" in argv else ROOT
         print(f"load average before: {_load()}", flush=True)
         mem = bench_memory_only(code)
-        _merge("worker_memory" if code == ROOT else "worker_memory_of_" + code.name, {**mem, "load_after": _load()})
+        merge("scale", "worker_memory" if code == ROOT else "worker_memory_of_" + code.name, {**mem, "load_after": _load()})
         return
     if argv[:1] == ["fanout"]:  # the fan-out alone, merged into the last scale.json
         print(f"load average before: {_load()}", flush=True)
-        _merge("fanout_2p5gb_deepseek_shaped", bench_fanout())
+        merge("scale", "fanout_2p5gb_deepseek_shaped", bench_fanout())
         return
     print(f"load average before: {_load()}", flush=True)
     fan = bench_fanout()

@@ -23,6 +23,15 @@ def save(name: str, figures: dict[str, Any], quiet: bool = False) -> Path:
     return path
 
 
+def merge(name: str, key: str, value: Any, quiet: bool = False) -> Path:
+    """One part's figures into the last `name`.json, the other parts kept (a benchmark's part run alone)."""
+    previous = RESULTS / f"{name}.json"
+    kept = json.loads(previous.read_text()) if previous.is_file() else {}
+    kept.pop("benchmark", None)
+    kept.pop("time", None)
+    return save(name, {**kept, key: value}, quiet=quiet)
+
+
 def scratch(prefix: str) -> Path:
     """A scratch directory on the work disk (not tmpfs), removed by the caller."""
     base = Path(os.environ.get("DSCONV_BENCH_DIR", tempfile.gettempdir()))

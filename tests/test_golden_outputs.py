@@ -50,7 +50,13 @@ VARYING = frozenset({
     # the export checks' noise-derived tolerance: the reference's float noise, the bound, margin and scale it gives
     "noise", "bound", "margin", "max_abs_ref", "bf16_constants", "tolerance", "max_abs_err_vs_unrounded",
 })
-DROPPED_KEYS = VARYING
+# Model-arithmetic figures hashed to 3 significant digits: their last digits follow the CPU's float kernels (the
+# hashes an Intel host wrote failed on an AMD EPYC host for these figures alone, every tensor equal); a real change
+# moves the first three. ppl_change_pct is the difference of two such perplexities, so its digits are float noise:
+# dropped, the two perplexities kept.
+ROUNDED = frozenset({"ppl_original", "ppl_quantized", "kl_divergence", "top1_agreement", "ref_max_abs", "noise_floor",
+                     "atol"})
+DROPPED_KEYS = VARYING | {"ppl_change_pct"}
 NONDETERMINISTIC = (".mindir",)
 BINARY = (".safetensors", ".onnx", ".onnx_data", ".data")  # text files may name the temporary root
 REPORTS = ("report", "info")  # report-like JSON files (by name), plus plan.json
@@ -94,10 +100,14 @@ def _normalised(path: Path, root: Path, package: str = PACKAGE_ROOT) -> bytes:
 
 def drop_varying(obj: Any) -> Any:
     if isinstance(obj, dict):
-        return {k: drop_varying(v) for k, v in obj.items() if k not in DROPPED_KEYS}
+        return {k: _rounded(v) if k in ROUNDED else drop_varying(v) for k, v in obj.items() if k not in DROPPED_KEYS}
     if isinstance(obj, list):
         return [drop_varying(v) for v in obj]
     return obj
+
+
+def _rounded(v: Any) -> Any:
+    return float(f"{v:.3g}") if isinstance(v, float) else drop_varying(v)
 
 
 def tree_hashes(out: Path, root: Path) -> dict[str, str]:

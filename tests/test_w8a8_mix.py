@@ -182,6 +182,42 @@ def test_eval_reports_both_paths_and_gates_on_each(mix_out, run_cli):
     assert "W8A8_MIX static path (decode instance, kv_consumer)" in r.out and "dynamic path" in r.out
 
 
+def test_both_paths_share_one_float_pass_and_equal_a_pass_each(mix_out, monkeypatch):
+    """eval of a W8A8_MIX output runs the float model's layers once for both paths (`run_passes`), and each path's
+    per-position results equal a pass of its own to the last bit."""
+    from dsconv.quant.evaluate.fidelity import _eval_chunks
+    from dsconv.quant.evaluate.streamed import StreamedModel, run_pass, run_passes
+
+    src, out = mix_out
+    ck, qck = Checkpoint.open(src), Checkpoint.open(out)
+    chunks, _ = _eval_chunks(ck, None, 64, 3)
+    orig = StreamedModel(ck, False)
+    opened: list[int] = []
+    layer = orig.layer
+    monkeypatch.setattr(orig, "layer", lambda i: opened.append(i) or layer(i))
+    both = run_passes(orig, [StreamedModel(qck, True, p) for p in ("static", "dynamic")], chunks, 4096,
+                      progress=False)
+    assert opened == list(range(orig.sk.num_layers))
+    for path, got in zip(("static", "dynamic"), both):
+        alone = run_pass(StreamedModel(ck, False), StreamedModel(qck, True, path), chunks, 4096, progress=False)
+        for k in ("seq", "pos", "arg_o", "arg_q", "nll_o", "nll_q", "kl"):
+            assert np.array_equal(getattr(got, k), getattr(alone, k), equal_nan=True), (path, k)
+    assert not np.array_equal(both[0].kl, both[1].kl)
+
+
+def test_eval_split_over_workers_gives_each_path_the_one_process_figures(mix_out, run_cli):
+    src, out = mix_out
+    args = ["eval", "-m", str(src), "-q", str(out), "--seq-len", "64", "--samples", "3", "--json"]
+    one, two = (run_cli([*args, "--workers", w]) for w in ("1", "2"))
+    assert one.code == 0 and two.code == 0, one.err + two.err
+    p1, p2 = json.loads(one.out)["paths"], json.loads(two.out)["paths"]
+    assert set(p1) == set(p2) == {"static", "dynamic"}
+    for path in p1:  # equal to float rounding: only the batches' composition differs
+        for k in ("tokens", "predicted_tokens", "ppl_original", "ppl_quantized", "kl_divergence", "top1_agreement"):
+            assert p2[path][k] == pytest.approx(p1[path][k], rel=2e-4, abs=2e-6), (path, k)
+    assert p1["static"]["kl_divergence"] != p1["dynamic"]["kl_divergence"]
+
+
 def test_the_ppl_gate_holds_every_path():
     from dsconv.quant.evaluate.stage import ppl_failures
 

@@ -33,7 +33,7 @@ from dsconv.quant.evaluate.qa import (DEFAULT_MAX_NEW_TOKENS, QAItem, check_leng
 from dsconv.quant.evaluate.qa import render as qa_render
 from dsconv.quant.evaluate.qa import score as qa_score
 from dsconv.executor import ExecOptions, make_executor
-from dsconv.quant.evaluate.streamed import (EvalJob, Positions, StreamedModel, batch_tokens, eval_job, run_pass,
+from dsconv.quant.evaluate.streamed import (EvalJob, Positions, StreamedModel, batch_tokens, eval_job, run_passes,
                                             split, text_metrics)
 from dsconv.quant.evaluate.streamed import batches as seq_batches
 from dsconv.quant.formats.msmodelslim import quantized_modules, read_linear
@@ -231,12 +231,11 @@ def evaluate(model_dir: Path, quant_dir: Path, text: Path | None = None, seq_len
     counts: dict[str, int] = {}
     for t in quantized_modules(desc).values():
         counts[t] = counts.get(t, 0) + 1
-    # W8A8_MIX: both of its paths, each a pass of its own; the decode (static) one first, as it is the headline: it
+    # W8A8_MIX: both of its paths, beside one float pass; the decode (static) one first, as it is the headline: it
     # computes every generated token of a PD-split deployment
     paths = (mix_paths or tuple(MIX_PATHS)) if W8A8_MIX in counts else (None,)
     by_path = {}
-    for path in paths:
-        pos_p = streamed_positions(ck, qck, seqs, execution, progress, path)
+    for path, pos_p in zip(paths, streamed_positions(ck, qck, seqs, execution, progress, paths)):
         by_path[path] = (pos_p, text_metrics(pos_p, set(range(len(chunks)))))
     pos, metrics = by_path[paths[0]]
     per_layer = pos.layer_seconds
@@ -261,20 +260,21 @@ def evaluate(model_dir: Path, quant_dir: Path, text: Path | None = None, seq_len
 
 
 def streamed_positions(ck: Checkpoint, qck: Checkpoint, seqs: list[list[int]], execution: ExecOptions | None,
-                       progress: bool, path: str | None = None) -> Positions:
-    """The streamed pass in this process, or split into runs of sequences over `--workers` / Ray (each job streams
-    both checkpoints itself: more workers buy compute, not fewer weight reads)."""
+                       progress: bool, paths: tuple[str | None, ...] = (None,)) -> list[Positions]:
+    """The streamed pass (one per W8A8_MIX path, sharing the float side) in this process, or split into runs of
+    sequences over `--workers` / Ray (each job streams both checkpoints itself: more workers buy compute, not fewer
+    weight reads)."""
     workers = 1 if execution is None else execution.resolved_workers()
     if workers <= 1 or len(seqs) < 2:
         orig = StreamedModel(ck, quantized=False)
-        return run_pass(orig, StreamedModel(qck, quantized=True, path=path), seqs, batch_tokens(orig.sk.config),
-                        progress=progress)
+        return run_passes(orig, [StreamedModel(qck, quantized=True, path=p) for p in paths], seqs,
+                          batch_tokens(orig.sk.config), progress=progress)
     starts = split(seqs, workers)
     ends = starts[1:] + [len(seqs)]
-    jobs = [EvalJob(str(ck.root), str(qck.root), seqs[a:b], path) for a, b in zip(starts, ends)]
+    jobs = [EvalJob(str(ck.root), str(qck.root), seqs[a:b], paths) for a, b in zip(starts, ends)]
     with make_executor(execution) as ex:
         parts = list(ex.map(eval_job, jobs))
-    return Positions.concat(parts, starts)
+    return [Positions.concat([part[k] for part in parts], starts) for k in range(len(paths))]
 
 
 def check_pair(ck: Checkpoint, qck: Checkpoint, model_dir: Path, quant_dir: Path) -> None:

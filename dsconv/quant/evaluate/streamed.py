@@ -22,7 +22,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -328,16 +328,17 @@ class EvalJob:
     model: str
     quantized: str
     seqs: list[list[int]]
-    path: str | None = None  # W8A8_MIX: which path the quantized side runs
+    paths: tuple[str | None, ...] = (None,)  # W8A8_MIX: the paths the quantized side runs, one Positions each
 
 
-def eval_job(job: EvalJob) -> Positions:
-    """One job: both checkpoints opened by path, the job's sequences through the streamed pass."""
+def eval_job(job: EvalJob) -> list[Positions]:
+    """One job: both checkpoints opened by path, the job's sequences through the streamed pass (per path)."""
     from dsconv.checkpoint import Checkpoint
 
     orig = StreamedModel(Checkpoint.open(job.model), False)
-    return run_pass(orig, StreamedModel(Checkpoint.open(job.quantized), True, job.path), job.seqs,
-                    batch_tokens(orig.sk.config), progress=False)
+    qck = Checkpoint.open(job.quantized)
+    return run_passes(orig, [StreamedModel(qck, True, p) for p in job.paths], job.seqs, batch_tokens(orig.sk.config),
+                      progress=False)
 
 
 def split(seqs: list[list[int]], parts: int) -> list[int]:
@@ -353,6 +354,13 @@ def split(seqs: list[list[int]], parts: int) -> list[int]:
 def run_pass(orig: StreamedModel, quant: StreamedModel, seqs: list[list[int]], batch_tokens: int,
              progress: bool = True) -> Positions:
     """Every sequence through both models a layer at a time; the per-position results of the vocabulary projection."""
+    return run_passes(orig, [quant], seqs, batch_tokens, progress)[0]
+
+
+def run_passes(orig: StreamedModel, quants: Sequence[StreamedModel], seqs: list[list[int]], batch_tokens: int,
+               progress: bool = True) -> list[Positions]:
+    """`run_pass` against several quantized sides at once (W8A8_MIX's two paths): the float model's layers are read
+    and run once, not once per side - a float pass is half of each comparison's cost. One side's layer at a time."""
     from tqdm import tqdm
 
     groups = batches(seqs, batch_tokens)
@@ -367,18 +375,19 @@ def run_pass(orig: StreamedModel, quant: StreamedModel, seqs: list[list[int]], b
         ids.append(t)
         masks.append(m)
     ho = [orig.embed(t) for t in ids]
-    hq = [quant.embed(t) for t in ids]
+    hqs = [[quant.embed(t) for t in ids] for quant in quants]
     n_layers = orig.sk.num_layers
     layer_seconds = []
     for i in tqdm(range(n_layers), desc="eval", unit="layer", disable=None if progress else True, leave=False):
         started = time.perf_counter()
-        for side, hs in ((orig, ho), (quant, hq)):
+        for side, hs in ((orig, ho), *zip(quants, hqs)):
             with side.layer(i) as run:
                 for b in range(len(hs)):
                     hs[b] = run(hs[b])
         layer_seconds.append(time.perf_counter() - started)
-    seq, pos, targets, fo, fq = [], [], [], [], []
-    for g, t, m, xo, xq in zip(groups, ids, masks, ho, hq):
+    seq, pos, targets, fo = [], [], [], []
+    fqs: list[list[torch.Tensor]] = [[] for _ in quants]
+    for k, (g, t, m, xo) in enumerate(zip(groups, ids, masks, ho)):
         nxt = torch.full_like(t, -1)
         nxt[:, :-1] = torch.where(m[:, 1:], t[:, 1:], torch.full_like(t[:, 1:], -1))
         rows, cols = torch.where(m)
@@ -386,18 +395,23 @@ def run_pass(orig: StreamedModel, quant: StreamedModel, seqs: list[list[int]], b
         pos.append(cols)
         targets.append(nxt[m])
         fo.append(orig.final(xo)[m])
-        fq.append(quant.final(xq)[m])
-    target = torch.cat(targets)
-    with torch.no_grad():
-        st = head_pass(orig, quant, torch.cat(fo).float(), torch.cat(fq).float(), target)
+        for quant, hq, fq in zip(quants, hqs, fqs):
+            fq.append(quant.final(hq[k])[m])
+    target, seq_all, pos_all, fo_all = torch.cat(targets), torch.cat(seq).numpy(), torch.cat(pos).numpy(), \
+        torch.cat(fo).float()
     has = target >= 0
-    nll = {k: torch.where(has, st.lse(k) - st.target[k], torch.full_like(st.m[k], math.nan)) for k in ("o", "q")}
-    return Positions(seq=torch.cat(seq).numpy(), pos=torch.cat(pos).numpy(), arg_o=st.arg["o"].numpy(),
-                     arg_q=st.arg["q"].numpy(), nll_o=nll["o"].numpy(), nll_q=nll["q"].numpy(), kl=st.kl().numpy(),
-                     abs_sum=st.abs_sum.numpy(), ref_abs_sum=st.ref_abs_sum.numpy(), abs_max=st.abs_max.numpy(),
-                     vocab=orig.vocab, layer_seconds=layer_seconds,
-                     expert_seconds=orig.expert_seconds + quant.expert_seconds,
-                     expert_runs=orig.expert_runs + quant.expert_runs)
+    out = []
+    for quant, fq in zip(quants, fqs):
+        with torch.no_grad():
+            st = head_pass(orig, quant, fo_all, torch.cat(fq).float(), target)
+        nll = {k: torch.where(has, st.lse(k) - st.target[k], torch.full_like(st.m[k], math.nan)) for k in ("o", "q")}
+        out.append(Positions(seq=seq_all, pos=pos_all, arg_o=st.arg["o"].numpy(), arg_q=st.arg["q"].numpy(),
+                             nll_o=nll["o"].numpy(), nll_q=nll["q"].numpy(), kl=st.kl().numpy(),
+                             abs_sum=st.abs_sum.numpy(), ref_abs_sum=st.ref_abs_sum.numpy(),
+                             abs_max=st.abs_max.numpy(), vocab=orig.vocab, layer_seconds=layer_seconds,
+                             expert_seconds=orig.expert_seconds + quant.expert_seconds,
+                             expert_runs=orig.expert_runs + quant.expert_runs))
+    return out
 
 
 def text_metrics(p: Positions, chunk_ids: set[int] | None = None) -> dict[str, Any]:
