@@ -12,8 +12,9 @@ Transport: inputs are files in the output's temporary directory (`JOBS_DIR`, rem
 statistics by `torch.save`, the MoE input as .npy - plus small picklable descriptions; results are returned arrays
 (int8 weights, scales, records). The driver alone writes the output, in job order, so the bytes never depend on the
 executor. A task quantizes with the same public functions as the driver (linear.py), so the two cannot drift
-apart. Jobs run single-threaded (`JOB_THREADS`) on every executor: MKL's Cholesky
-gives different last bits with 1 and 2 threads, and the output must not depend on how many jobs share the host.
+apart. Linear and expert jobs run single-threaded (`JOB_THREADS`) on every executor: MKL's Cholesky gives different
+last bits with 1 and 2 threads, and the output must not depend on how many jobs share the host. (Forward jobs may
+take more threads on Ray, where their bits were measured equal: forward_jobs.py.)
 """
 from __future__ import annotations
 
