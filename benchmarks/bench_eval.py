@@ -164,9 +164,9 @@ def mix_real(work: Path) -> dict[str, Any]:
     r = _child(MIX_CHILD, str(model), str(q), str(text))
     r.update(load_before=load0, load_after=_load(), saved=round(1 - r["both_s"] / r["each_s"], 3),
              same_figures=r["both"] == r["each"])
-    print(f"  => W8A8_MIX eval of {r['tokens']} tokens, Qwen2.5-Coder-0.5B: both paths in one run {r['both_s']} s, each "
-          f"on its own {r['each_s']} s ({r['saved']:.0%} less); the same figures: {r['same_figures']}; load {load0}",
-          flush=True)
+    print(f"  => W8A8_MIX eval of {r['tokens']} tokens, Qwen2.5-Coder-0.5B: both paths in one run {r['both_s']} s, "
+          f"each on its own {r['each_s']} s ({r['saved']:.0%} less); the same figures: {r['same_figures']}; "
+          f"load {load0}", flush=True)
     shutil.rmtree(q, ignore_errors=True)
     return r
 

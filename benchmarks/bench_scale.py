@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
         code = Path(argv[argv.index("--code") + 1]) if "--code" in argv else ROOT
         print(f"load average before: {_load()}", flush=True)
         mem = bench_memory_only(code)
-        merge("scale", "worker_memory" if code == ROOT else "worker_memory_of_" + code.name, {**mem, "load_after": _load()})
+        merge("scale", "worker_memory" if code == ROOT else "worker_memory_of_" + code.name,
+              {**mem, "load_after": _load()})
         return
     if argv[:1] == ["fanout"]:  # the fan-out alone, merged into the last scale.json
         print(f"load average before: {_load()}", flush=True)

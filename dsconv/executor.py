@@ -181,8 +181,9 @@ class ProcessExecutor(Executor):
 
 
 class RayExecutor(Executor):
-    """Ray tasks (one CPU each, unless `map` is given more). Connects to `address` (e.g. "auto" after `ray start --head`), or starts a local
-    instance with `workers` CPUs; a Ray already initialised in this process (a test's) is used as it is."""
+    """Ray tasks (one CPU each, unless `map` is given more). Connects to `address` (e.g. "auto" after `ray start
+    --head`), or starts a local instance with `workers` CPUs; a Ray already initialised in this process (a test's)
+    is used as it is."""
 
     name = "ray"
     local = False

@@ -360,7 +360,8 @@ def run_pass(orig: StreamedModel, quant: StreamedModel, seqs: list[list[int]], b
 def run_passes(orig: StreamedModel, quants: Sequence[StreamedModel], seqs: list[list[int]], batch_tokens: int,
                progress: bool = True) -> list[Positions]:
     """`run_pass` against several quantized sides at once (W8A8_MIX's two paths): the float model's layers are read
-    and run once, not once per side - a float pass is half of each comparison's cost. One side's layer at a time."""
+    and run once, not once per side (at DeepSeek-V3's size, reading the weights is most of an eval). One side's layer
+    at a time."""
     from tqdm import tqdm
 
     groups = batches(seqs, batch_tokens)
