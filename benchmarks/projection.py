@@ -35,7 +35,8 @@ One node: the driver's forward and searches on torch's threads, at the speedup t
 
 On N nodes (WORKERS_PER_NODE workers each, Ray): a layer's forward splits over at most as many jobs as there are
 calibration batches (whole batches, in rounds), and when there are fewer jobs than workers each job holds a node's
-CPUs and threads (Executor.cpus_per_job), at the threaded speedup; its input rows go to the jobs through shared
+CPUs and threads (Executor.cpus_per_job), at the threaded speedup; with more nodes than batches, one job per node
+over an equal share of the samples (parts of batches, Forward.runs); its input rows go to the jobs through shared
 storage, its output rows back through the driver's link, and each job reads the layer's non-expert weights; the
 searches run in the driver, on its node's threads; a layer's linear jobs spread over at most its linears' count of
 workers, its experts over every worker (whole experts, in rounds); routed activations and expert outputs go through
@@ -338,7 +339,7 @@ def project(m: dict[str, Any], io_s_per_gb: float, nodes: tuple[int, ...] = (1, 
                          tokens) if calibrated else {}
                 for n in nodes:
                     rows.append({"run": name, "rates": probe, "tokens": basis, "calib_tokens": tokens, "nodes": n,
-                                 **_hours(rate, w, tokens, nb, n, fgain, gain, tgain)})
+                                 **_hours(rate, w, tokens, nb, n, fgain, gain, tgain, samples)})
     text = _text(m, rows, io_s_per_gb)
     return {"rows": rows, "assumptions": {"net_gbps": NET_GBPS, "storage_gbps": STORAGE_GBPS, "seq": SEQ,
                                           "workers_per_node": WORKERS_PER_NODE,
@@ -353,14 +354,17 @@ def _batches(tokens: int, samples: int) -> int:
 
 
 def _hours(rate: dict[str, float], w: dict[str, float], tokens: int, nb: int, n: int, fgain: float,
-           gain: float, tgain: dict[str, float]) -> dict[str, Any]:
+           gain: float, tgain: dict[str, float], samples: int) -> dict[str, Any]:
     """One run on n nodes: hours per term (see the module docstring). `fgain`: two single-threaded jobs on one node
     against one thread; `tgain`: a whole node's threads against one, for the forward and the driver's searches."""
     layers, moe, E = REAL["num_hidden_layers"], REAL["num_hidden_layers"] - REAL["first_k_dense_replace"], \
         REAL["n_routed_experts"]
     wb = weight_bytes(REAL)
     workers = n * WORKERS_PER_NODE
-    jobs = min(workers, nb)
+    # Forward.runs: one job per node over an equal share of the samples once there are more nodes than batches
+    # (parts of batches; no GPTQ in these runs), else runs of whole batches, at most one per worker
+    parts = n > nb and samples > nb
+    jobs = min(n, samples) if parts else min(workers, nb)
     threads = max(1, min(WORKERS_PER_NODE, workers // jobs))  # Executor.cpus_per_job
     rate = {k: rate.get(k, 0.0) for k in ("forward", "kv_cache", "smooth_search", "clip_search", "linear_jobs",
                                          "expert_forward", "expert_weights", "io_s_per_gb")}
@@ -368,6 +372,8 @@ def _hours(rate: dict[str, float], w: dict[str, float], tokens: int, nb: int, n:
     layer_fwd = (rate["forward"] * w["forward"] + rate["kv_cache"] * w["kv_cache"]) / layers  # one worker
     if n == 1:  # one node: the driver's threads on each batch (dsconv's default on one host)
         fwd = layer_fwd / tgain["forward"]
+    elif parts:  # each job a node's threads over 1/jobs of the padded tokens
+        fwd = layer_fwd / jobs / tgain["forward"]
     elif threads >= WORKERS_PER_NODE:  # fewer jobs than workers: each job a node's threads (Executor.cpus_per_job)
         fwd = layer_fwd * math.ceil(nb / jobs) / nb / tgain["forward"]
     else:  # split over single-threaded jobs of whole batches, in rounds, two to a node

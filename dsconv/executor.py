@@ -97,6 +97,10 @@ class Executor:
         the driver's own threads already cover every core, and local workers split them (`_worker_init`)."""
         return 1
 
+    def node_cpus(self) -> int:
+        """The CPUs one job can hold at most (its threads share one host's memory): 1 for local workers."""
+        return 1
+
     def summary(self) -> dict[str, Any]:
         return {"executor": self.name, "workers": self.workers, "ran": self.used}
 
@@ -209,9 +213,12 @@ class RayExecutor(Executor):
     def cpus_per_job(self, jobs: int) -> int:
         """The cluster's share per job when there are fewer jobs than workers (a layer's forward over 5 calibration
         batches on 16 workers), at most one node's CPUs - a task's threads share one host's memory."""
+        return max(1, min(self.node_cpus(), self.workers // max(1, jobs)))
+
+    def node_cpus(self) -> int:
+        """The smallest live node's CPUs: a job of that many fits on any node."""
         nodes = [int(n["Resources"].get("CPU", 0)) for n in self._ray.nodes() if n.get("Alive")]
-        node = min((c for c in nodes if c > 0), default=1)
-        return max(1, min(node, self.workers // max(1, jobs)))
+        return min((c for c in nodes if c > 0), default=1)
 
     def _map(self, fn: Callable[[Any], Any], jobs: list[Any], cpus: int = 1) -> Iterator[Any]:
         ray = self._ray

@@ -196,6 +196,10 @@ CASES: list[Case] = [
         ("--external-data-threshold", "'0'")),
     Case("group-size-negative", "size", lambda tm, tp, fs: _quant_dry(tm, "--scheme", "w4a16", "--group-size", "-1"),
          2, ("--group-size", "-1")),
+    # --scheme plans from a config: given with --model it named a missing import instead (a traceback)
+    Case("shard-scheme-without-config", "parse", lambda tm, tp, fs: (
+        ["shard", "--model", tm(LLAMA), "--output", tp / "o", "--scheme", "w8a8", "--ep", "1", "--tp", "1"], None), 2,
+        ("--scheme", "--config")),
     # huge counts: a MemoryError building 10^23 per-rank records or chart cells, a pool semaphore's OverflowError
     Case("nodes-huge", "size", lambda tm, tp, fs: _shard_config(tm, "--nodes", BIG), 2, ("--nodes", BIG)),
     Case("world-from-nodes-huge", "size", lambda tm, tp, fs: _shard_config(tm, "--nodes", "10000"), 2,

@@ -234,6 +234,49 @@ def test_forward_jobs_fewer_than_workers_take_a_node_each(inline, run_cli, model
     assert one["forward"]["threads_per_job"] == 1, one["forward"]
 
 
+@pytest.mark.parametrize("name", ["fwd-bits8-llama", "fwd-c8-llama", "fwd-bits8-moe", "fwd-gptq-llama"])
+def test_more_workers_than_batches_cut_batches_into_parts(name, inline, run_cli, models, tmp_path, fan_out):
+    """Two more workers than batches: the samples are cut into that many jobs, parts of batches padded as their whole
+    batch, and the bytes are still the serial ones - except under GPTQ, whose per-batch Hessians keep whole
+    batches (one job per batch)."""
+    case = next(c for c in CASES if c[0] == name)
+    batches = inline[name][1]["forward"]["batches"]
+    files, summary = _run(run_cli, tmp_path / "o", models, case, ["--workers", str(batches + 2)])
+    fwd = summary["forward"]
+    want = batches if "gptq" in name else batches + 2
+    assert fwd["split"] and fwd["jobs_per_pass"] == want and fwd["threads_per_job"] == 1, fwd
+    assert files == inline[name][0]
+
+
+def test_ray_nodes_beyond_the_batches_take_parts_of_batches(inline, run_cli, models, tmp_path, fan_out, ray_local,
+                                                            monkeypatch):
+    """On Ray, one job per node once there are more nodes' worth of workers than batches: 4 x batches workers on
+    a 2-CPU node make 2 x batches jobs of 2 threads each, with the serial bytes."""
+    monkeypatch.delenv(SPLIT_ENV)
+    case = next(c for c in CASES if c[0] == "fwd-bits8-moe")
+    batches = inline[case[0]][1]["forward"]["batches"]
+    files, summary = _run(run_cli, tmp_path / "o", models, case, ["--executor", "ray", "--workers", str(4 * batches)])
+    fwd = summary["forward"]
+    assert fwd["jobs_per_pass"] == 2 * batches and fwd["threads_per_job"] == 2, fwd
+    assert files == inline[case[0]][0]
+
+
+def test_sub_batch_jobs_keep_calibration_order_and_each_batchs_padding():
+    from dsconv.quant.calibrate.forward_jobs import _sub_batch_jobs
+
+    whole = [([4, 0, 7], 50), ([1, 2], 20), ([3, 5, 6, 8], 9)]
+    pads = {j: pad for samples, pad in whole for j in samples}
+    total = sum(pads.values())
+    for jobs in range(1, 10):
+        cut = _sub_batch_jobs(whole, jobs)
+        assert 1 <= len(cut) <= jobs and all(cut)
+        assert [j for job in cut for s, _ in job for j in s] == [4, 0, 7, 1, 2, 3, 5, 6, 8]
+        assert all(pads[j] == pad for job in cut for s, pad in job for j in s)
+        # one piece per batch a job touches, and no job longer than its share plus one sample
+        assert all(len(job) == len({pads[s[0]] for s, _ in job}) for job in cut)
+        assert max(sum(pad * len(s) for s, pad in job) for job in cut) <= total / jobs + 50
+
+
 def test_job_statistics_are_never_plainly_unpickled(tmp_path):
     """A statistics file swapped into the shared job directory cannot run code: only dsconv's classes load."""
     import pickle

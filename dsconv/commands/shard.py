@@ -6,6 +6,7 @@ from pathlib import Path
 import click
 
 from dsconv import workspace
+from dsconv.errors import UserError
 from dsconv.commands.quantize import SCHEME_NAMES
 from dsconv.shard.layout import MAX_WORLD
 from dsconv.commands.options import (PATH, SIZE, emit_json, exec_options, force_option, json_option, output_option,

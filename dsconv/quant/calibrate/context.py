@@ -127,12 +127,13 @@ def forward_batch(sk: Skeleton, acts: LayerActivations, layer: nn.Module, sample
         acts.h[idx[mask]] = y[mask]
 
 
-def padded_batch(h: torch.Tensor | np.ndarray, samples: list[int], lengths: Any, starts: Any
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def padded_batch(h: torch.Tensor | np.ndarray, samples: list[int], lengths: Any, starts: Any,
+                 length: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Calibration samples `samples` as one zero-padded batch of rows of `h` (the driver's activations, or the layer
     input a job reads from its file): (x [b, L, hidden], token index [b, L] with -1 on padding, mask). One function
-    for the driver and the jobs, so both push the same rows with the same padding."""
-    L = max(int(lengths[j]) for j in samples)
+    for the driver and the jobs, so both push the same rows with the same padding. `length`: L, for part of a batch
+    padded as its whole batch is (forward_jobs' sub-batches); default the longest sample's."""
+    L = max(int(lengths[j]) for j in samples) if length is None else int(length)
     idx = torch.full((len(samples), L), -1, dtype=torch.long)
     for r, j in enumerate(samples):
         idx[r, : int(lengths[j])] = torch.arange(int(starts[j]), int(starts[j]) + int(lengths[j]))

@@ -12,7 +12,11 @@ a copy of layer i and returns what the driver's hooks would have gathered, per p
 * GPTQ's propagation: the layer with its quantized weights over every batch, output rows only.
 
 Exactness: the batches are the driver's (`LayerActivations.batches`) whatever the worker count, and the driver
-merges the jobs' partials in batch order. Min/max are order-free; row samples are taken by global token index, so each job
+merges the jobs' partials in batch order. With more nodes than batches (on Ray: 5 batches, 8 nodes) a job may hold
+part of a batch, padded to its whole batch's length: each sample's rows are then computed as in the whole batch -
+per-row matmuls give the same bits whatever the row count (measured at DeepSeek-V3's widths, 1 and 2 threads),
+attention and norms are per sample - and GPTQ, whose per-batch X^T X would be cut into partial sums, keeps whole
+batches. Min/max are order-free; row samples are taken by global token index, so each job
 starts its samplers at the token count of the batches before it (checked when merging, never assumed silently) and
 the concatenated samples are the serial ones. Float sums are not order-free: a GPTQ Hessian comes back as one X^T X
 per batch (k^2 float32 each: memory a worker pays for exactness) and the driver adds them in batch order, as the
@@ -69,8 +73,10 @@ class ForwardJob:
     ctx: Context
     layer: int
     kind: str                        # "smooth" (smoothing probe) | "stats" (statistics, outputs) | "plain" (outputs)
-    first: int                       # index of its first batch (batch 0 records which modules read each norm)
-    batches: list[list[int]]         # calibration sample indices per batch (LayerActivations.batches[first:...])
+    first: int                       # 0 for the job holding the first calibration tokens (it records which modules
+                                     # read each norm)
+    batches: list[list[int]]         # calibration sample indices per batch (or part of a batch), in calibration order
+    pads: list[int]                  # each batch's padded length: its whole batch's, for a part of one
     lengths: np.ndarray              # tokens per calibration sample
     starts: np.ndarray               # first token row of each sample in the layer input
     hidden: str                      # .npy of the layer's input rows [tokens, hidden] float32
@@ -201,8 +207,8 @@ def _run(job: ForwardJob, sk: Any, layer: nn.Module) -> ForwardResult:
     h = np.load(job.hidden, mmap_mode="r")
     held = None if job.held is None else torch.from_numpy(job.held)
     pos, ys = [], []
-    for samples in job.batches:
-        x, idx, mask = padded_batch(h, samples, job.lengths, job.starts)
+    for samples, pad in zip(job.batches, job.pads):
+        x, idx, mask = padded_batch(h, samples, job.lengths, job.starts, pad)
         rows.set(mask)
         rows.held = None if held is None else held[idx[mask]]
         if recorder is not None:
@@ -293,7 +299,7 @@ class Forward:
         for lp in plan.linears.values():
             if not lp.is_expert:
                 per_layer[lp.layer] = per_layer.get(lp.layer, 0) + 4 * lp.k * lp.k
-        batches = max(b - a for a, b in self.runs())
+        batches = max(len(job) for job in self.runs())
         need = batches * max(per_layer.values(), default=0)
         if need <= HESSIAN_PARTS_MAX:
             return None
@@ -305,17 +311,27 @@ class Forward:
             self.d.dir.joinpath(self.h_path).unlink(missing_ok=True)
             self.h_path = None
 
-    def runs(self) -> list[tuple[int, int]]:
-        """The pass's jobs as contiguous runs of batches, about equal in tokens: one per worker (at most one per
-        batch) when the executor fans out; a single run means the serial loop in the driver."""
+    def runs(self) -> list[list[tuple[list[int], int]]]:
+        """The pass's jobs, each a list of (samples, padded length) pieces in calibration order; a single job means
+        the serial loop in the driver. When the executor fans out: contiguous runs of whole batches, about equal in
+        tokens, one per worker (at most one per batch) - or, with more nodes than batches and no per-batch sums
+        (GPTQ's Hessians), one job per node over an equal share of the samples, cutting batches into parts padded
+        as their whole batch (`_sub_batch_jobs`)."""
         ex, acts = self.d.ex, self.acts
         nb = len(acts.batches)
-        if self.reason or ex.workers <= 1 or self.d.work < dexec.INLINE_BELOW or nb < 2:
-            return [(0, nb)]
+        whole = [(b, max(int(acts.lengths[j]) for j in b)) for b in acts.batches]
+        if self.reason or ex.workers <= 1 or self.d.work < dexec.INLINE_BELOW:
+            return [whole]
+        jobs = ex.workers // ex.node_cpus()
+        samples = sum(len(b) for b in acts.batches)
+        if jobs > nb and self.run.plan.method != "gptq" and acts.held_tokens is None and samples > 1:
+            return _sub_batch_jobs(whole, min(jobs, samples))
+        if nb < 2:
+            return [whole]
         n = min(ex.workers, nb)
         tok = np.cumsum([sum(acts.lengths[j] for j in b) for b in acts.batches])
         cuts = sorted({0, nb, *(min(nb, int(np.searchsorted(tok, tok[-1] * k / n)) + 1) for k in range(1, n))})
-        return list(zip(cuts, cuts[1:]))
+        return [whole[a:b] for a, b in zip(cuts, cuts[1:])]
 
     def _submit(self, i: int, layer: nn.Module, kind: str, names: dict[str, Any], write: bool
                 ) -> Iterator[tuple[ForwardJob, ForwardResult]]:
@@ -331,16 +347,18 @@ class Forward:
         if changed:
             state = str(d.dir / f"F{i}-{kind}-state.pt")
             torch.save(changed, state)
-        tokens = [sum(acts.lengths[j] for j in b) for b in acts.batches]
         held = None if acts.held_tokens is None else acts.held_tokens.numpy()
-        held_tokens = [0 if held is None else sum(acts.lengths[j] * bool(held[acts.starts[j]]) for j in b)
-                       for b in acts.batches]
         runs = self.runs()
         cpus = d.ex.cpus_per_job(len(runs))
-        jobs = [ForwardJob(d.ctx, i, kind, a, acts.batches[a:b], np.asarray(acts.lengths), acts.starts,
-                           str(d.dir / self.h_path), state, int(sum(tokens[:a])), held, int(sum(held_tokens[:a])),
-                           names, write, cpus)
-                for a, b in runs]
+        jobs, offset, held_offset = [], 0, 0
+        for k, pieces in enumerate(runs):
+            jobs.append(ForwardJob(d.ctx, i, kind, k, [s for s, _ in pieces], [n for _, n in pieces],
+                                   np.asarray(acts.lengths), acts.starts, str(d.dir / self.h_path), state, offset,
+                                   held, held_offset, names, write, cpus))
+            samples = [j for s, _ in pieces for j in s]
+            offset += int(sum(acts.lengths[j] for j in samples))
+            held_offset += 0 if held is None else int(sum(acts.lengths[j] * bool(held[acts.starts[j]])
+                                                          for j in samples))
         self.jobs_per_pass.append(len(jobs))
         try:
             for job, r in zip(jobs, d.ex.map(run_forward, jobs, work_bytes=d.work, cpus=cpus)):
@@ -444,6 +462,25 @@ class Forward:
             driver = time.process_time() - c
             self.cpu += driver + sum(self._job_cpu)
             self.cpu_critical += driver + max(self._job_cpu, default=0.0)
+
+
+def _sub_batch_jobs(whole: list[tuple[list[int], int]], jobs: int) -> list[list[tuple[list[int], int]]]:
+    """The samples, in calibration order, cut into `jobs` contiguous runs of about equal padded tokens (a sample
+    costs its batch's padded length); each run's samples grouped by batch, every part padded as its whole batch."""
+    flat = [(b, j, pad) for b, (samples, pad) in enumerate(whole) for j in samples]
+    cost = np.cumsum([pad for _, _, pad in flat])
+    cuts = sorted({0, len(flat), *(int(np.searchsorted(cost, cost[-1] * k / jobs)) + 1 for k in range(1, jobs))})
+    out = []
+    for a, b in zip(cuts, cuts[1:]):
+        pieces: list[tuple[list[int], int]] = []
+        last = None
+        for batch, j, pad in flat[a:b]:
+            if batch != last:
+                pieces.append(([], pad))
+                last = batch
+            pieces[-1][0].append(j)
+        out.append(pieces)
+    return out
 
 
 def _merge_probes(probe: FlowProbe, sites: SiteProbe, r: ForwardResult, offset: int,
