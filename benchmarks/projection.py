@@ -36,7 +36,7 @@ One node: the driver's forward and searches on torch's threads, at the speedup t
 On N nodes (WORKERS_PER_NODE workers each, Ray): a layer's forward splits over at most as many jobs as there are
 calibration batches (whole batches, in rounds), and when there are fewer jobs than workers each job holds a node's
 CPUs and threads (Executor.cpus_per_job), at the threaded speedup; with more nodes than batches, one job per node
-over an equal share of the samples (parts of batches, Forward.runs); its input rows go to the jobs through shared
+over an equal share of the samples (parts of batches, forward_cuts); its input rows go to the jobs through shared
 storage, its output rows back through the driver's link, and each job reads the layer's non-expert weights; the
 searches run in the driver, on its node's threads; a layer's linear jobs spread over at most its linears' count of
 workers, its experts over every worker (whole experts, in rounds); routed activations and expert outputs go through
@@ -361,7 +361,7 @@ def _hours(rate: dict[str, float], w: dict[str, float], tokens: int, nb: int, n:
         REAL["n_routed_experts"]
     wb = weight_bytes(REAL)
     workers = n * WORKERS_PER_NODE
-    # Forward.runs: one job per node over an equal share of the samples once there are more nodes than batches
+    # forward_cuts.cut_jobs: one job per node over an equal share of the samples once there are more nodes than batches
     # (parts of batches; no GPTQ in these runs), else runs of whole batches, at most one per worker
     parts = n > nb and samples > nb
     jobs = min(n, samples) if parts else min(workers, nb)

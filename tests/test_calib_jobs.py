@@ -262,13 +262,13 @@ def test_ray_nodes_beyond_the_batches_take_parts_of_batches(inline, run_cli, mod
 
 
 def test_sub_batch_jobs_keep_calibration_order_and_each_batchs_padding():
-    from dsconv.quant.calibrate.forward_jobs import _sub_batch_jobs
+    from dsconv.quant.calibrate.forward_cuts import sub_batch_jobs
 
     whole = [([4, 0, 7], 50), ([1, 2], 20), ([3, 5, 6, 8], 9)]
     pads = {j: pad for samples, pad in whole for j in samples}
     total = sum(pads.values())
     for jobs in range(1, 10):
-        cut = _sub_batch_jobs(whole, jobs)
+        cut = sub_batch_jobs(whole, jobs)
         assert 1 <= len(cut) <= jobs and all(cut)
         assert [j for job in cut for s, _ in job for j in s] == [4, 0, 7, 1, 2, 3, 5, 6, 8]
         assert all(pads[j] == pad for job in cut for s, pad in job for j in s)

@@ -58,6 +58,7 @@ from dsconv.quant.algorithms.observers import MinMaxObserver
 from dsconv.quant.algorithms.smoothing import SiteProbe, SiteSample
 from dsconv.quant.calibrate.calib_jobs import JOB_THREADS, Context, Dispatch, job_threads, open_job_checkpoint
 from dsconv.quant.calibrate.context import CalibContext, LayerActivations, forward_batch, padded_batch
+from dsconv.quant.calibrate.forward_cuts import Job, cut_jobs, whole_batches
 from dsconv.quant.calibrate.hooks import ExpertRecorder, FlowProbe, LinearHooks, RowMask
 from dsconv.quant.calibrate.kv_cache import CacheStats, cache_stats
 from dsconv.quant.calibrate.layers import Skeleton, install_forward
@@ -311,27 +312,12 @@ class Forward:
             self.d.dir.joinpath(self.h_path).unlink(missing_ok=True)
             self.h_path = None
 
-    def runs(self) -> list[list[tuple[list[int], int]]]:
-        """The pass's jobs, each a list of (samples, padded length) pieces in calibration order; a single job means
-        the serial loop in the driver. When the executor fans out: contiguous runs of whole batches, about equal in
-        tokens, one per worker (at most one per batch) - or, with more nodes than batches and no per-batch sums
-        (GPTQ's Hessians), one job per node over an equal share of the samples, cutting batches into parts padded
-        as their whole batch (`_sub_batch_jobs`)."""
-        ex, acts = self.d.ex, self.acts
-        nb = len(acts.batches)
-        whole = [(b, max(int(acts.lengths[j]) for j in b)) for b in acts.batches]
+    def runs(self) -> list[Job]:
+        """The pass's jobs (forward_cuts.cut_jobs); a single job means the serial loop in the driver."""
+        ex = self.d.ex
         if self.reason or ex.workers <= 1 or self.d.work < dexec.INLINE_BELOW:
-            return [whole]
-        jobs = ex.workers // ex.node_cpus()
-        samples = sum(len(b) for b in acts.batches)
-        if jobs > nb and self.run.plan.method != "gptq" and acts.held_tokens is None and samples > 1:
-            return _sub_batch_jobs(whole, min(jobs, samples))
-        if nb < 2:
-            return [whole]
-        n = min(ex.workers, nb)
-        tok = np.cumsum([sum(acts.lengths[j] for j in b) for b in acts.batches])
-        cuts = sorted({0, nb, *(min(nb, int(np.searchsorted(tok, tok[-1] * k / n)) + 1) for k in range(1, n))})
-        return [whole[a:b] for a, b in zip(cuts, cuts[1:])]
+            return [whole_batches(self.acts)]
+        return cut_jobs(self.acts, ex.workers, ex.node_cpus(), whole_only=self.run.plan.method == "gptq")
 
     def _submit(self, i: int, layer: nn.Module, kind: str, names: dict[str, Any], write: bool
                 ) -> Iterator[tuple[ForwardJob, ForwardResult]]:
@@ -462,25 +448,6 @@ class Forward:
             driver = time.process_time() - c
             self.cpu += driver + sum(self._job_cpu)
             self.cpu_critical += driver + max(self._job_cpu, default=0.0)
-
-
-def _sub_batch_jobs(whole: list[tuple[list[int], int]], jobs: int) -> list[list[tuple[list[int], int]]]:
-    """The samples, in calibration order, cut into `jobs` contiguous runs of about equal padded tokens (a sample
-    costs its batch's padded length); each run's samples grouped by batch, every part padded as its whole batch."""
-    flat = [(b, j, pad) for b, (samples, pad) in enumerate(whole) for j in samples]
-    cost = np.cumsum([pad for _, _, pad in flat])
-    cuts = sorted({0, len(flat), *(int(np.searchsorted(cost, cost[-1] * k / jobs)) + 1 for k in range(1, jobs))})
-    out = []
-    for a, b in zip(cuts, cuts[1:]):
-        pieces: list[tuple[list[int], int]] = []
-        last = None
-        for batch, j, pad in flat[a:b]:
-            if batch != last:
-                pieces.append(([], pad))
-                last = batch
-            pieces[-1][0].append(j)
-        out.append(pieces)
-    return out
 
 
 def _merge_probes(probe: FlowProbe, sites: SiteProbe, r: ForwardResult, offset: int,
