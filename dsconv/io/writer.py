@@ -86,6 +86,7 @@ class TensorSetWriter:
         self._sizes: list[int] = []
         self._written: set[str] = set()
         self._behind: dict[int, BehindHash] = {}  # parts tasks fill in runs, hashed behind them (see `adopt`)
+        self._slots: list[tuple[Slot, ...]] = []  # per part, in file order
         for i, part in enumerate(parts):
             entries: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
             offset = 0
@@ -102,6 +103,7 @@ class TensorSetWriter:
             for spec in part:
                 start = len(header) + entries[spec.name]["data_offsets"][0]
                 self._where[spec.name] = (i, start, spec.nbytes)
+            self._slots.append(tuple(Slot(spec.name, self._where[spec.name][1], spec.nbytes) for spec in part))
             self._fds.append(fd)
             h = hashlib.sha256()
             h.update(header)
@@ -160,12 +162,11 @@ class TensorSetWriter:
 
     def layout(self) -> list["PartLayout"]:
         """Each part as a task may write it on its own (another process or host): path, header length, slots."""
-        slots: list[list[Slot]] = [[] for _ in self.files]
-        for name, (part, offset, nbytes) in self._where.items():
-            slots[part].append(Slot(name, offset, nbytes))
-        return [PartLayout(str(self.root / f), self._cursor[i] if self._hash[i] is not None else 0,
-                           tuple(sorted(slots[i], key=lambda s: s.offset)), self._sizes[i])
-                for i, f in enumerate(self.files)]
+        return [self._layout(i) for i in range(len(self.files))]
+
+    def _layout(self, i: int) -> "PartLayout":
+        return PartLayout(str(self.root / self.files[i]), self._cursor[i] if self._hash[i] is not None else 0,
+                          self._slots[i], self._sizes[i])
 
     def adopt(self, part: int, names: Sequence[str], sha256: str | None) -> None:
         """Tensors a task wrote into part `part` (see `layout`); `sha256` of the whole part when the task wrote all
@@ -181,10 +182,10 @@ class TensorSetWriter:
             return
         h = self._behind.get(part)
         if h is None:
-            h = self._behind[part] = BehindHash(self.layout()[part])
+            h = self._behind[part] = BehindHash(self._layout(part))
             self._hash[part] = None  # the driver's later writes stop hashing in order: the helper has the part
             # slots the driver wrote before: on disk already, hashed from the file like the tasks'
-            h.wrote(n for n in self._written if self._where[n][0] == part)
+            h.wrote(sl.name for sl in self._slots[part] if sl.name in self._written)
         self._written.update(names)
         h.wrote(names)
 

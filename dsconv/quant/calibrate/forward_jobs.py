@@ -261,8 +261,14 @@ class Forward:
         self.run, self.acts, self.d = run, acts, dispatch
         self.forward_s = 0.0
         self.reason = serial_reason(run, dispatch.ex)
-        if self.reason is None and len(self.runs()) > 1:
+        # the cut is the run's, not a layer's (batches, workers and nodes do not change): made once, and the CPUs
+        # per job with it (on Ray both ask the cluster for its nodes)
+        self._runs = self._cut()
+        if self.reason is None and len(self._runs) > 1:
             self.reason = self._hessian_budget()
+            if self.reason:
+                self._runs = [whole_batches(acts)]
+        self._cpus = dispatch.ex.cpus_per_job(len(self._runs)) if len(self._runs) > 1 else 1
         self.layer_i: int | None = None
         self.versions: dict[str, tuple[int, int]] = {}
         self.h_path: str | None = None
@@ -300,7 +306,7 @@ class Forward:
         for lp in plan.linears.values():
             if not lp.is_expert:
                 per_layer[lp.layer] = per_layer.get(lp.layer, 0) + 4 * lp.k * lp.k
-        batches = max(len(job) for job in self.runs())
+        batches = max(len(job) for job in self._runs)
         need = batches * max(per_layer.values(), default=0)
         if need <= HESSIAN_PARTS_MAX:
             return None
@@ -314,6 +320,9 @@ class Forward:
 
     def runs(self) -> list[Job]:
         """The pass's jobs (forward_cuts.cut_jobs); a single job means the serial loop in the driver."""
+        return self._runs
+
+    def _cut(self) -> list[Job]:
         ex = self.d.ex
         if self.reason or ex.workers <= 1 or self.d.work < dexec.INLINE_BELOW:
             return [whole_batches(self.acts)]
@@ -334,8 +343,7 @@ class Forward:
             state = str(d.dir / f"F{i}-{kind}-state.pt")
             torch.save(changed, state)
         held = None if acts.held_tokens is None else acts.held_tokens.numpy()
-        runs = self.runs()
-        cpus = d.ex.cpus_per_job(len(runs))
+        runs, cpus = self._runs, self._cpus
         jobs, offset, held_offset = [], 0, 0
         for k, pieces in enumerate(runs):
             jobs.append(ForwardJob(d.ctx, i, kind, k, [s for s, _ in pieces], [n for _, n in pieces],
