@@ -40,7 +40,10 @@ over an equal share of the samples (parts of batches, forward_cuts); its input r
 storage, its output rows back through the driver's link, and each job reads the layer's non-expert weights; the
 searches run in the driver, on its node's threads; a layer's linear jobs spread over at most its linears' count of
 workers, its experts over every worker (whole experts, in rounds); routed activations and expert outputs go through
-the driver's link.
+the driver's link. A MoE layer's expert jobs start right after its forward (steps.experts_first: auto smoothing never
+folds a scale into them) and every one may run ahead on Ray, so the driver's searches run while they do: the layer
+takes the longer of the two, and the experts' term grows by the search's CPU seconds shared over the workers (the
+driver's threads take its node's cores). On one node (local processes, 2 x workers ahead) nothing is hidden.
 """
 from __future__ import annotations
 
@@ -382,12 +385,19 @@ def _hours(rate: dict[str, float], w: dict[str, float], tokens: int, nb: int, n:
     layer_weights = (wb["total"] - moe * E * wb["per_expert"] - 4 * REAL["vocab_size"] * REAL["hidden_size"]) / layers
     fwd_io = 0.0 if n == 1 or not w["forward"] else h_bytes / (STORAGE_GBPS * 1e9) + \
         h_bytes / (NET_GBPS * 1e9) + jobs * layer_weights / (STORAGE_GBPS * 1e9)
-    searches = (rate["smooth_search"] * w["smooth_search"] + rate["clip_search"] * w["clip_search"]) / \
-        tgain["searches"]  # in the driver, on its node's threads
+    search_cpu = rate["smooth_search"] * w["smooth_search"] + rate["clip_search"] * w["clip_search"]
+    searches = search_cpu / tgain["searches"]  # in the driver, on its node's threads
     lin = rate["linear_jobs"] * w["linear_jobs"] / layers / min(n * gain, 8)
     expert_s = (rate["expert_forward"] * w["expert_forward"] + rate["expert_weights"] * w["expert_weights"]) / \
         (moe * E)
     exp = moe * math.ceil(E / workers) * expert_s * WORKERS_PER_NODE / gain
+    hidden = 0.0
+    if n > 1 and exp:  # steps.experts_first: a MoE layer's searches run while its experts do; the driver's search
+        # threads take their CPU seconds from the workers (its node's two), spread over all by Ray's scheduling
+        per_layer = searches / layers
+        exp += moe * search_cpu / layers / workers
+        hidden = moe * min(per_layer, exp / moe)
+        searches -= hidden
     expert_bytes = moe * E * wb["per_expert"]
     io = (wb["total"] - expert_bytes) * rate["io_s_per_gb"] / 1e9 + max(
         expert_bytes * rate["io_s_per_gb"] / 1e9 / n, expert_bytes / (STORAGE_GBPS * 1e9) if n > 1 else 0.0)
@@ -398,7 +408,8 @@ def _hours(rate: dict[str, float], w: dict[str, float], tokens: int, nb: int, n:
     total = sum(parts.values())
     hours = {f"{k}_h": round(v / 3600, 3) for k, v in parts.items()}
     target, goal = TARGETS.get(n, (None, None))
-    return {"hours": round(total / 3600, 2), **hours, "dominant": max(parts, key=parts.get),
+    return {"hours": round(total / 3600, 2), **hours, "searches_hidden_h": round(hidden / 3600, 3),
+            "dominant": max(parts, key=parts.get),
             "forward_jobs_per_layer": jobs, "forward_threads_per_job": threads if n > 1 else None, "batches": nb,
             "target_h": target, "met": None if target is None else total / 3600 <= target,
             "goal_h": goal, "goal_met": None if goal is None else total / 3600 <= goal}
@@ -436,9 +447,14 @@ def _text(m: dict[str, Any], rows: list[dict[str, Any]], io_s_per_gb: float) -> 
                                                 ("" if r["goal_h"] is None else
                                                  f"; goal {r['goal_h']} h: {'met' if r['goal_met'] else 'missed'}"))
         text.append(f"  | {r['run']} | {r['rates']} | {r['calib_tokens']} ({r['tokens']}) | {r['nodes']} | "
-                    f"{r['hours']} | {r['forward_h']} | {r['searches_h']} | {r['linear_jobs_h']} | {r['experts_h']} | "
+                    f"{r['hours']} | {r['forward_h']} | {r['searches_h']}{_hidden(r)} | {r['linear_jobs_h']} | {r['experts_h']} | "
                     f"{r['io_h']} | {r['routed_transfer_h']} | {r['dominant']} | {tgt} |")
     return text
+
+
+def _hidden(row: dict[str, Any]) -> str:
+    h = row.get("searches_hidden_h") or 0.0
+    return f" (+{h} under the experts)" if h else ""
 
 
 def main(argv: list[str] | None = None) -> None:

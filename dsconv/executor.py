@@ -20,6 +20,7 @@ run never depends on the executor: the same task function writes the same bytes 
 """
 from __future__ import annotations
 
+import itertools
 import os
 from collections import deque
 from dataclasses import dataclass
@@ -69,8 +70,9 @@ class Executor:
         self.used = "inline"  # what actually ran the last map (inline when too little work to fan out)
 
     def map(self, fn: Callable[[Any], Any], jobs: Sequence[Any], work_bytes: int | None = None,
-            threads: bool = False, cpus: int = 1) -> Iterator[Any]:
-        """`fn(job)` for every job, in order. `work_bytes` (bytes the jobs touch) lets a small run stay inline.
+            threads: bool = False, cpus: int = 1, ahead: int | None = None) -> Iterator[Any]:
+        """`fn(job)` for every job, in order; the first `ahead` (default 2 x workers) are submitted at the call, the
+        rest one by one as results are taken (inline jobs run only as their results are taken). `work_bytes` (bytes the jobs touch) lets a small run stay inline.
         `threads`: the jobs spend their time outside the GIL (numpy, hashing, kernel copies), so on this host they
         run on `workers` threads of this process: a process pool would add its start-up (a forkserver importing
         torch, each worker importing the stage) to jobs of seconds. Ray still runs them as tasks. `cpus`: the CPUs
@@ -84,12 +86,12 @@ class Executor:
 
             self.used = "threads"
             pool = serial_pool(self.workers, "dsconv-job")
-            return _closing(_bounded(lambda j: pool.submit(fn, j), lambda f: f.result(), jobs, 2 * self.workers),
-                            pool)
+            return _closing(_bounded(lambda j: pool.submit(fn, j), lambda f: f.result(), jobs,
+                                     ahead or 2 * self.workers), pool)
         self.used = self.name
-        return self._map(fn, jobs, cpus)
+        return self._map(fn, jobs, cpus, ahead or 2 * self.workers)
 
-    def _map(self, fn: Callable[[Any], Any], jobs: list[Any], cpus: int = 1) -> Iterator[Any]:
+    def _map(self, fn: Callable[[Any], Any], jobs: list[Any], cpus: int, ahead: int) -> Iterator[Any]:
         return (fn(j) for j in jobs)
 
     def cpus_per_job(self, jobs: int) -> int:
@@ -116,13 +118,16 @@ class Executor:
 
 def _bounded(submit: Callable[[Any], Any], wait: Callable[[Any], Any], jobs: Iterable[Any],
              ahead: int) -> Iterator[Any]:
-    """Submit at most `ahead` jobs beyond the one being waited for; yield results in order."""
-    pending: deque = deque()
+    """Submit the first `ahead` jobs now - they run while the caller goes on with other work before it takes the
+    first result (calibration's expert jobs during the driver's searches) -, then one more as each result is taken;
+    the results come back in order."""
     it = iter(jobs)
-    for job in it:
-        pending.append(submit(job))
-        if len(pending) >= ahead:
-            break
+    pending = deque(submit(j) for j in itertools.islice(it, max(1, ahead)))
+    return _in_order(pending, it, submit, wait)
+
+
+def _in_order(pending: deque, it: Iterator[Any], submit: Callable[[Any], Any],
+              wait: Callable[[Any], Any]) -> Iterator[Any]:
     while pending:
         head = pending.popleft()
         nxt = next(it, _END)
@@ -174,9 +179,9 @@ class ProcessExecutor(Executor):
                                              initargs=(share,))
         return self._pool
 
-    def _map(self, fn: Callable[[Any], Any], jobs: list[Any], cpus: int = 1) -> Iterator[Any]:
+    def _map(self, fn: Callable[[Any], Any], jobs: list[Any], cpus: int, ahead: int) -> Iterator[Any]:
         pool = self._start()
-        return _bounded(lambda j: pool.submit(fn, j), lambda f: f.result(), jobs, 2 * self.workers)
+        return _bounded(lambda j: pool.submit(fn, j), lambda f: f.result(), jobs, ahead)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -220,7 +225,7 @@ class RayExecutor(Executor):
         nodes = [int(n["Resources"].get("CPU", 0)) for n in self._ray.nodes() if n.get("Alive")]
         return min((c for c in nodes if c > 0), default=1)
 
-    def _map(self, fn: Callable[[Any], Any], jobs: list[Any], cpus: int = 1) -> Iterator[Any]:
+    def _map(self, fn: Callable[[Any], Any], jobs: list[Any], cpus: int, ahead: int) -> Iterator[Any]:
         ray = self._ray
         remote = ray.remote(num_cpus=cpus, max_retries=0)(fn)
 
@@ -231,7 +236,7 @@ class RayExecutor(Executor):
                 cause = getattr(e, "cause", None)
                 raise (cause if isinstance(cause, BaseException) else e) from None
 
-        return _bounded(lambda j: remote.remote(j), wait, jobs, 2 * self.workers)
+        return _bounded(lambda j: remote.remote(j), wait, jobs, ahead)
 
     def close(self) -> None:
         if self._own and self._ray.is_initialized():

@@ -133,6 +133,52 @@ def test_bits8_pushes_each_batch_through_each_layer_once(run_cli, llama, tmp_pat
     assert t["steps"]["forward"] > 0 and t["steps_cpu"]["forward"] > 0 and t["in_jobs"]["quantize"] >= 0
 
 
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> Path:
+    from dsconv.bundled import calib_texts
+    from dsconv.tiny import make_tiny, train_tokenizer
+
+    return make_tiny("qwen2_moe", tmp_path_factory.mktemp("steps") / "moe", dtype="bf16",
+                     tokenizer=train_tokenizer(calib_texts(), vocab_size=384), moe_intermediate_size=64,
+                     shared_expert_intermediate_size=64)
+
+
+@pytest.mark.parametrize("alpha", [None, "0.5"], ids=["auto", "fixed-alpha"])
+def test_routed_experts_start_before_the_searches_unless_a_scale_folds_into_them(run_cli, moe, tmp_path,
+                                                                                  monkeypatch, alpha):
+    """With auto smoothing (never a norm the experts read), a MoE layer's expert jobs are submitted right after its
+    forward, before the smoothing fold, the clip search and the linear jobs, and their results taken after; a fixed
+    alpha may fold a scale into the experts' columns, so they start only after the fold."""
+    from dsconv.quant.calibrate.calib_jobs import Dispatch
+    from dsconv.quant.calibrate.calibration import Calibrator
+
+    events: list[str] = []
+
+    def spy(owner, name: str, label: str) -> None:
+        real = getattr(owner, name)
+
+        def wrapped(*a, **kw):
+            events.append(label)
+            return real(*a, **kw)
+        monkeypatch.setattr(owner, name, wrapped)
+
+    spy(Calibrator, "start_experts", "start")
+    spy(Calibrator, "run_experts", "take")
+    spy(steps, "fold", "fold")
+    spy(steps.clipping, "choose_clips", "clip")
+    spy(Dispatch, "linears", "linears")
+    _quantize(run_cli, moe, tmp_path / "q", monkeypatch, *(["--smooth-quant", alpha] if alpha else []))
+    layers = [e for e in "|".join(events).split("|take") if e.strip("|")]
+    assert len(layers) == json.loads((moe / "config.json").read_text())["num_hidden_layers"]
+    for layer in layers:
+        order = [e for e in layer.split("|") if e]
+        assert {"start", "fold", "clip", "linears"} <= set(order), order
+        if alpha is None:
+            assert order.index("start") < order.index("fold") < order.index("clip") < order.index("linears"), order
+        else:
+            assert order.index("fold") < order.index("clip") < order.index("linears") < order.index("start"), order
+
+
 def test_statistics_a_fold_cannot_rescale_still_get_their_own_probe(run_cli, llama, tmp_path, monkeypatch):
     """A histogram observer (--act-method mse) cannot follow a per-channel fold: the layer probes first, as before."""
     summary, calls = _quantize(run_cli, llama, tmp_path / "q", monkeypatch, "--act-method", "mse")

@@ -165,6 +165,27 @@ def test_results_come_back_in_order(fan_out):
         assert ex.summary()["ran"] == "local"
 
 
+def _touch(path: str) -> str:
+    Path(path).touch()
+    return path
+
+
+def test_the_first_jobs_run_before_any_result_is_taken(fan_out, tmp_path):
+    """`map` submits its first `ahead` jobs at the call, so they run while the caller does other work (the driver's
+    searches while a layer's expert jobs run); the rest wait until results are taken."""
+    import time
+
+    paths = [str(tmp_path / f"job{i}") for i in range(7)]
+    with dexec.make_executor(dexec.ExecOptions(workers=2)) as ex:
+        results = ex.map(_touch, paths, ahead=4)
+        deadline = time.monotonic() + 60
+        while not all(Path(p).exists() for p in paths[:4]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(Path(p).exists() for p in paths[:4])
+        assert not any(Path(p).exists() for p in paths[4:])
+        assert list(results) == paths
+
+
 def test_a_task_user_error_reaches_the_driver_whole(fan_out):
     with dexec.make_executor(dexec.ExecOptions(workers=2)) as ex:
         with pytest.raises(UserError) as e:

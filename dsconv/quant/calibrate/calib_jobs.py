@@ -121,9 +121,13 @@ class Dispatch:
         _LOCAL.pop(self.ctx.key, None)
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def _map(self, fn: Any, jobs: list, kind: str) -> Iterator[JobResult]:
+    def _map(self, fn: Any, jobs: list, kind: str, ahead: int | None = None) -> Iterator[JobResult]:
+        """The jobs submitted now (the first `ahead`: Executor.map), merged as their results are taken."""
+        return self._merged(self.ex.map(fn, jobs, work_bytes=self.work, ahead=ahead), kind)
+
+    def _merged(self, results: Iterator[JobResult], kind: str) -> Iterator[JobResult]:
         t = time.perf_counter()
-        for res in self.ex.map(fn, jobs, work_bytes=self.work):
+        for res in results:
             self.merge(res)
             self.wall[kind] += time.perf_counter() - t
             yield res
@@ -155,12 +159,12 @@ class Dispatch:
             for p in self.dir.glob(f"L{i}-*"):
                 p.unlink()
 
-    def experts(self, i: int, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
-                names: list[dict[str, str]], plans: list[dict[str, LinearPlan | None]],
-                col_scale: torch.Tensor | None) -> tuple[torch.Tensor, list, list]:
-        """Every routed expert of layer i as a job. Returns the MoE output (summed in expert order, as the
-        one-process loop does), the deferred (expert, {slot: (PreparedLinear, own range)}) and the down_proj
-        ranges."""
+    def start_experts(self, i: int, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                      pos: torch.Tensor, names: list[dict[str, str]], plans: list[dict[str, LinearPlan | None]],
+                      col_scale: torch.Tensor | None) -> "StartedExperts":
+        """Every routed expert of layer i submitted as a job: they run on the workers while the driver goes on
+        (`experts` takes their results). On Ray every expert may run ahead - a result waits in the cluster's object
+        store until it is taken -; local workers return results into this process, so at most 2 x workers."""
         hp = self.dir / f"E{i}-hidden.npy"
         np.save(hp, hidden.float().numpy())
         cs = None
@@ -170,22 +174,41 @@ class Dispatch:
         routes = [torch.where(index == e) for e in range(len(names))]
         jobs = [ExpertJob(self.ctx, i, e, names[e], plans[e], str(hp), rows.numpy(), cs)
                 for e, (rows, _) in enumerate(routes)]
-        out = torch.zeros_like(hidden)
+        ahead = None if self.ex.local else len(jobs)
+        return StartedExperts(i, hidden, weights, pos, routes, self._map(run_expert, jobs, "expert_jobs", ahead))
+
+    def experts(self, started: "StartedExperts") -> tuple[torch.Tensor, list, list]:
+        """The started expert jobs' results, in expert order. Returns the MoE output (summed in expert order, as the
+        one-process loop does), the deferred (expert, {slot: (PreparedLinear, own range)}) and the down_proj
+        ranges."""
+        out = torch.zeros_like(started.hidden)
         deferred: list = []
         down: list = []
         try:
-            for e, res in enumerate(self._map(run_expert, jobs, "expert_jobs")):
-                rows, pos = routes[e]
+            for e, res in enumerate(started.results):
+                rows, pos = started.routes[e]
                 if res.y is not None:
-                    out.index_add_(0, rows, (res.y * weights[rows, pos, None]).to(out.dtype))
+                    out.index_add_(0, rows, (res.y * started.weights[rows, pos, None]).to(out.dtype))
                 if res.down_range is not None:
                     down.append(res.down_range)
                 if res.pending:
                     deferred.append((e, {slot: (p, own) for slot, p, own in res.pending}))
         finally:
-            for p in self.dir.glob(f"E{i}-*"):
+            for p in self.dir.glob(f"E{started.layer}-*"):
                 p.unlink()
         return out, deferred, down
+
+
+@dataclass
+class StartedExperts:
+    """A layer's routed expert jobs, submitted (Dispatch.start_experts), and what taking their results needs."""
+
+    layer: int
+    hidden: torch.Tensor                      # the layer's MoE input [tokens, hidden]
+    weights: torch.Tensor                     # the router's top-k weights
+    pos: torch.Tensor                         # the MoE input's rows in the residual stream
+    routes: list[tuple[torch.Tensor, torch.Tensor]]  # per expert: (token rows, top-k position)
+    results: Iterator[JobResult]
 
 
 # ---- the task side ---------------------------------------------------------------------------------------------

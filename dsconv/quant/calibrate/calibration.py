@@ -33,7 +33,7 @@ from dsconv.checkpoint import Checkpoint
 from dsconv.errors import UserError
 from dsconv.executor import Executor
 from dsconv.quant.algorithms.schemes import activation_qparams
-from dsconv.quant.calibrate.calib_jobs import Dispatch, JobResult
+from dsconv.quant.calibrate.calib_jobs import Dispatch, JobResult, StartedExperts
 from dsconv.quant.calibrate.context import CalibContext, LayerActivations
 from dsconv.quant.calibrate.data import CalibSet
 from dsconv.quant.calibrate.forward_jobs import Forward
@@ -136,20 +136,24 @@ class Calibrator:
             self.fwd.serial_batch(layer, samples, write=False, cache=cache.cache)
 
     # ---- experts --------------------------------------------------------------------------------------------
-    def run_experts(self, i: int, experts: nn.Module, recorder: ExpertRecorder, lps: dict[str, LinearPlan],
-                    col_scale: torch.Tensor | None) -> None:
-        """Every routed expert of layer i as a job; then, in expert order, the under-covered (and never-routed)
-        experts' linears with activation ranges borrowed from the whole layer's."""
-        sk, static = self.ctx.sk, self.ctx.static
+    def start_experts(self, i: int, experts: nn.Module, recorder: ExpertRecorder, lps: dict[str, LinearPlan],
+                      col_scale: torch.Tensor | None) -> StartedExperts:
+        """Every routed expert of layer i submitted as a job (they run while the driver goes on: steps.py)."""
+        sk = self.ctx.sk
         hidden, index, weights, pos = recorder.take()
         E = int(experts.gate_up_proj.shape[0])
-        counts = torch.bincount(index.reshape(-1), minlength=E)[:E]
-        self.expert_counts[i] = [int(c) for c in counts]
-
+        self.expert_counts[i] = [int(c) for c in torch.bincount(index.reshape(-1), minlength=E)[:E]]
         names = [sk.expert_weight_names(i, e) for e in range(E)]
         plans = [{s: lps.get(n) for s, n in sk.expert_module_names(i, e).items()} for e in range(E)]
-        out, deferred, down_ranges = self.jobs.experts(i, hidden, index, weights, names, plans, col_scale)
-        self.acts.h.index_add_(0, pos, out)
+        return self.jobs.start_experts(i, hidden, index, weights, pos, names, plans, col_scale)
+
+    def run_experts(self, started: StartedExperts) -> None:
+        """The started experts' results added to the residual stream; then, in expert order, the under-covered (and
+        never-routed) experts' linears with activation ranges borrowed from the whole layer's."""
+        i, hidden, static = started.layer, started.hidden, self.ctx.static
+        counts = self.expert_counts[i]
+        out, deferred, down_ranges = self.jobs.experts(started)
+        self.acts.h.index_add_(0, started.pos, out)
         if not deferred:
             return
         union_in = None

@@ -18,7 +18,10 @@ A layer's steps, top to bottom (`calibrate_layer`):
    the fallback decision reads (each job reports its own seconds: quantize, gptq, fallback_check);
 7. propagate (GPTQ, dense layers) - the quantized layer's outputs for the next layer;
 8. experts - the routed experts as jobs (in the jobs' own seconds: expert_forward, their forward and statistics;
-   expert_quantize / expert_gptq / expert_fallback_check, their linears), then the under-covered ones;
+   expert_quantize / expert_gptq / expert_fallback_check, their linears), then the under-covered ones. Unless a
+   fixed smoothing scale is folded into them, the jobs are submitted right after the forward (`experts_first`),
+   so on a cluster they run while the driver searches (steps 4-6); their results are taken here, in order, so the
+   output and the report do not change;
 9. write - the layer's tensors (quantized linears as their jobs return, floats, cache scales).
 
 `StepClock` keeps the driver's wall and CPU seconds per step and layer, each step exclusive of the steps inside it
@@ -39,7 +42,7 @@ from dsconv.quant.algorithms.methods import ACT_SEARCH
 from dsconv.quant.algorithms.observers import MinMaxObserver
 from dsconv.quant.algorithms.schemes import dequant_weight
 from dsconv.quant.calibrate import awq
-from dsconv.quant.calibrate.calib_jobs import Dispatch
+from dsconv.quant.calibrate.calib_jobs import Dispatch, StartedExperts
 from dsconv.quant.calibrate.context import CalibContext, LayerActivations, StatsSpec
 from dsconv.quant.calibrate.forward_jobs import Forward
 from dsconv.quant.calibrate.hooks import ExpertRecorder, LinearHooks
@@ -136,6 +139,13 @@ def one_forward(run: CalibContext, i: int, lps: dict[str, LinearPlan]) -> bool:
     return True
 
 
+def experts_first(run: CalibContext) -> bool:
+    """Whether the routed experts' jobs can start right after the statistics forward: nothing the searches decide
+    reaches them unless a fixed --smooth-quant alpha folds a scale into their gate/up columns (auto never smooths a
+    norm the experts read: smooth_layer.fold)."""
+    return smoothing_of(run.opts, run.plan) is None or run.opts.smooth_alpha == "auto"
+
+
 def rescale_inputs(group: dict[nn.Module, InputStats], inputs: dict[nn.Module, torch.Tensor]) -> None:
     """Each distinct input's statistics divided by the s its fold divided it by (shared inputs: once)."""
     done: set[int] = set()
@@ -162,8 +172,10 @@ class LayerRun(Protocol):
 
     def kv_pass(self, layer: nn.Module, experts: nn.Module | None, cache: CacheStats) -> None: ...
 
-    def run_experts(self, i: int, experts: nn.Module, recorder: ExpertRecorder, lps: dict[str, LinearPlan],
-                    col_scale: torch.Tensor | None) -> None: ...
+    def start_experts(self, i: int, experts: nn.Module, recorder: ExpertRecorder, lps: dict[str, LinearPlan],
+                      col_scale: torch.Tensor | None) -> StartedExperts: ...
+
+    def run_experts(self, started: StartedExperts) -> None: ...
 
 
 def calibrate_layer(cal: LayerRun, i: int) -> None:
@@ -226,6 +238,10 @@ def calibrate_layer(cal: LayerRun, i: int) -> None:
             fwd.stats_pass(i, layer, hooks, recorder, write=not propagate, cache=cache, kv=plan.kv.get(i),
                            probes=probes)
     hooks.remove()
+    started = None
+    if experts is not None and experts_first(run):  # they run on the workers during the searches and linear jobs
+        with clock("experts"):
+            started = cal.start_experts(i, experts, recorder, lps, None)
     if probes is not None:
         probes.remove()
         with clock("smooth_search"):
@@ -251,7 +267,11 @@ def calibrate_layer(cal: LayerRun, i: int) -> None:
             fwd.plain_pass(i, layer)
     if experts is not None:
         with clock("experts"):
-            cal.run_experts(i, experts, recorder, lps, smoothed.col_scale)
+            if started is None:
+                started = cal.start_experts(i, experts, recorder, lps, smoothed.col_scale)
+            elif smoothed.col_scale is not None:
+                raise AssertionError(f"layer {i}: the experts started before a smoothing scale folded into them")
+            cal.run_experts(started)
     with clock("write"):
         for fp in floats:
             t = smoothed.modified.get(fp.name)
