@@ -447,8 +447,8 @@ def _text(m: dict[str, Any], rows: list[dict[str, Any]], io_s_per_gb: float) -> 
                                                 ("" if r["goal_h"] is None else
                                                  f"; goal {r['goal_h']} h: {'met' if r['goal_met'] else 'missed'}"))
         text.append(f"  | {r['run']} | {r['rates']} | {r['calib_tokens']} ({r['tokens']}) | {r['nodes']} | "
-                    f"{r['hours']} | {r['forward_h']} | {r['searches_h']}{_hidden(r)} | {r['linear_jobs_h']} | {r['experts_h']} | "
-                    f"{r['io_h']} | {r['routed_transfer_h']} | {r['dominant']} | {tgt} |")
+                    f"{r['hours']} | {r['forward_h']} | {r['searches_h']}{_hidden(r)} | {r['linear_jobs_h']} | "
+                    f"{r['experts_h']} | {r['io_h']} | {r['routed_transfer_h']} | {r['dominant']} | {tgt} |")
     return text
 
 

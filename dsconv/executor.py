@@ -72,7 +72,8 @@ class Executor:
     def map(self, fn: Callable[[Any], Any], jobs: Sequence[Any], work_bytes: int | None = None,
             threads: bool = False, cpus: int = 1, ahead: int | None = None) -> Iterator[Any]:
         """`fn(job)` for every job, in order; the first `ahead` (default 2 x workers) are submitted at the call, the
-        rest one by one as results are taken (inline jobs run only as their results are taken). `work_bytes` (bytes the jobs touch) lets a small run stay inline.
+        rest one by one as results are taken (inline jobs run only as their results are taken). `work_bytes` (bytes
+        the jobs touch) lets a small run stay inline.
         `threads`: the jobs spend their time outside the GIL (numpy, hashing, kernel copies), so on this host they
         run on `workers` threads of this process: a process pool would add its start-up (a forkserver importing
         torch, each worker importing the stage) to jobs of seconds. Ray still runs them as tasks. `cpus`: the CPUs
