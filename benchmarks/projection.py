@@ -324,7 +324,8 @@ def project(m: dict[str, Any], io_s_per_gb: float, nodes: tuple[int, ...] = (1, 
     if m.get("real_tokens"):
         tok, samples = m["real_tokens"]
         bases = {"real tokenizer": (tok, samples, _batches(tok, samples)), **bases}
-    fgain, gain = max(1.0, m["fwd_speedup"]), max(1.0, m["job_speedup"])
+    # two workers do at most twice one's work: a higher measured ratio is load noise in the one-worker run
+    fgain, gain = (min(float(WORKERS_PER_NODE), max(1.0, m[k])) for k in ("fwd_speedup", "job_speedup"))
     # a saved measurement from before the threaded run: the driver's forward as two split processes, searches as one
     tg = m.get("thread_speedup") or {"forward": fgain, "searches": 1.0}
     tgain = {"forward": max(1.0, tg["forward"]), "searches": max(1.0, tg["searches"])}
