@@ -261,14 +261,15 @@ class Forward:
         self.run, self.acts, self.d = run, acts, dispatch
         self.forward_s = 0.0
         self.reason = serial_reason(run, dispatch.ex)
-        # the cut is the run's, not a layer's (batches, workers and nodes do not change): made once, and the CPUs
-        # per job with it (on Ray both ask the cluster for its nodes)
-        self._runs = self._cut()
-        if self.reason is None and len(self._runs) > 1:
+        # the pass's jobs (forward_cuts.cut_jobs; a single job: the serial loop in the driver). The cut is the run's,
+        # not a layer's (batches, workers and nodes do not change): made once, and the CPUs per job with it (on Ray
+        # both ask the cluster for its nodes)
+        self.runs: list[Job] = self._cut()
+        if self.reason is None and len(self.runs) > 1:
             self.reason = self._hessian_budget()
             if self.reason:
-                self._runs = [whole_batches(acts)]
-        self._cpus = dispatch.ex.cpus_per_job(len(self._runs)) if len(self._runs) > 1 else 1
+                self.runs = [whole_batches(acts)]
+        self._cpus = dispatch.ex.cpus_per_job(len(self.runs)) if len(self.runs) > 1 else 1
         self.layer_i: int | None = None
         self.versions: dict[str, tuple[int, int]] = {}
         self.h_path: str | None = None
@@ -306,7 +307,7 @@ class Forward:
         for lp in plan.linears.values():
             if not lp.is_expert:
                 per_layer[lp.layer] = per_layer.get(lp.layer, 0) + 4 * lp.k * lp.k
-        batches = max(len(job) for job in self._runs)
+        batches = max(len(job) for job in self.runs)
         need = batches * max(per_layer.values(), default=0)
         if need <= HESSIAN_PARTS_MAX:
             return None
@@ -317,10 +318,6 @@ class Forward:
         if self.h_path is not None:
             self.d.dir.joinpath(self.h_path).unlink(missing_ok=True)
             self.h_path = None
-
-    def runs(self) -> list[Job]:
-        """The pass's jobs (forward_cuts.cut_jobs); a single job means the serial loop in the driver."""
-        return self._runs
 
     def _cut(self) -> list[Job]:
         ex = self.d.ex
@@ -343,7 +340,7 @@ class Forward:
             state = str(d.dir / f"F{i}-{kind}-state.pt")
             torch.save(changed, state)
         held = None if acts.held_tokens is None else acts.held_tokens.numpy()
-        runs, cpus = self._runs, self._cpus
+        runs, cpus = self.runs, self._cpus
         jobs, offset, held_offset = [], 0, 0
         for k, pieces in enumerate(runs):
             jobs.append(ForwardJob(d.ctx, i, kind, k, [s for s, _ in pieces], [n for _, n in pieces],
@@ -374,7 +371,7 @@ class Forward:
         """The smoothing probe alone over every batch (the runs that smooth before their statistics forward: see
         calibrate/steps.py); fills `probe` (absmax, consumers) and `sites` as the serial loop."""
         with self._pass():
-            if len(self.runs()) == 1:
+            if len(self.runs) == 1:
                 for samples in self.acts.batches:
                     self.serial_batch(layer, samples, write=False)
                     probe.end_batch()
@@ -395,7 +392,7 @@ class Forward:
         of the layer's `kv` plan), `probes` (smooth_layer.SmoothProbes: the smoothing searches' inputs, gathered in
         the same forward) and (with `write`) `acts.h`."""
         with self._pass():
-            if len(self.runs()) == 1:
+            if len(self.runs) == 1:
                 for samples in self.acts.batches:
                     self.serial_batch(layer, samples, write=write, recorder=recorder,
                                       cache=cache.cache if cache is not None else None)
@@ -436,7 +433,7 @@ class Forward:
         """The layer (its weights as the driver holds them: GPTQ's quantized ones) over every batch, writing
         `acts.h`: what the next layer calibrates on."""
         with self._pass():
-            if len(self.runs()) == 1:
+            if len(self.runs) == 1:
                 for samples in self.acts.batches:
                     self.serial_batch(layer, samples, write=True)
             else:
