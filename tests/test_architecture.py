@@ -31,6 +31,8 @@ LAYERS: dict[str, int] = {
     # 0 vocabulary and data, and the running process (runtime: working directory, gc, peak RSS, a thread pool)
     "dsconv": 0, "dsconv.errors": 0, "dsconv.tensors": 0, "dsconv.soc": 0, "dsconv.bundled": 0,
     "dsconv.calib_data": 0, "dsconv.atc_profiles": 0, "dsconv.runtime": 0,
+    # data to dsconv: the scripts that run in the engines' own environments (they import nothing from dsconv)
+    "dsconv.engine_check": 0,
     # 1 files and formats, no model knowledge: io (safetensors bytes, the one writer, planned parts, a checkpoint
     # tensor copied into a writer in bounded chunks, the ONNX external-data writer), validated readers of inputs, the
     # quantized-tensor format math, the workspace file

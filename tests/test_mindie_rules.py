@@ -1,4 +1,4 @@
-"""What MindIE's own loader showed dsconv must do (make engine-check, tests/engine_check/mindie_loader.py), each fix with
+"""What MindIE's own loader showed dsconv must do (make engine-check, dsconv/engine_check/mindie_loader.py), each fix with
 a test that fails without it. The rules and their MindIE-LLM sources are in dsconv/engines/profiles.py and the family
 tables; docs/engine_check.md lists the findings."""
 from __future__ import annotations

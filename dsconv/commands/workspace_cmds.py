@@ -46,17 +46,35 @@ def inspect(model: Path | None, config: Path | None, allow_pickle: bool, as_json
 
 @click.command()
 @click.argument("directory", type=PATH)
+@click.option("--engine", type=click.Choice(["mindie", "vllm-ascend"]), default=None,
+              help="Also load the output with this engine's own weight loader on this host and compare what it holds "
+                   "with the float source, position by position (sets up the engine's environment once: "
+                   "docs/engine_check.md).")
+@click.option("--source", type=PATH, default=None,
+              help="With --engine: the float checkpoint the output was made from (default: the manifest's input).")
+@click.option("--mindie-src", type=PATH, default=None, envvar="MINDIE_LLM_SRC",
+              help="With --engine mindie: a MindIE-LLM checkout, an installation's atb_llm, or its source archive "
+                   "(MindIE-LLM is not on PyPI) [env MINDIE_LLM_SRC].")
 @json_option
-def verify(directory: Path, as_json: bool) -> None:
-    """Re-check a dsconv output: every file's sha256 and size, then the stage's own check."""
+def verify(directory: Path, engine: str | None, source: Path | None, mindie_src: Path | None, as_json: bool) -> None:
+    """Re-check a dsconv output: every file's sha256 and size, then the stage's own check; with --engine, the
+    engine's own loader."""
     from dsconv.stages import has_check, verify as run_verify
 
     if not directory.is_dir():
         raise UserError(f"{directory} is not a directory", hint="pass a directory dsconv wrote")
     manifest, problems = run_verify(directory)
+    loaded = None
+    if engine and not problems:
+        from dsconv.engines.loader_check import check
+
+        loaded = check(directory, engine, source, str(mindie_src) if mindie_src else None)
+        if loaded.get("load") != "ok":
+            problems = [f"{engine}'s loader: {loaded.get('load')}: {x}" for x in
+                        (loaded.get("problems") or [loaded.get("error")])]
     if as_json:
         emit_json({"directory": str(directory), "stage": manifest.get("stage"), "files": len(manifest["files"]),
-                   "ok": not problems, "problems": problems})
+                   "ok": not problems, "problems": problems, **({"engine": {engine: loaded}} if loaded else {})})
     if problems:
         raise CheckFailed(f"{directory}: {len(problems)} problem(s), first: {problems[0]}",
                           details="\n".join(problems[:50]))
@@ -64,3 +82,7 @@ def verify(directory: Path, as_json: bool) -> None:
         click.echo(f"{directory}: {len(manifest['files'])} files match the manifest ({manifest.get('stage')} output)")
         if has_check(manifest.get("stage", "")):
             click.echo(f"{directory}: the {manifest.get('stage')} check passed")
+        if loaded:
+            held = f"{loaded['rows']} rows in {loaded['linears']} linears compared in place" if "rows" in loaded \
+                else f"{loaded['tensors']} tensors in place, every weight decoded to its source"
+            click.echo(f"{directory}: {engine}'s own loader took it: {held}")

@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE))
 
 import mindie_stubs  # noqa: E402
 
-READS: set[tuple[str, str]] = set()   # (file, tensor name) whose data MindIE read
+READS: dict[tuple[str, str], None] = {}  # (file, tensor name) whose data MindIE read, in the order it read them
 OPENED: set[str] = set()              # safetensors files MindIE opened
 REAL_SAFE_OPEN: Any = None  # safetensors.safe_open itself, for this module's own reads (not recorded)
 PROBLEM_KEYS = ("class_mismatch", "value_mismatch", "lossy", "norms", "unread")
@@ -52,7 +52,7 @@ def record_reads() -> None:
             self._s, self._key = s, key
 
         def __getitem__(self, idx: Any) -> Any:
-            READS.add(self._key)
+            READS.setdefault(self._key)
             return self._s[idx]
 
         def __getattr__(self, a: str) -> Any:
@@ -72,7 +72,7 @@ def record_reads() -> None:
             return self._h.__exit__(*exc)
 
         def get_tensor(self, name: str) -> Any:
-            READS.add((self._file, name))
+            READS.setdefault((self._file, name))
             return self._h.get_tensor(name)
 
         def get_slice(self, name: str) -> Slice:
@@ -220,24 +220,15 @@ def written_names(d: Path) -> set[tuple[str, str]]:
     return out
 
 
-def source_tensors(src: Path) -> dict[str, Any]:
-    """The float source as float64 arrays, transformers' fused 3-D experts as per-expert names (gate rows first:
-    docs/formats.md, "transformers 5 conventions")."""
+def source_tensors(src: Path, written: Any = ()) -> dict[str, Any]:
+    """The float source as float64 arrays, transformers' fused 3-D experts as per-expert names."""
     import torch
 
+    import mindie_reference as mr
+
     out: dict[str, Any] = {}
-    for name, t in read_all(sorted(src.glob("*.safetensors"))).items():
-        a = t.to(torch.float64).numpy() if t.is_floating_point() else t.numpy()
-        if not (name.endswith(("experts.gate_up_proj", "experts.down_proj")) and a.ndim == 3):
-            out[name] = a
-            continue
-        base = name.rsplit(".", 1)[0]
-        for e in range(a.shape[0]):
-            if name.endswith("gate_up_proj"):
-                half = a.shape[1] // 2
-                out[f"{base}.{e}.gate_proj.weight"], out[f"{base}.{e}.up_proj.weight"] = a[e, :half], a[e, half:]
-            else:
-                out[f"{base}.{e}.down_proj.weight"] = a[e]
+    for name, t in mr.source_tensors(sorted(src.glob("*.safetensors")), read_all, written).items():
+        out[name] = t.to(torch.float64).numpy() if t.is_floating_point() else t.numpy()
     return out
 
 
@@ -247,12 +238,69 @@ def description(d: Path) -> dict[str, str]:
     return {}
 
 
-def run(case: dict, rank: int, world_size: int) -> dict:
-    """One load and its comparison: a dict of counts and the problems found."""
+def raised_in(e: BaseException) -> str:
+    """Whose code raised an exception: the innermost frame that is MindIE's ("atb_llm/..." or "mindie_llm/...",
+    relative to its sources) or this check's (its file name), library frames (torch, safetensors, the standard
+    library) skipped. A refusal counts as MindIE's only when MindIE's own code raised it, never a stand-in's or the
+    check's."""
+    frames = []
+    tb = e.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    for f in reversed(frames):
+        for root in ("atb_llm", "mindie_llm"):
+            if f"/{root}/" in f and "site-packages" not in f:
+                return root + "/" + f.split(f"/{root}/", 1)[1]
+        if Path(f).parent == HERE:
+            return Path(f).name
+    return frames[-1] if frames else "?"
+
+
+def plain_dir(case: dict) -> Path:
+    """The quantized directory a case's output was made from (itself, or the one an offline-sharded output was
+    sharded from)."""
+    return Path(case.get("plain") or case["dir"]).resolve()
+
+
+def reference(case: dict, rank: int, world_size: int, tmp: Path) -> dict:
+    """The float source loaded by MindIE with the output's config and parallel settings (mindie_reference.py): what
+    each module holds, saved to tmp/reference.npz, and the module at each position of the graph's weight list."""
+    import numpy as np
+
+    import mindie_held as mh
+    import mindie_reference as mr
+
+    plain = plain_dir(case)
+    written = read_all(sorted(plain.glob("*.safetensors")))
+    src = mr.source_tensors(sorted(Path(case["source"]).glob("*.safetensors")), read_all, written)
+    errors = []
+    for keep_config in (True, False):  # the quantized output's config.json, then a plain float one
+        ref = mr.build(plain, Path(case["dir"]), src, written, tmp / "reference", keep_config)
+        try:
+            runner = load(ref, rank, world_size)
+            modules = mh.linear_modules(runner.model)
+            weights = {n: m.weight for n, m in modules}
+            graph = hand_to_graph(runner)
+            arrays, meta = mr.capture(runner.model, modules, mh._desc_of)  # after it, as the quantized load's
+        except Exception as e:  # noqa: BLE001 - reported: without the float load nothing can be compared in place
+            errors.append(f"{type(e).__name__}: {e}".splitlines()[0][:300])
+            continue
+        np.savez(tmp / "reference.npz", **arrays)
+        meta["slots"] = mr.slots(graph.get("prefill", []), modules, weights)
+        meta["config"] = "as written" if keep_config else "float"
+        return {"ok": True, "file": str(tmp / "reference.npz"), "meta": meta}
+    return {"ok": False, "error": " / ".join(errors)}
+
+
+def run(case: dict, rank: int, world_size: int, ref: dict | None = None) -> dict:
+    """One load and its comparison with the float load `ref` (reference()): a dict of counts and the problems
+    found."""
     import numpy as np
 
     import mindie_held as mh
     import mindie_match as mm
+    import mindie_reference as mr
 
     READS.clear()
     OPENED.clear()
@@ -264,6 +312,7 @@ def run(case: dict, rank: int, world_size: int) -> dict:
         runner = load(d, rank, world_size)
     except Exception as e:  # MindIE refused the checkpoint: that IS the result
         res["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:400]
+        res["error_type"], res["raised_in"] = type(e).__name__, raised_in(e)
         res["traceback"] = traceback.format_exc(limit=-6)
         res["edits"] = sorted(set(EDITS))
         res["seconds"] = round(time.perf_counter() - started, 2)
@@ -271,6 +320,7 @@ def run(case: dict, rank: int, world_size: int) -> dict:
     res.update(loaded=True, retried=RETRIES[:1], edits=sorted(set(EDITS)), model=type(runner.model).__name__,
                path="runtime DefaultModelLoader" if runner.prealloc_weight_mem_on_npu else "Weights")
     modules = mh.linear_modules(runner.model)
+    weights = {n: m.weight for n, m in modules}  # before init_ascend_weight may replace them
     try:
         graph = hand_to_graph(runner)
     except Exception as e:  # noqa: BLE001 - MindIE's own code failed on what it loaded
@@ -281,15 +331,28 @@ def run(case: dict, rank: int, world_size: int) -> dict:
     held, problems = mh.held_linears(modules, runner.dtype)
     # what this rank was given: every file it opened (an offline-sharded layout: its own folders)
     written = read_all(sorted(Path(f) for f in OPENED))
-    src = mm.Source(source_tensors(Path(case["source"])), written, description(d),
-                    sharded=(d / "model_sharded_metadata.json").is_file())
-    par = parallel(d, world_size)
-    out = mm.compare(held, src, rank, par["moe_ep"], par["moe_tp"])
+    plain = written if plain_dir(case) == d else read_all(sorted(plain_dir(case).glob("*.safetensors")))
+    if ref is None or not ref.get("ok"):
+        res["value_mismatch"] = [f"the float source's own load failed, so nothing can be compared in place: "
+                                 f"{(ref or {}).get('error')}"]
+        for k in ("class_mismatch", "lossy", "norms", "unread"):
+            res[k] = []
+        res.update(linears=0, rows=0, tensors=len(written), covered={}, bias_parts={}, rows_of={},
+                   unread_explained={}, clipped={}, caches=0, seconds=round(time.perf_counter() - started, 2))
+        return res
+    reference_held = mm.Reference.load(ref["file"], ref["meta"])
+    src = mm.Source(source_tensors(Path(case["source"]), plain), plain, description(d),
+                    sharded=(d / "model_sharded_metadata.json").is_file(), dtype=runner.dtype)
+    norms = src.held_norms(reference_held, runner.model, runner.dtype)
+    out = mm.compare(held, reference_held, src, [n for _, n in READS])
     res["linears"], res["rows"] = out.linears, out.rows
     res["class_mismatch"] = out.class_mismatch
-    res["value_mismatch"] = problems + out.value_mismatch + (mh.graph_problems(held, graph) if graph else [])
+    res["value_mismatch"] = problems + out.value_mismatch + (mh.graph_problems(held, graph) if graph else []) \
+        + (mm.slot_problems(ref["meta"]["slots"], mr.slots(graph.get("prefill", []), modules, weights))
+           if graph and ref["meta"]["config"] == "as written" else [])  # a float model's graph is another graph
     res["lossy"] = out.lossy
-    res["norms"] = held_norm_problems(runner.model, written, runner.dtype)
+    res["norms"] = norms
+    res["clipped"] = out.clipped
     res["caches"], cache = mh.cache_problems(runner.model, written, runner.dtype, rank)
     res["value_mismatch"] += cache
     res["covered"] = {n: {str(m): [np.nonzero(v[:, c])[0].tolist() for c in range(m)] for m, v in by_m.items()}
@@ -300,33 +363,6 @@ def run(case: dict, rank: int, world_size: int) -> dict:
     res["tensors"] = len(written)
     res["seconds"] = round(time.perf_counter() - started, 2)
     return res
-
-
-def held_norm_problems(model: Any, written: dict[str, Any], dtype: Any) -> list[str]:
-    """Every written norm vector must be held by some MindIE module, byte for byte in the model dtype, and a
-    module's norm bias (MindIE's anti-outlier RMSNormBias) must be the written bias or zero."""
-    import torch
-
-    held: dict[tuple, Any] = {}
-    for name, m in model.named_modules():
-        w = getattr(m, "weight", None)
-        if isinstance(w, torch.Tensor) and w.dim() == 1 and w.is_floating_point():
-            held.setdefault((str(w.dtype), w.detach().contiguous().view(torch.uint8).numpy().tobytes()), (name, m))
-    out = []
-    for n, t in sorted(written.items()):
-        if not (t.dim() == 1 and t.is_floating_point() and "norm" in n and n.endswith(".weight")):
-            continue
-        cast = t.to(dtype)
-        hit = held.get((str(cast.dtype), cast.contiguous().view(torch.uint8).numpy().tobytes()))
-        if hit is None:
-            out.append(f"{n}: no MindIE module holds it")
-            continue
-        b = getattr(hit[1], "bias", None)
-        wb = written.get(n[:-len("weight")] + "bias")
-        if isinstance(b, torch.Tensor) and b.numel() and (wb is None and bool(b.abs().max() > 0) or wb is not None
-                                                          and not torch.equal(wb.to(b.dtype), b)):
-            out.append(f"{n}: {hit[0]} holds a nonzero bias the checkpoint does not have")
-    return out
 
 
 # Checkpoint tensors a MindIE path legitimately never reads, and the check that the reason holds.
@@ -378,10 +414,12 @@ def main() -> int:
     setup(a.mindie, a.rank, a.world_size)
     preload()
     for case in json.loads(a.cases.read_text()):
-        r = in_child(case, a.rank, a.world_size)
-        with open(a.json, "a") as f:
-            f.write(json.dumps(r) + "\n")
-        print(line(r), flush=True)
+        with tempfile.TemporaryDirectory(prefix="mindie-ref-") as tmp:
+            ref = in_child(case, reference, a.rank, a.world_size, Path(tmp))
+            r = in_child(case, run, a.rank, a.world_size, ref)
+            with open(a.json, "a") as f:
+                f.write(json.dumps(r) + "\n")
+            print(line(r), flush=True)
         for k in PROBLEM_KEYS:
             for x in (r.get(k) or [])[:6]:
                 print(f"     {k}: {x}")
@@ -389,14 +427,27 @@ def main() -> int:
 
 
 def preload() -> None:
-    """Import what every load uses once, in the parent (~3 s); each case then runs in a forked child."""
+    """Import what every load uses once, in the parent (~3 s); each case then runs in a forked child. Then prove the
+    checker's int4 decoding against MindIE's own: MindIE has no unpacking function, but it packs int4 pairs itself
+    (atb/utils/quantize/low_bit_utils.py::int42int8, W4A16's older layout), so the checker's unpacking must be its
+    exact inverse, or nothing this check says about int4 weights holds."""
     import atb_llm.runner.model_runner  # noqa: F401
     import mindie_llm.runtime.utils.loader.default_model_loader  # noqa: F401
+    import numpy as np
+    import torch
+    from atb_llm.utils.quantize.low_bit_utils import int42int8
+
+    from mindie_held import unpack_int4
+
+    x = torch.from_numpy(np.random.default_rng(0).integers(-8, 8, size=(3, 6, 16)).astype(np.int8))
+    if not np.array_equal(unpack_int4(int42int8(x).numpy()), x.numpy()):
+        sys.exit("the checker's int4 unpacking is not the inverse of MindIE's int42int8: fix mindie_held.unpack_int4")
 
     import mindie_match  # noqa: F401
+    import mindie_reference  # noqa: F401
 
 
-def in_child(case: dict, rank: int, world_size: int) -> dict:
+def in_child(case: dict, fn: Any, rank: int, world_size: int, *args: Any) -> dict:
     """Run one case in a forked child: MindIE keeps process-wide state (its parallel-info manager, class-level
     quantization settings) that one load leaves behind for the next; a fork starts every case from the state after
     import, at a few milliseconds instead of a new interpreter's seconds."""
@@ -406,7 +457,7 @@ def in_child(case: dict, rank: int, world_size: int) -> dict:
         os.close(rfd)
         code = 0
         try:
-            payload = json.dumps(run(case, rank, world_size)).encode()
+            payload = json.dumps(fn(case, rank, world_size, *args)).encode()
         except BaseException as e:  # noqa: BLE001 - a bug of this check, reported as such
             payload = json.dumps({"id": case["id"], "rank": rank, "world_size": world_size, "loaded": False,
                                   "error": f"check crashed: {type(e).__name__}: {e}",

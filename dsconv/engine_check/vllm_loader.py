@@ -201,13 +201,15 @@ def _destination(name: str, ck: dict[str, torch.Tensor], params: dict) -> tuple[
     return None
 
 
-def check(directory: Path, dtype: str | None = None) -> dict:
-    """Load `directory` with the engine and compare every tensor; a dict of counts and the problems found."""
+def check(directory: Path, dtype: str | None = None, source: Path | None = None) -> dict:
+    """Load `directory` with the engine and compare every tensor with the parameter part it must land in, then every
+    written weight with its float source (written_source.py); a dict of counts and the problems found."""
     cfg = json.loads((directory / "config.json").read_text())
     dtype = dtype or cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
     started = time.perf_counter()
     res: dict[str, Any] = {"dir": str(directory), "dtype": dtype, "loaded": False, "tensors": 0, "bit_exact": 0,
-                           "after_cast": 0, "lossy": [], "mismatched": [], "unmapped": [], "unfilled": [], "error": None}
+                           "after_cast": 0, "lossy": [], "mismatched": [], "unmapped": [], "unfilled": [], "source": [],
+                           "error": None}
     try:
         boot()
         model, params = build_and_load(directory, dtype)
@@ -258,6 +260,11 @@ def check(directory: Path, dtype: str | None = None) -> dict:
         if pname.endswith((".weight_scale", ".weight_offset")) and _static_w8a8(pname, params, mix):
             continue  # static W8A8 declares them for another format; nothing reads them for msModelSlim's
         res["unfilled"].append(f"{pname}: {int((~mask).sum())} of {mask.numel()} elements")
+    from written_source import source_problems
+
+    res["source"], res["clipped_max"], res["source_checked"] = source_problems(directory, ck, desc, dtype, source)
+    if not res["source_checked"]:
+        res["source"] = ["no float source to compare with: the manifest names none that exists (pass --source)"]
     res["seconds"] = round(time.perf_counter() - started, 2)
     return res
 
@@ -283,17 +290,18 @@ def main() -> int:
     ap.add_argument("dirs", nargs="+", type=Path)
     ap.add_argument("--dtype", default=None, help="model dtype (default: config.json's)")
     ap.add_argument("--json", type=Path, default=None, help="append one JSON line per directory")
+    ap.add_argument("--source", type=Path, default=None, help="the float source (default: each manifest's input)")
     a = ap.parse_args()
     bad = 0
     for d in a.dirs:
-        r = check(d, a.dtype)
-        ok = r["loaded"] and not (r["mismatched"] or r["unmapped"] or r["unfilled"] or r["lossy"])
+        r = check(d, a.dtype, a.source)
+        ok = r["loaded"] and not (r["mismatched"] or r["unmapped"] or r["unfilled"] or r["lossy"] or r["source"])
         bad += not ok
         print(f"{'ok  ' if ok else 'FAIL'} {d.name}: " + (f"loaded, {r['tensors']} tensors: {r['bit_exact']} bit-exact, "
               f"{r['after_cast']} after cast ({len(r['lossy'])} lossy), {len(r['mismatched'])} mismatched, {len(r['unmapped'])} unmapped, "
               f"{len(r['unfilled'])} unfilled params ({r['seconds']} s)" if r["loaded"] else f"refused: {r['error']}"),
               flush=True)
-        for k in ("lossy", "mismatched", "unmapped", "unfilled"):
+        for k in ("lossy", "mismatched", "unmapped", "unfilled", "source"):
             for line in r[k][:8]:
                 print(f"     {k}: {line}")
         if a.json:

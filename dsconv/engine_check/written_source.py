@@ -1,0 +1,126 @@
+"""vLLM-Ascend's check against the source: every written weight, decoded by the format's rules, compared with the
+float source tensor of the same name, position by position.
+
+Runs in the vLLM-Ascend environment (imports nothing from dsconv). vllm_loader.py proves that the engine puts every
+written tensor, bit for bit, in the part of the parameter its name maps to (vLLM's stacked_params_mapping, its fused
+experts): so what the engine holds at a name's place is what is written under that name, and the question left is
+whether what is written under a name is that name's source. A writer that put up_proj's rows under gate_proj's name,
+swapped k and v, exchanged two experts, permuted a head's rows, packed nibbles the other way or wrote a scale 8x too
+small passes the placement check and fails here. The decoding is the format description's (docs/formats.md,
+docs/formats/w4a8.md), written here, never dsconv's; the comparison is mindie_match's (half a quantization step per
+element, SmoothQuant's scales through the written norms, which the placement check proved held bit for bit, the clip
+bound), with the source row at the same name and row in place of MindIE's float load.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import mindie_held as mh
+import mindie_match as mm
+import mindie_reference as mr
+
+QUANTIZED = ("W8A8", "W8A8_MIX", "W8A8_DYNAMIC", "W8A16", "W4A16", "W4A8_DYNAMIC")
+
+
+def _unpack_rows(packed: np.ndarray) -> np.ndarray:
+    """int4 pairs packed along the output dim, [n/2, k] -> [n, k] (the even row in the low nibble)."""
+    return mh.unpack_int4(packed.T).T
+
+
+def written_held(ck: dict[str, torch.Tensor], desc: dict[str, str], model_dtype: Any) -> tuple[list, list[str]]:
+    """Every written linear as mindie_held.Held (its effective rows by the kernel's arithmetic); problems where a
+    written form decodes to nothing a kernel runs."""
+    out, problems = [], []
+    for name in sorted(ck):
+        kind = desc.get(name)
+        if not name.endswith(".weight") or kind not in QUANTIZED or ck[name].dim() != 2:
+            continue
+        base = name[:-len(".weight")]
+        w = ck[name]
+        buf = {k.rsplit(".", 1)[1]: v for k, v in ck.items() if k.rsplit(".", 1)[0] == base}
+        try:
+            if kind in ("W8A8", "W8A8_MIX"):
+                h = mh._w8a8(base, w, buf, False, "W8A8_PDMIX" if kind == "W8A8_MIX" else "W8A8", None)
+                if kind == "W8A8_MIX":
+                    h.problems += mh._paths_differ(h, mh._antiquant(base, w, buf, False, "W8A8_PDMIX"))
+            elif kind == "W4A8_DYNAMIC":
+                h = _w4a8(base, w, buf)
+            elif kind == "W4A16":
+                h = _w4a16(base, w, buf)
+            else:  # written offsets are subtracted (w = (q - offset) * scale): Held adds them, as the kernels do
+                neg = {**buf, **({"weight_offset": -buf["weight_offset"]} if "weight_offset" in buf else {})}
+                h = mh._antiquant(base, w, neg, False, kind)
+        except (ValueError, KeyError) as e:
+            problems.append(f"{name} ({kind}): does not decode: {e}")
+            continue
+        h.module = base
+        out.append(h)
+        problems += [f"{base} ({kind}): {p}" for p in h.problems]
+    return out, problems
+
+
+def _w4a8(base: str, w: torch.Tensor, buf: dict) -> mh.Held:
+    """W4A8_DYNAMIC (msModelSlim): int4 packed along the output dim [n/2, k], weight_scale [n, 1], scale_bias
+    [n, chunks] = 8 * scale * the sum of each chunk's int4 values (the A8W4 kernel's correction)."""
+    q = _unpack_rows(mh._np(w))
+    R, K = q.shape
+    sc = mh.scale_values(buf["weight_scale"]).reshape(-1)
+    h = mh.Held(base, "W4A8_DYNAMIC", q, mh.per_row(sc, R, K), np.zeros((R, K)), None,
+                raw={"weight_scale": sc[:, None]})
+    sb = mh._np(buf["scale_bias"]).reshape(R, -1)
+    want = 8.0 * sc[:, None] * q.reshape(R, sb.shape[1], -1).sum(axis=-1)
+    if not np.allclose(sb, want, rtol=2.0 ** -10, atol=1e-6 * float(np.abs(want).max() + 1e-30)):
+        h.problems.append(f"scale_bias is not 8 * scale * sum(w) per chunk: worst difference "
+                          f"{float(np.abs(sb - want).max()):.3g}")
+    return h
+
+
+def _w4a16(base: str, w: torch.Tensor, buf: dict) -> mh.Held:
+    """W4A16: per group int4 pairs of output rows [n/2, k], per channel pairs along k [n, k/2] (told apart by the
+    scale's shape); weight_scale / weight_offset [n, groups], offsets subtracted."""
+    sc = mh._np(buf["weight_scale"]).astype(np.float64)
+    n = sc.shape[0]
+    packed = mh._np(w)
+    q = _unpack_rows(packed) if packed.shape[0] * 2 == n else mh.unpack_int4(packed)
+    R, K = q.shape
+    off = -mh._np(buf["weight_offset"]) if "weight_offset" in buf else np.zeros_like(sc)
+    g = sc.reshape(R, -1)
+    h = mh.Held(base, "W4A16", q, np.repeat(g, K // g.shape[1], 1), np.repeat(off.reshape(R, -1), K // g.shape[1], 1),
+                None, raw={"weight_scale": g})
+    return h
+
+
+def source_problems(directory: Path, ck: dict[str, torch.Tensor], desc: dict[str, str], dtype: Any,
+                    source: Path | None = None) -> tuple[list[str], float, bool]:
+    """(problems, the largest clipped fraction of a linear, whether a source was found): every written quantized
+    weight against the source the output's manifest names (or `source`)."""
+    if source is None:
+        f = directory / "dsconv_manifest.json"
+        inputs = json.loads(f.read_text()).get("inputs", []) if f.is_file() else []
+        source = Path(inputs[0]) if inputs else None
+    if source is None or not (source / "config.json").is_file():
+        return [], 0.0, False
+    model_dtype = getattr(torch, str(dtype).replace("torch.", "")) if isinstance(dtype, str) else dtype
+    held, problems = written_held(ck, desc, model_dtype)
+
+    def read(paths: list[Path]) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        out: dict[str, torch.Tensor] = {}
+        for p in paths:
+            out.update(load_file(str(p)))
+        return out
+
+    weights = {n: t.to(torch.float64).numpy() for n, t in
+               mr.source_tensors(sorted(source.glob("*.safetensors")), read, ck).items() if t.is_floating_point()}
+    src = mm.Source(weights, ck, desc, dtype=model_dtype)
+    src.norms = {n: t.to(torch.float64).numpy() for n, t in ck.items()
+                 if t.dim() == 1 and t.is_floating_point() and "norm" in n}
+    out = mm.compare_by_name(held, src)
+    problems += out.value_mismatch + out.class_mismatch + out.lossy
+    return problems, max(out.clipped.values(), default=0.0), True
