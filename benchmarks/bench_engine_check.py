@@ -2,8 +2,9 @@
 
 Needs MINDIE_LLM_SRC (a MindIE-LLM checkout, an installation's atb_llm, or its source archive). The environment is
 set up first (not timed: cached after the first run); then `python -m tests.engine_check.matrix --engine mindie`
-runs once in a fresh process, and the wall time, its split (quantize and shard / engine loads) and the load average
-before and after are printed. The target (docs/engine_check.md): at most 5 minutes on 2 cores.
+runs once in a fresh process, and the wall time, its split (quantize and shard / engine loads: each case is loaded
+twice, the float source first, as the expected layout), the controls and the load average before and after are
+printed. The target (docs/engine_check.md): at most 5 minutes on 2 cores.
 """
 from __future__ import annotations
 
@@ -38,3 +39,8 @@ def main() -> None:
               f"({split.group(3)})")
     if summary:
         print(f"  {summary.group(0)}")
+    caught = len(re.findall(r"^control \S+: (caught|loaded clean)", p.stdout, re.M))
+    missed = len(re.findall(r"^FAIL control", p.stdout, re.M))
+    print(f"  controls: {caught} as required (each broken copy caught, the reference-packed one loaded clean), "
+          f"{missed} not; `dsconv verify --engine mindie` runs: "
+          f"{len(re.findall(r'^dsconv verify --engine mindie', p.stdout, re.M))}")
