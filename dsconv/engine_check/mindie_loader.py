@@ -31,6 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import mindie_stubs  # noqa: E402
+from frames import raised_in  # noqa: E402
 
 READS: dict[tuple[str, str], None] = {}  # (file, tensor name) whose data MindIE read, in the order it read them
 OPENED: set[str] = set()              # safetensors files MindIE opened
@@ -238,25 +239,6 @@ def description(d: Path) -> dict[str, str]:
     return {}
 
 
-def raised_in(e: BaseException) -> str:
-    """Whose code raised an exception: the innermost frame that is MindIE's ("atb_llm/..." or "mindie_llm/...",
-    relative to its sources) or this check's (its file name), library frames (torch, safetensors, the standard
-    library) skipped. A refusal counts as MindIE's only when MindIE's own code raised it, never a stand-in's or the
-    check's."""
-    frames = []
-    tb = e.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame.f_code.co_filename)
-        tb = tb.tb_next
-    for f in reversed(frames):
-        for root in ("atb_llm", "mindie_llm"):
-            if f"/{root}/" in f and "site-packages" not in f:
-                return root + "/" + f.split(f"/{root}/", 1)[1]
-        if Path(f).parent == HERE:
-            return Path(f).name
-    return frames[-1] if frames else "?"
-
-
 def plain_dir(case: dict) -> Path:
     """The quantized directory a case's output was made from (itself, or the one an offline-sharded output was
     sharded from)."""
@@ -312,7 +294,7 @@ def run(case: dict, rank: int, world_size: int, ref: dict | None = None) -> dict
         runner = load(d, rank, world_size)
     except Exception as e:  # MindIE refused the checkpoint: that IS the result
         res["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:400]
-        res["error_type"], res["raised_in"] = type(e).__name__, raised_in(e)
+        res["error_type"], res["raised_in"] = type(e).__name__, raised_in(e, ("atb_llm", "mindie_llm"))
         res["traceback"] = traceback.format_exc(limit=-6)
         res["edits"] = sorted(set(EDITS))
         res["seconds"] = round(time.perf_counter() - started, 2)

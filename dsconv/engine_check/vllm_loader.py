@@ -31,6 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import npu_stubs  # noqa: E402
+from frames import raised_in  # noqa: E402
 
 npu_stubs.install()
 
@@ -215,6 +216,7 @@ def check(directory: Path, dtype: str | None = None, source: Path | None = None)
         model, params = build_and_load(directory, dtype)
     except Exception as e:  # the engine refused the checkpoint: that IS the result
         res["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:400]
+        res["error_type"], res["raised_in"] = type(e).__name__, raised_in(e, ("vllm_ascend", "vllm"))
         res["traceback"] = traceback.format_exc(limit=-4)
         res["seconds"] = round(time.perf_counter() - started, 2)
         return res

@@ -45,7 +45,8 @@ CONTROLS: dict[str, tuple] = {
 
 
 # vLLM-Ascend: name -> (output "family-scheme", bf16 per-expert, the copy is made of; what the check must report: a
-# non-empty field of vllm_loader's result, "ok" for a correct copy, or "refused" for the engine's own refusal)
+# non-empty field of vllm_loader's result, "ok" for a correct copy, or "refused": an exception vLLM's or vLLM-Ascend's
+# own code raised)
 VLLM_CONTROLS: dict[str, tuple[str, str]] = {
     "drop-weight-scale": ("llama-bits8", "unfilled"),      # a dynamic layer's weight_scale removed
     "rename-tensor": ("llama-bits8", "refused"),           # a weight under a name the model has no parameter for
@@ -64,6 +65,9 @@ VLLM_CONTROLS: dict[str, tuple[str, str]] = {
     "w4a8-nibbles-swapped": ("deepseek_v3-w4a8", "source"),  # (vLLM-Ascend loads no W4A16: no int4 linear control)
     "norm-held-differs": ("llama-w8a16", "lossy"),
     "w4a8-reference-packed": ("deepseek_v3-w4a8", "ok"),
+    "transpose-square": ("llama-bits8", "source"),
+    "mix-prefill-scale-off": ("llama-w8a8_mix", "source"),
+    "describe-other-type": ("llama-w8a8_dynamic", "unfilled"),  # the static params it then declares
 }
 
 
@@ -289,7 +293,7 @@ def vllm_caught(expect: str, r: dict | None) -> bool:
         return bool(r.get("loaded")) and not any(r.get(k) for k in ("mismatched", "unmapped", "unfilled", "lossy",
                                                                     "source"))
     if expect == "refused":
-        return not r.get("loaded") and str(r.get("error", "")).startswith("KeyError: ")
+        return not r.get("loaded") and str(r.get("raised_in", "")).startswith(("vllm/", "vllm_ascend/"))
     return bool(r.get("loaded")) and bool(r.get(expect))
 
 
