@@ -47,27 +47,27 @@ def _setup(tmp_path: Path, held_W: np.ndarray, scale_factor: float = 1.0):
 
 def test_a_correct_fused_layout_passes(tmp_path):
     held, ref, src = _setup(tmp_path, lambda g, u: np.concatenate([g, u]))
-    out = mm.compare(held, ref, src, [])
+    out = mm.compare(held, ref, src)
     assert not out.value_mismatch, out.value_mismatch
     assert out.covered[f"{L}.gate_proj.weight"][1].all() and out.covered[f"{L}.up_proj.weight"][1].all()
 
 
 def test_up_before_gate_fails_and_names_where_the_rows_went(tmp_path):
     held, ref, src = _setup(tmp_path, lambda g, u: np.concatenate([u, g]))
-    out = mm.compare(held, ref, src, [])
+    out = mm.compare(held, ref, src)
     assert out.value_mismatch, "gate/up swapped inside the fused tensor passed"
     assert "16 of 16 rows" in out.value_mismatch[0] and "looks like" in out.value_mismatch[0]
 
 
 def test_rows_permuted_within_a_block_fail(tmp_path):
     held, ref, src = _setup(tmp_path, lambda g, u: np.concatenate([g[::-1], u]))
-    out = mm.compare(held, ref, src, [])
+    out = mm.compare(held, ref, src)
     assert out.value_mismatch and "8 of 16 rows" in out.value_mismatch[0]
 
 
 def test_a_scale_eight_times_too_small_fails_on_the_clip_bound(tmp_path):
     held, ref, src = _setup(tmp_path, lambda g, u: np.concatenate([g, u]), scale_factor=1 / 8)
-    out = mm.compare(held, ref, src, [])
+    out = mm.compare(held, ref, src)
     frac = max(out.clipped.values())
     assert frac > mm.CLIP_LIMIT
     assert any("clipped" in x for x in out.value_mismatch), out.value_mismatch

@@ -196,17 +196,15 @@ class Placed:
     clipped: int = 0
 
 
-def compare(held: list[Held], ref: Reference, src: Source, read_order: list[str]) -> Outcome:
+def compare(held: list[Held], ref: Reference, src: Source) -> Outcome:
     """Compare every held linear with the float load's module of the same name, row by row in place; down_proj
-    rows after the rest (they take the factors SmoothQuant moved into their up_proj rows). read_order: the tensor
-    names in the order MindIE read them for this load (the order of a fusion its quantized path makes)."""
+    rows after the rest (they take the factors SmoothQuant moved into their up_proj rows)."""
     out = Outcome()
     placed = []
-    orphans = set(ref.linears) - {h.module for h in held}
     for h in held:
         out.linears += not h.embed
         out.rows += h.W.shape[0]
-        p = _place(h, ref, src, out, orphans, read_order)
+        p = _place(h, ref, src, out)
         if p is not None:
             placed.append(p)
     return _compare(placed, src, out)
@@ -269,8 +267,7 @@ def _compare(placed: list["Placed"], src: Source, out: Outcome) -> Outcome:
     return out
 
 
-def _place(h: Held, ref: Reference, src: Source, out: Outcome, orphans: set[str], read_order: list[str]
-           ) -> Placed | None:
+def _place(h: Held, ref: Reference, src: Source, out: Outcome) -> Placed | None:
     """The float load's weight at h's position, in h's orientation (a 3-D float weight MindIE split out of another,
     DeepSeek's k_b_proj / v_b_proj, carries no transpose flag: the orientation whose rows are source rows)."""
     if h.module not in ref.linears:
@@ -278,11 +275,9 @@ def _place(h: Held, ref: Reference, src: Source, out: Outcome, orphans: set[str]
                                   f"name for the float source (the output's layout is not the model's)")
         return None
     W_ref = ref.rows(h.module)
-    if W_ref.shape[1] == h.W.shape[1] and W_ref.shape[0] < h.W.shape[0]:
-        if h.embed:  # MindIE pads an embedding with a zero row at load, also its own dump's (already padded) rows
-            W_ref = np.concatenate([W_ref, np.zeros((h.W.shape[0] - W_ref.shape[0], W_ref.shape[1]))])
-        else:
-            W_ref = _fused(h, W_ref, ref, orphans, read_order)
+    if h.embed and W_ref.shape[1] == h.W.shape[1] and W_ref.shape[0] < h.W.shape[0]:
+        # MindIE pads an embedding with a zero row at load, its own dump's (already padded) rows too
+        W_ref = np.concatenate([W_ref, np.zeros((h.W.shape[0] - W_ref.shape[0], W_ref.shape[1]))])
     if W_ref.shape != h.W.shape:
         out.value_mismatch.append(f"{h.module} ({h.kind}): holds {list(h.W.shape)} rows x columns, the float load "
                                   f"{list(W_ref.shape)}")
@@ -294,26 +289,6 @@ def _place(h: Held, ref: Reference, src: Source, out: Outcome, orphans: set[str]
         if A.shape == h.alt.W.shape and (alt.name >= 0).sum() > (p.name >= 0).sum():
             return alt
     return p
-
-
-def _fused(h: Held, W_ref: np.ndarray, ref: Reference, orphans: set[str], read_order: list[str]) -> np.ndarray:
-    """A module MindIE's quantized path fuses where its float path keeps the parts apart (DeepSeek's q_a_proj with
-    kv_a_proj_with_mqa under mla_quantize): the float load's modules of the same parent that no held module has,
-    of the same width, stacked in the order MindIE read their weights for this load (its fusion order, observed)."""
-    parent = h.module.rsplit(".", 2)[0] if h.module.endswith(".linear") else h.module.rsplit(".", 1)[0]
-    order = {n: i for i, n in reversed(list(enumerate(read_order)))}
-
-    def tensor(module: str) -> str:
-        return (module[:-len(".linear")] if module.endswith(".linear") else module) + ".weight"
-
-    parts = [m for m in orphans if m.startswith(parent + ".") and ref.rows(m).shape[1] == W_ref.shape[1]
-             and tensor(m) in order]
-    parts = sorted([h.module, *parts], key=lambda m: order.get(tensor(m), -1))
-    stacked = np.concatenate([W_ref if m == h.module else ref.rows(m) for m in parts])
-    if stacked.shape != h.W.shape:
-        return W_ref
-    orphans.difference_update(parts)
-    return stacked
 
 
 def _tol(h: Held, rows: np.ndarray, S: np.ndarray, gw: np.ndarray) -> np.ndarray:
