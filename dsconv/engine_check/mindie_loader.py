@@ -324,7 +324,9 @@ def run(case: dict, rank: int, world_size: int, ref: dict | None = None) -> dict
         return res
     reference_held = mm.Reference.load(ref["file"], ref["meta"])
     src = mm.Source(source_tensors(Path(case["source"]), plain), plain, description(d),
-                    sharded=(d / "model_sharded_metadata.json").is_file(), dtype=runner.dtype)
+                    sharded=(d / "model_sharded_metadata.json").is_file(), dtype=runner.dtype,
+                    norm_offset=1.0 if str(json.loads((plain_dir(case) / "config.json").read_text()).get(
+                        "model_type", "")).startswith("gemma") else 0.0)
     norms = src.held_norms(reference_held, runner.model, runner.dtype)
     out = mm.compare(held, reference_held, src)
     res["linears"], res["rows"] = out.linears, out.rows

@@ -40,6 +40,9 @@ NORM_OF = (
     (re.compile(r"\.(mlp|block_sparse_moe)\.(experts\.\d+|shared_experts?)\.(gate_proj|up_proj|w1|w3)\.weight$"),
      "post_attention_layernorm"),
 )
+# Gemma 3 normalises the MLP's input with pre_feedforward_layernorm (its post_attention_layernorm scales the
+# attention's output before the residual add), and its RMSNorm multiplies by (1 + weight)
+PRE_FEEDFORWARD = ("post_attention_layernorm", "pre_feedforward_layernorm")
 UP_RE = re.compile(r"\.(up_proj|w3)\.weight$")
 DOWN_RE = re.compile(r"\.(down_proj|w2)\.weight$")
 # a description type -> the linear_desc MindIE builds for it (its router reads W8A8_MIX as the older w8a8_pdmix:
@@ -86,6 +89,7 @@ class Source:
     desc: dict[str, str]
     sharded: bool = False
     dtype: Any = None  # the model dtype MindIE holds float weights in (Mixtral from a bf16 source: float16)
+    norm_offset: float = 0.0  # what the model adds to a norm's weight before scaling (Gemma: 1)
     norms: dict[str, np.ndarray] = field(default_factory=dict)
     index: dict = field(default_factory=dict)  # K -> {row bytes: (name, row, chunk, chunks)}
 
@@ -93,7 +97,10 @@ class Source:
         for pat, norm in NORM_OF:
             m = pat.search(name)
             if m:
-                return f"{name[:m.start()]}.{norm}.weight"
+                layer = name[:m.start()]
+                if norm == PRE_FEEDFORWARD[0] and f"{layer}.{PRE_FEEDFORWARD[1]}.weight" in self.weights:
+                    norm = PRE_FEEDFORWARD[1]
+                return f"{layer}.{norm}.weight"
         return None
 
     def gains(self, name: str, c: int, K: int) -> tuple[np.ndarray, np.ndarray]:
@@ -102,7 +109,9 @@ class Source:
         cols = slice(c * K, (c + 1) * K)
         gw = self.norms.get(norm) if norm else None
         gs = self.weights.get(norm) if norm else None
-        return (gw[cols] if gw is not None else np.ones(K)), (gs[cols] if gs is not None else np.ones(K))
+        one = np.ones(K)
+        return (gw[cols] + self.norm_offset if gw is not None else one), \
+            (gs[cols] + self.norm_offset if gs is not None else one)
 
     def held_norms(self, ref: Reference, model: torch.nn.Module, dtype: Any) -> list[str]:
         """Place every written norm: the module that holds its source values in the float load holds it in the
@@ -262,7 +271,7 @@ def _compare(placed: list["Placed"], src: Source, out: Outcome) -> Outcome:
             where = f"{name}[{p.j[r]}] (column chunk {c})" if name else "the float load's row"
             looks = nearest(h.W[r], src.weights, layer_of(h.module), src.gains)
             out.value_mismatch.append(f"{h.module} ({h.kind}): {n} of {h.W.shape[0]} rows differ from the rows "
-                                      f"the source puts in their place; worst: row {r} vs {where}, {err:.2f} steps"
+                                      f"the source puts in their place; worst: row {r} vs {where}, {err:.4f} steps"
                                       + (f"; it looks like {looks}" if looks else ""))
     return out
 
@@ -384,8 +393,11 @@ def _row_factors(E: np.ndarray, S: np.ndarray, tol: np.ndarray, free: np.ndarray
     hi = np.where(use, np.maximum(a, b), np.inf).min(axis=1)
     ok = lo <= hi
     one = (lo <= 1.0) & (1.0 <= hi)
-    f = np.where(one | ~np.isfinite(lo) | ~np.isfinite(hi), 1.0, 0.5 * (lo + hi))
-    u = np.where(f == 1.0, 0.0, 0.5 * np.abs(hi - lo) / np.abs(f))
+    bounded = np.isfinite(lo) & np.isfinite(hi)
+    f = np.where(one | ~bounded, 1.0, 0.5 * (lo + hi))
+    # the factor is known only to lie in [lo, hi] (1 where that holds 1): its down_proj column gets the whole spread
+    with np.errstate(invalid="ignore"):
+        u = np.where(bounded, np.maximum(hi - f, f - lo) / np.abs(f), 0.0)
     return f, np.where(ok, u, 0.0), ok
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ MINDIE_SRC_HINT = ("MindIE-LLM is not on PyPI: pass --mindie-src (a MindIE-LLM c
 def _setup(script: str, *args: str, env: dict | None = None) -> str:
     """Run an environment's setup script (creates its cached venv the first time: minutes, PyPI needed); its
     stdout."""
+    print(f"engine environment: {script} (the first run installs it under ~/.cache/dsconv: minutes; then cached)",
+          file=sys.stderr, flush=True)
     p = subprocess.run(["bash", str(SCRIPTS / script), *args], capture_output=True, text=True,
                        env={**os.environ, **(env or {})})
     if p.returncode != 0:

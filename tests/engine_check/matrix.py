@@ -268,7 +268,8 @@ def verify_cli(engine: str, good: Path | None, bad: Path | None) -> list[str]:
             cc.rehash(d)
         p = subprocess.run([sys.executable, "-m", "dsconv", "verify", str(d), "--engine", engine],
                            capture_output=True, text=True)
-        line = (p.stdout.strip().splitlines() or p.stderr.strip().splitlines() or [""])[-1 if not p.returncode else 0]
+        lines = p.stdout.strip().splitlines() + [x for x in p.stderr.splitlines() if x.startswith("error:")]
+        line = (lines or [""])[-1]
         print(f"dsconv verify --engine {engine} {d.name}: exit {p.returncode}: {line}"[:300])
         if p.returncode != want:
             out.append(f"dsconv verify --engine {engine} {d}: exit {p.returncode}, want {want}: {p.stderr.strip()}")
