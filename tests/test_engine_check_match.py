@@ -111,3 +111,30 @@ def test_verify_engine_mindie_without_sources_is_a_clear_user_error(tmp_path, mo
     with pytest.raises(UserError, match="needs MindIE-LLM's sources") as e:
         check(quant, "mindie")
     assert "not on PyPI" in e.value.hint
+
+
+def _smooth_pair(tmp_path: Path, down_carries_factor: bool):
+    """up_proj [8, 16] and down_proj [16, 8]; SmoothQuant divides up row i by s_i and multiplies down column i by
+    s_i (the model is unchanged); a writer that forgot the down side computes another model."""
+    rng = np.random.default_rng(2)
+    bf = lambda a: torch.from_numpy(a).to(torch.bfloat16).double().numpy()  # noqa: E731
+    up, down = bf(rng.standard_normal((8, 16))), bf(rng.standard_normal((16, 8)))
+    s = np.linspace(0.5, 2.0, 8)
+    names = {"up": f"{L}.up_proj.linear", "down": f"{L}.down_proj.linear"}
+    np.savez(tmp_path / "ref.npz", **{f"w::{names['up']}": up, f"w::{names['down']}": down})
+    ref = mm.Reference.load(str(tmp_path / "ref.npz"), {"linears": {n: {"kind": "FLOAT", "transposed": False}
+                                                                    for n in names.values()}, "norms": []})
+    src = mm.Source({f"{L}.up_proj.weight": up, f"{L}.down_proj.weight": down}, {}, {}, dtype=torch.bfloat16)
+    held = [_quantized(up / s[:, None], names["up"]),
+            _quantized(down * s[None, :] if down_carries_factor else down, names["down"])]
+    return mm.compare(held, ref, src)
+
+
+def test_smoothquant_moved_between_up_and_down_passes(tmp_path):
+    out = _smooth_pair(tmp_path, down_carries_factor=True)
+    assert not out.value_mismatch, out.value_mismatch
+
+
+def test_smoothquant_on_up_alone_fails_on_down(tmp_path):
+    out = _smooth_pair(tmp_path, down_carries_factor=False)
+    assert any("down_proj" in x for x in out.value_mismatch), out.value_mismatch

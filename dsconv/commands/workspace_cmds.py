@@ -71,7 +71,7 @@ def verify(directory: Path, engine: str | None, source: Path | None, mindie_src:
         loaded = check(directory, engine, source, str(mindie_src) if mindie_src else None)
         if loaded.get("load") != "ok":
             problems = [f"{engine}'s loader: {loaded.get('load')}: {x}" for x in
-                        (loaded.get("problems") or [loaded.get("error")])]
+                        (loaded.get("problems") or [loaded.get("error") or "no result (see the log above)"])]
     if as_json:
         emit_json({"directory": str(directory), "stage": manifest.get("stage"), "files": len(manifest["files"]),
                    "ok": not problems, "problems": problems, **({"engine": {engine: loaded}} if loaded else {})})

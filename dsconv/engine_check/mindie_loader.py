@@ -258,7 +258,8 @@ def reference(case: dict, rank: int, world_size: int, tmp: Path) -> dict:
     src = mr.source_tensors(sorted(Path(case["source"]).glob("*.safetensors")), read_all, written)
     errors = []
     for keep_config in (True, False):  # the quantized output's config.json, then a plain float one
-        ref = mr.build(plain, Path(case["dir"]), src, written, tmp / "reference", keep_config)
+        ref = mr.build(plain, Path(case["dir"]), src, written, tmp / "reference",
+                       json.loads((Path(case["source"]) / "config.json").read_text()), keep_config)
         try:
             runner = load(ref, rank, world_size)
             modules = mh.linear_modules(runner.model)
@@ -269,7 +270,7 @@ def reference(case: dict, rank: int, world_size: int, tmp: Path) -> dict:
             errors.append(f"{type(e).__name__}: {e}".splitlines()[0][:300])
             continue
         np.savez(tmp / "reference.npz", **arrays)
-        meta["slots"] = mr.slots(graph.get("prefill", []), modules, weights)
+        meta["slots"] = mr.slots(graph.get("prefill", []), weights)
         meta["config"] = "as written" if keep_config else "float"
         return {"ok": True, "file": str(tmp / "reference.npz"), "meta": meta}
     return {"ok": False, "error": " / ".join(errors)}
@@ -323,8 +324,7 @@ def run(case: dict, rank: int, world_size: int, ref: dict | None = None) -> dict
                    unread_explained={}, clipped={}, caches=0, seconds=round(time.perf_counter() - started, 2))
         return res
     reference_held = mm.Reference.load(ref["file"], ref["meta"])
-    src = mm.Source(source_tensors(Path(case["source"]), plain), plain, description(d),
-                    sharded=(d / "model_sharded_metadata.json").is_file(), dtype=runner.dtype,
+    src = mm.Source(source_tensors(Path(case["source"]), plain), plain, description(d), dtype=runner.dtype,
                     norm_offset=1.0 if str(json.loads((plain_dir(case) / "config.json").read_text()).get(
                         "model_type", "")).startswith("gemma") else 0.0)
     norms = src.held_norms(reference_held, runner.model, runner.dtype)
@@ -332,7 +332,7 @@ def run(case: dict, rank: int, world_size: int, ref: dict | None = None) -> dict
     res["linears"], res["rows"] = out.linears, out.rows
     res["class_mismatch"] = out.class_mismatch
     res["value_mismatch"] = problems + out.value_mismatch + (mh.graph_problems(held, graph) if graph else []) \
-        + (mm.slot_problems(ref["meta"]["slots"], mr.slots(graph.get("prefill", []), modules, weights))
+        + (mm.slot_problems(ref["meta"]["slots"], mr.slots(graph.get("prefill", []), weights))
            if graph and ref["meta"]["config"] == "as written" else [])  # a float model's graph is another graph
     res["lossy"] = out.lossy
     res["norms"] = norms

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from factors import column_factors, row_factors
 from mindie_held import Held, layer_of, rows as held_rows, scale_values
 from mindie_nearest import nearest
 
@@ -54,9 +55,10 @@ TINY = {torch.bfloat16: 2.0 ** -134, torch.float16: 2.0 ** -25, torch.float32: 2
 ROUTING_BIAS = "e_score_correction_bias"
 SLACK = 0.5 * (1 + 1e-3)  # half a step, and the float64 arithmetic's own noise
 # the largest fraction of a linear's elements its scale may clip (beyond half a step, excused only because the source
-# lies beyond the clip): over every output of the check, a correct one clips at most 0.76% of a linear as MindIE
-# holds it and 1.48% as written for vLLM-Ascend (the clip searches on 64-wide tiny rows; docs/engine_check.md); a
-# weight scale 8x too small clips 73.9%. The margin leaves room for real weights' outliers.
+# lies beyond the clip): over every output of the check, a correct one clips none of a linear as MindIE holds it
+# and at most 0.012% as written for vLLM-Ascend, the real Qwen2.5-Coder-0.5B and Gemma-3-270M `--bits 8` outputs none
+# (docs/engine_check.md); a weight scale 8x too small clips 73.9%. The margin leaves room for a clip search that
+# does clip real outliers.
 CLIP_LIMIT = 0.10
 
 
@@ -87,7 +89,6 @@ class Source:
     weights: dict[str, np.ndarray]
     written: dict[str, torch.Tensor]
     desc: dict[str, str]
-    sharded: bool = False
     dtype: Any = None  # the model dtype MindIE holds float weights in (Mixtral from a bf16 source: float16)
     norm_offset: float = 0.0  # what the model adds to a norm's weight before scaling (Gemma: 1)
     norms: dict[str, np.ndarray] = field(default_factory=dict)
@@ -140,7 +141,8 @@ class Source:
                 continue
             got = held[module].weight.detach().to(torch.float64).numpy()
             want = t.to(torch.float64).numpy()
-            self.norms[n] = got
+            if got.shape == want.shape:
+                self.norms[n] = got
             if got.shape != want.shape or not np.array_equal(got, want):
                 worst = float(np.abs(got - want).max()) if got.shape == want.shape else float("nan")
                 out.append(f"{n}: MindIE's {module} holds other values than written (worst {worst:.3g})")
@@ -148,7 +150,7 @@ class Source:
             wb = self.written.get(n[:-len("weight")] + "bias")
             if isinstance(b, torch.Tensor) and b.numel() and (
                     wb is None and bool(b.abs().max() > 0) or wb is not None and not torch.equal(wb.to(b.dtype), b)):
-                out.append(f"{n}: {module} holds a nonzero bias the checkpoint does not have")
+                out.append(f"{n}: {module} holds a bias other than the written one (or than none)")
         return out
 
     def provenance(self, W: np.ndarray) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -188,7 +190,7 @@ class Outcome:
     value_mismatch: list = field(default_factory=list)
     lossy: list = field(default_factory=list)
     covered: dict = field(default_factory=dict)      # source name -> chunks -> bool [rows, chunks]
-    bias_parts: dict = field(default_factory=dict)   # "name|row" -> [sum over this rank's chunks, tolerance, chunks]
+    bias_parts: dict = field(default_factory=dict)   # "name|row" -> [sum over chunks, tolerance, chunks, want, m]
     clipped: dict = field(default_factory=dict)      # module -> fraction of its elements beyond half a step, clipped
 
 
@@ -320,20 +322,36 @@ def _check(p: Placed, rows: np.ndarray, name: str | None, c: int, m: int, src: S
     S = p.W_ref[rows] * gs
     tol = _tol(h, rows, S, gw)
     js = p.j[rows]
-    if name and DOWN_RE.search(name):  # the column factors its up_proj rows carry (1 where nothing was folded)
-        fu = factors.get(_mlp(name))
-        if fu is not None:
-            f, u = fu[c * K:(c + 1) * K, 0], fu[c * K:(c + 1) * K, 1]
-            S = S / f
-            tol = tol + np.abs(S) * u
-    free = _clipped(h, rows, E, S, tol)
-    err = np.where(free, 0.0, np.abs(E - S) / tol)
+    # a scale folded into a quantized weight (SmoothQuant: a norm's into its linears, up_proj's into down_proj) was
+    # applied to the float weight in the model dtype before quantizing: that rounding (half an ulp) comes on top of
+    # half a step where a factor is folded, and nowhere else
+    ulp = EPS.get(src.dtype, 2.0 ** -9) if h.q is not None else 0.0
+    folded = np.broadcast_to(gw != gs, E.shape)
+    S0 = S
+    ok = None
+    if name and DOWN_RE.search(name):  # the column factors its up_proj rows allow (1 where nothing was folded)
+        mi = factors.get(_mlp(name))
+        if mi is not None:
+            allowed = mi[c * K:(c + 1) * K]
+            col, spread = column_factors(h, rows, E, S, tol + ulp * np.abs(S), allowed, QMAX)
+            S = S * col[None, :]
+            folded = folded | ((allowed[:, 0] != 1.0) | (allowed[:, 1] != 1.0))[None, :]
+            tol = tol + np.abs(S) * spread[None, :]
+    free0 = np.zeros_like(E, dtype=bool)
     if name and UP_RE.search(name):
-        f, u, ok = _row_factors(E, S, tol, free)
-        fu = factors.setdefault(_mlp(name), np.tile([1.0, 0.0], (src.weights[name].shape[0], 1)))
-        fu[js[ok], 0], fu[js[ok], 1] = f[ok], u[ok]
-        S2 = S * f[:, None]
-        err = np.where(free, 0.0, np.abs(E - S2) / (tol + np.abs(S2) * u[:, None]))
+        wide = tol + ulp * np.abs(S)
+        free0 = _clipped(h, rows, E, S, wide, gw)  # at the range's end before the row's factor: excused after too
+        f, lo, hi, ok = row_factors(E, S, wide, free0)
+        mi = factors.setdefault(_mlp(name), np.tile([1.0, 1.0], (src.weights[name].shape[0], 1)))
+        # its down_proj column must carry 1 / f for some f in [lo, hi]
+        fit = ok & np.isfinite(lo) & np.isfinite(hi) & (lo > 0)
+        mi[js[fit], 0], mi[js[fit], 1] = 1.0 / hi[fit], 1.0 / lo[fit]
+        S = S * f[:, None]
+        folded = np.ones_like(E, dtype=bool)  # the row's factor was fitted with the allowance: keep it
+    tol = np.where(folded, tol + ulp * np.maximum(np.abs(S), np.abs(S0)), tol)
+    free = _clipped(h, rows, E, S, tol, gw) | free0
+    err = np.where(free, 0.0, np.abs(E - S) / tol)
+    if ok is not None:
         err[~ok] = np.maximum(err[~ok], 2.0)  # no single factor fits: beyond half a step somewhere
     p.clipped += int((free & (np.abs(E - S) > tol)).sum())  # excused by the clip alone
     worst = err.max(axis=1) * SLACK
@@ -342,9 +360,13 @@ def _check(p: Placed, rows: np.ndarray, name: str | None, c: int, m: int, src: S
         _described(h, name, src, out)
         cov = out.covered.setdefault(name, {}).setdefault(m, np.zeros((src.weights[name].shape[0], m), bool))
         cov[js[good], c] = True
-        _written_scales(h, rows[good], js[good], name, src, out)
+        _written_scales(h, rows[good], js[good], name, c, m, src, out)
         if h.bias is not None:
             _bias(h, rows[good], js[good], name, c, m, src, out)
+        elif src.weights.get(name[:-len("weight")] + "bias") is not None and len(rows):
+            msg = f"{h.module} ({h.kind}): holds no bias, the source's {name[:-len('weight')]}bias is lost"
+            if msg not in out.value_mismatch:
+                out.value_mismatch.append(msg)
     if good.all():
         return None
     k = int(np.argmax(worst))
@@ -371,39 +393,23 @@ def _mlp(name: str) -> str:
     return name.rsplit(".", 2)[0]
 
 
-def _clipped(h: Held, rows: np.ndarray, E: np.ndarray, S: np.ndarray, tol: np.ndarray) -> np.ndarray:
-    """Elements at the integer range's end whose source lies beyond the clip (any distance is right there)."""
+def _clipped(h: Held, rows: np.ndarray, E: np.ndarray, S: np.ndarray, tol: np.ndarray, gw: np.ndarray
+             ) -> np.ndarray:
+    """Elements whose stored integer sits at the range's end and whose source lies beyond the clip (any distance is
+    right there); the direction is the effective step's sign (scale x norm)."""
     if h.q is None:
         return np.zeros_like(E, dtype=bool)
     qmax = QMAX.get(h.kind, 127)
-    qv = h.q[rows] + h.offset[rows]
-    sign = np.sign(h.scale[rows])
-    return (qv >= qmax) & (S * sign >= E * sign - tol) | (qv <= -qmax) & (S * sign <= E * sign + tol)
+    q = h.q[rows]
+    sign = np.sign(h.scale[rows] * gw)
+    return (q >= qmax) & (S * sign >= E * sign - tol) | (q <= -qmax) & (S * sign <= E * sign + tol)
 
 
-def _row_factors(E: np.ndarray, S: np.ndarray, tol: np.ndarray, free: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per row, the factors f for which every element of E is within tol of f * S (an interval; 1 when it holds
-    1): SmoothQuant divides an up_proj row by what it multiplies the down_proj column by. (f, relative half-width,
-    whether any f fits)."""
-    use = ~free & (np.abs(S) > 0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        a, b = (E - tol) / S, (E + tol) / S
-    lo = np.where(use, np.minimum(a, b), -np.inf).max(axis=1)
-    hi = np.where(use, np.maximum(a, b), np.inf).min(axis=1)
-    ok = lo <= hi
-    one = (lo <= 1.0) & (1.0 <= hi)
-    bounded = np.isfinite(lo) & np.isfinite(hi)
-    f = np.where(one | ~bounded, 1.0, 0.5 * (lo + hi))
-    # the factor is known only to lie in [lo, hi] (1 where that holds 1): its down_proj column gets the whole spread
-    with np.errstate(invalid="ignore"):
-        u = np.where(bounded, np.maximum(hi - f, f - lo) / np.abs(f), 0.0)
-    return f, np.where(ok, u, 0.0), ok
-
-
-def _written_scales(h: Held, rows: np.ndarray, js: np.ndarray, name: str, src: Source, out: Outcome) -> None:
+def _written_scales(h: Held, rows: np.ndarray, js: np.ndarray, name: str, c: int, m: int, src: Source,
+                    out: Outcome) -> None:
     """The scales MindIE holds for these rows must be the written ones (lossy otherwise): those of the quantized
-    directory, whose rows the provenance names (an offline-sharded rank's slices must hold the same)."""
+    directory, whose rows the provenance names (an offline-sharded rank's slices must hold the same), per-group
+    scales of a row-parallel chunk c of m sliced to their chunk's groups."""
     if not len(rows):
         return
     base = name[:-len(".weight")]
@@ -414,7 +420,12 @@ def _written_scales(h: Held, rows: np.ndarray, js: np.ndarray, name: str, src: S
         wv = scale_values(t)
         want = np.broadcast_to(wv.reshape(1, -1), (len(js), 1)) if wv.size == 1 else wv.reshape(wv.shape[0], -1)[js]
         got = held[rows].reshape(len(rows), -1)
-        if want.shape == got.shape and not np.array_equal(want, got):
+        if m > 1 and want.shape[1] == got.shape[1] * m:
+            want = want[:, c * got.shape[1]:(c + 1) * got.shape[1]]
+        if want.shape != got.shape:
+            out.lossy.append(f"{base}.{key}: written {list(want.shape)} per these rows, MindIE holds {list(got.shape)}")
+            continue
+        if not np.array_equal(want, got):
             k = np.argwhere(want != got)[0]
             out.lossy.append(f"{base}.{key}: {t.dtype} written, MindIE holds other values (e.g. row {js[k[0]]}: "
                              f"{want[tuple(k)]:.9g} -> {got[tuple(k)]:.9g})")

@@ -10,7 +10,8 @@ The reference directory is the quantized output with every quantized linear desc
 source's (its quantization tensors dropped), the norms, embeddings, routers and biases the source's, and what only
 the quantized output has (the int8 cache's scales) kept: MindIE then takes the same path through its model code (the
 legacy Qwen modules with an int8 cache, DeepSeek's MLA), and an offline-sharded output is compared with MindIE's own
-online sharding of the float source at the same parallel settings.
+online sharding of the float source at the same parallel settings. Its config.json takes every key the source's has
+from the source, so a writer's change to one (head counts, rope dims) is not followed by the float load.
 """
 from __future__ import annotations
 
@@ -39,11 +40,12 @@ def source_tensors(paths: list[Path], read: Any, written: Any = ()) -> dict[str,
     first: transformers 5's `gate_up_proj` is [E, 2I, H], gate then up), in the convention the written output
     names them by (Mixtral's w1 / w3 / w2 where it has them)."""
     out: dict[str, torch.Tensor] = {}
+    prefixes = {k.rsplit(".", i)[0] for k in written for i in range(1, k.count(".") + 1)}
     for name, t in read(paths).items():
         if not (name.endswith(("experts.gate_up_proj", "experts.down_proj")) and t.dim() == 3):
-            out[_as_written(name, written)] = t
+            out[_as_written(name, prefixes)] = t
             continue
-        base = _as_written(name.rsplit(".", 1)[0], written)
+        base = _as_written(name.rsplit(".", 1)[0], prefixes)
         gate, up, down = EXPERT_NAMES[f"{base}.0.w1.weight" in written or f"{base}.0.w2.weight" in written]
         for e in range(t.shape[0]):
             if name.endswith("gate_up_proj"):
@@ -59,15 +61,16 @@ def source_tensors(paths: list[Path], read: Any, written: Any = ()) -> dict[str,
 QUANT_CONFIG = ("quantize", "attn_quantize", "mla_quantize", "moe_quantize")
 
 
-def _as_written(name: str, written: Any) -> str:
+def _as_written(name: str, prefixes: set[str]) -> str:
     """transformers 5 names Mixtral's MoE block `mlp` (mlp.gate, mlp.experts); its checkpoints, and MindIE, name it
-    `block_sparse_moe`: the written name where the output uses that one."""
+    `block_sparse_moe`: the written name where the output uses that one (`prefixes`: the written names' dotted
+    prefixes)."""
     alt = name.replace(".mlp.", ".block_sparse_moe.")
-    return alt if alt != name and any(k.startswith(alt.rsplit(".", 1)[0]) for k in written) else name
+    return alt if alt != name and alt.rsplit(".", 1)[0] in prefixes else name
 
 
 def build(plain: Path, parallel_from: Path, source: dict[str, torch.Tensor], written: dict[str, torch.Tensor],
-          out: Path, keep_config: bool = True) -> Path:
+          out: Path, source_config: dict[str, Any], keep_config: bool = True) -> Path:
     """The reference directory for the quantized output `plain` (an offline-sharded output: the quantized directory
     it was sharded from, with the sharded folder's mindie_parallel.json). keep_config: config.json as written (MindIE
     takes the quantized model's path through its code: the int8 cache's modules), else without QUANT_CONFIG (a float
@@ -79,9 +82,13 @@ def build(plain: Path, parallel_from: Path, source: dict[str, torch.Tensor], wri
     for name in COPIED:
         if (plain / name).is_file():
             shutil.copy(plain / name, out / name)
+    # every key the float source's config.json has, with the source's value: a writer that changed one (head
+    # counts, rope dims, tied embeddings) must not have the float load follow it
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update({k: v for k, v in source_config.items() if k != "quantization_config"})
     if not keep_config:
-        cfg = json.loads((out / "config.json").read_text())
-        (out / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k not in QUANT_CONFIG}))
+        cfg = {k: v for k, v in cfg.items() if k not in QUANT_CONFIG}
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
     if (parallel_from / "mindie_parallel.json").is_file():
         shutil.copy(parallel_from / "mindie_parallel.json", out / "mindie_parallel.json")
     desc_file = next(iter(sorted(plain.glob("quant_model_description*.json"))), None)
@@ -129,8 +136,7 @@ def capture(model: torch.nn.Module, modules: list[tuple[str, torch.nn.Module]], 
     return arrays, meta
 
 
-def slots(graph: list[Any], modules: list[tuple[str, torch.nn.Module]], weights: dict[str, torch.Tensor]
-          ) -> list[str | None]:
+def slots(graph: list[Any], weights: dict[str, torch.Tensor]) -> list[str | None]:
     """For each position of the weight list handed to the ATB graph, the module whose weight sits there (by
     storage, else by bytes: init_ascend_weight may cast a weight's format into a new tensor), else None."""
     by_ptr = {(t.data_ptr(), tuple(t.shape)): n for n, t in weights.items() if t.numel()}

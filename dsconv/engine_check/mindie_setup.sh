@@ -2,7 +2,7 @@
 # The MindIE part of the engine check: a venv of its own (transformers 4.57, CPU torch; mindie_requirements.txt) and
 # MindIE-LLM's Python sources, from MINDIE_LLM_SRC: a MindIE-LLM checkout, the atb_llm of a MindIE installation, or
 # a source archive (.tar.gz, unpacked once into the cache).
-#   MINDIE_LLM_SRC=... bash tests/engine_check/mindie_setup.sh   ->  prints "PYTHON SOURCES" on stdout
+#   MINDIE_LLM_SRC=... bash dsconv/engine_check/mindie_setup.sh   ->  prints "PYTHON SOURCES" on stdout
 # Cached under ${DSCONV_ENGINE_CACHE:-~/.cache/dsconv}/mindie-<hash of this file and the requirements>; ~1 min and
 # ~1 GB the first time (PyPI only), instant after.
 set -euo pipefail

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The engine-check environment: vLLM 0.23.0 + vLLM-Ascend 0.23.0.post1 on CPU, isolated from dsconv's .venv.
-#   bash tests/engine_check/setup_env.sh [--print-python]
+#   bash dsconv/engine_check/setup_env.sh [--print-python]
 # Cached under ${DSCONV_ENGINE_CACHE:-~/.cache/dsconv}/engine-<hash of this file and requirements.txt>, so a clean
 # clone on the same machine reuses it; ~3.3 GB, a few minutes the first time (PyPI only).
 set -euo pipefail

@@ -264,7 +264,12 @@ def check(directory: Path, dtype: str | None = None, source: Path | None = None)
         res["unfilled"].append(f"{pname}: {int((~mask).sum())} of {mask.numel()} elements")
     from written_source import source_problems
 
-    res["source"], res["clipped_max"], res["source_checked"] = source_problems(directory, ck, desc, dtype, source)
+    try:
+        res["source"], res["clipped_max"], res["source_checked"] = source_problems(directory, ck, desc, dtype,
+                                                                                   source)
+    except Exception as e:  # noqa: BLE001 - the comparison's own failure is a failed check, not the batch's end
+        res["source"], res["clipped_max"], res["source_checked"] = \
+            [f"the comparison with the source failed: {type(e).__name__}: {e}"], 0.0, True
     if not res["source_checked"]:
         res["source"] = ["no float source to compare with: the manifest names none that exists (pass --source)"]
     res["seconds"] = round(time.perf_counter() - started, 2)

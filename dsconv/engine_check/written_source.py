@@ -33,16 +33,26 @@ def _unpack_rows(packed: np.ndarray) -> np.ndarray:
 
 
 def written_held(ck: dict[str, torch.Tensor], desc: dict[str, str], model_dtype: Any) -> tuple[list, list[str]]:
-    """Every written linear as mindie_held.Held (its effective rows by the kernel's arithmetic); problems where a
-    written form decodes to nothing a kernel runs."""
+    """Every written weight matrix as mindie_held.Held (a quantized one's effective rows by the kernel's arithmetic,
+    a float one as written); problems where a written form decodes to nothing a kernel runs."""
     out, problems = [], []
+    by_module: dict[str, dict[str, torch.Tensor]] = {}
+    for k, v in ck.items():
+        module, _, leaf = k.rpartition(".")
+        by_module.setdefault(module, {})[leaf] = v
     for name in sorted(ck):
         kind = desc.get(name)
-        if not name.endswith(".weight") or kind not in QUANTIZED or ck[name].dim() != 2:
+        if not name.endswith(".weight") or ck[name].dim() != 2:
             continue
         base = name[:-len(".weight")]
         w = ck[name]
-        buf = {k.rsplit(".", 1)[1]: v for k, v in ck.items() if k.rsplit(".", 1)[0] == base}
+        if w.is_floating_point():  # a float matrix: source_problems compares it
+            if kind in QUANTIZED:
+                problems.append(f"{name} ({kind}): a float tensor under a quantized type")
+            continue
+        if kind not in QUANTIZED:
+            continue
+        buf = by_module[base]
         try:
             if kind in ("W8A8", "W8A8_MIX"):
                 h = mh._w8a8(base, w, buf, False, "W8A8_PDMIX" if kind == "W8A8_MIX" else "W8A8", None)
@@ -95,6 +105,23 @@ def _w4a16(base: str, w: torch.Tensor, buf: dict) -> mh.Held:
     return h
 
 
+def _float_rows(name: str, t: torch.Tensor, source: np.ndarray | None, chunk: int = 4096) -> list[str]:
+    """A float matrix against its source cast to the written dtype, a block of rows at a time (an embedding of a
+    150k vocabulary is 1 GB in float64): equal, or the first rows that differ."""
+    if source is None:
+        return [f"{name}: written, but the source has no such tensor"]
+    if tuple(source.shape) != tuple(t.shape):
+        return [f"{name}: written {list(t.shape)}, the source's is {list(source.shape)}"]
+    bad = []
+    for a in range(0, t.shape[0], chunk):
+        want = torch.from_numpy(source[a:a + chunk]).to(t.dtype)
+        diff = (want != t[a:a + chunk]).any(dim=1)
+        bad += (torch.nonzero(diff).flatten() + a).tolist()[:3 - len(bad)] if diff.any() else []
+        if len(bad) >= 3:
+            break
+    return [f"{name}: rows {bad} differ from the source's"] if bad else []
+
+
 def source_problems(directory: Path, ck: dict[str, torch.Tensor], desc: dict[str, str], dtype: Any,
                     source: Path | None = None) -> tuple[list[str], float, bool]:
     """(problems, the largest clipped fraction of a linear, whether a source was found): every written quantized
@@ -123,6 +150,14 @@ def source_problems(directory: Path, ck: dict[str, torch.Tensor], desc: dict[str
                     norm_offset=1.0 if str(cfg.get("model_type", "")).startswith("gemma") else 0.0)
     src.norms = {n: t.to(torch.float64).numpy() for n, t in ck.items()
                  if t.dim() == 1 and t.is_floating_point() and "norm" in n}
+    for name, t in sorted(ck.items()):  # float matrices: embeddings, heads, routers, linears kept float
+        if not (name.endswith(".weight") and t.dim() == 2 and t.is_floating_point()) or desc.get(name) in QUANTIZED:
+            continue
+        if src.norm_name(name) is None:  # nothing SmoothQuant could fold into: the source's values, row by row
+            problems += _float_rows(name, t, weights.get(name))
+        else:  # fed by a norm: through the comparison, whose products take a folded scale
+            W = mh._np(t)
+            held.append(mh.Held(name[:-len(".weight")], "FLOAT", None, W, np.zeros_like(W), None, t.dtype))
     out = mm.compare_by_name(held, src)
     problems += out.value_mismatch + out.class_mismatch + out.lossy
     return problems, max(out.clipped.values(), default=0.0), True

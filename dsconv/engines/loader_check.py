@@ -128,7 +128,8 @@ def merge_ranks(rs: list[dict | None]) -> dict:
         return {"load": "not run"}
     failed = [r for r in rs if not r["loaded"]]
     if failed:
-        return {"load": "refused by the engine", "error": failed[0]["error"],
+        crashed = str(failed[0]["error"]).startswith(("check crashed", "the loading process died"))
+        return {"load": "check failed" if crashed else "refused by the engine", "error": failed[0]["error"],
                 "error_type": failed[0].get("error_type"), "raised_in": failed[0].get("raised_in")}
     problems: dict[str, list] = {k: [] for k in PROBLEM_KEYS}
     for r in rs:

@@ -41,6 +41,7 @@ CONTROLS: dict[str, tuple] = {
     "w4a8-nibbles-swapped": ("deepseek_v3", "w4a8", "bf16", "per-expert", 1, "value_mismatch"),
     "norm-held-differs": ("llama", "w8a16", "bf16", "per-expert", 1, "norms"),
     "w4a8-reference-packed": ("deepseek_v3", "w4a8", "bf16", "per-expert", 1, "ok"),
+    "head-rows-swapped": ("llama", "bits8", "bf16", "per-expert", 1, "value_mismatch"),  # a float tensor
 }
 
 
@@ -68,6 +69,7 @@ VLLM_CONTROLS: dict[str, tuple[str, str]] = {
     "transpose-square": ("llama-bits8", "source"),
     "mix-prefill-scale-off": ("llama-w8a8_mix", "source"),
     "describe-other-type": ("llama-w8a8_dynamic", "unfilled"),  # the static params it then declares
+    "head-rows-swapped": ("llama-bits8", "source"),
 }
 
 
@@ -257,6 +259,11 @@ def make(name: str, base: Path, src: Path, root: Path) -> Path:
         _edit(d, _norm_off_grid)
     elif name == "w4a8-reference-packed":
         _w4a8_reference(d, src)
+    elif name == "head-rows-swapped":  # two vocabulary rows of the (float) lm_head exchanged
+        def swap(t: dict) -> None:
+            n = t["lm_head.weight"].shape[0]
+            _permute_rows(t, "lm_head", np.r_[1, 0, np.arange(2, n)])
+        _edit(d, swap)
     elif name == "mla-rope-permuted":
         _rope_permuted(d)
     elif name == "drop-weight-scale":
