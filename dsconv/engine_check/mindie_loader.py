@@ -33,7 +33,7 @@ sys.path.insert(0, str(HERE))
 import mindie_stubs  # noqa: E402
 from frames import raised_in  # noqa: E402
 
-READS: dict[tuple[str, str], None] = {}  # (file, tensor name) whose data MindIE read
+READS: set[tuple[str, str]] = set()   # (file, tensor name) whose data MindIE read
 OPENED: set[str] = set()              # safetensors files MindIE opened
 REAL_SAFE_OPEN: Any = None  # safetensors.safe_open itself, for this module's own reads (not recorded)
 PROBLEM_KEYS = ("class_mismatch", "value_mismatch", "lossy", "norms", "unread")
@@ -53,7 +53,7 @@ def record_reads() -> None:
             self._s, self._key = s, key
 
         def __getitem__(self, idx: Any) -> Any:
-            READS.setdefault(self._key)
+            READS.add(self._key)
             return self._s[idx]
 
         def __getattr__(self, a: str) -> Any:
@@ -73,7 +73,7 @@ def record_reads() -> None:
             return self._h.__exit__(*exc)
 
         def get_tensor(self, name: str) -> Any:
-            READS.setdefault((self._file, name))
+            READS.add((self._file, name))
             return self._h.get_tensor(name)
 
         def get_slice(self, name: str) -> Slice:
@@ -325,8 +325,7 @@ def run(case: dict, rank: int, world_size: int, ref: dict | None = None) -> dict
         return res
     reference_held = mm.Reference.load(ref["file"], ref["meta"])
     src = mm.Source(source_tensors(Path(case["source"]), plain), plain, description(d), dtype=runner.dtype,
-                    norm_offset=1.0 if str(json.loads((plain_dir(case) / "config.json").read_text()).get(
-                        "model_type", "")).startswith("gemma") else 0.0)
+                    norm_offset=mm.norm_offset(json.loads((plain_dir(case) / "config.json").read_text())))
     norms = src.held_norms(reference_held, runner.model, runner.dtype)
     out = mm.compare(held, reference_held, src)
     res["linears"], res["rows"] = out.linears, out.rows

@@ -62,6 +62,11 @@ SLACK = 0.5 * (1 + 1e-3)  # half a step, and the float64 arithmetic's own noise
 CLIP_LIMIT = 0.10
 
 
+def norm_offset(config: dict) -> float:
+    """What a model adds to a norm's weight before scaling by it: Gemma's RMSNorm multiplies by (1 + weight)."""
+    return 1.0 if str(config.get("model_type", "")).startswith("gemma") else 0.0
+
+
 @dataclass
 class Reference:
     """What MindIE holds for the float source (mindie_reference.capture): raw weights and norms by module name."""

@@ -146,8 +146,7 @@ def source_problems(directory: Path, ck: dict[str, torch.Tensor], desc: dict[str
     weights = {n: t.to(torch.float64).numpy() for n, t in
                mr.source_tensors(sorted(source.glob("*.safetensors")), read, ck).items() if t.is_floating_point()}
     cfg = json.loads((directory / "config.json").read_text())
-    src = mm.Source(weights, ck, desc, dtype=model_dtype,
-                    norm_offset=1.0 if str(cfg.get("model_type", "")).startswith("gemma") else 0.0)
+    src = mm.Source(weights, ck, desc, dtype=model_dtype, norm_offset=mm.norm_offset(cfg))
     src.norms = {n: t.to(torch.float64).numpy() for n, t in ck.items()
                  if t.dim() == 1 and t.is_floating_point() and "norm" in n}
     for name, t in sorted(ck.items()):  # float matrices: embeddings, heads, routers, linears kept float

@@ -292,13 +292,14 @@ def _first(t: dict, suffix: str) -> str:
 
 
 def vllm_caught(expect: str, r: dict | None) -> bool:
-    """Whether a vLLM-Ascend control's raw result is what it must be ("refused": the engine's own KeyError for a
-    name it has no parameter for; never a crash of the check)."""
+    """Whether a vLLM-Ascend control's raw result is what it must be: "ok" clean as vllm_summary judges a case,
+    "refused" raised in vLLM's or vLLM-Ascend's own code (never a crash of the check), else that field non-empty."""
     if r is None:
         return False
     if expect == "ok":
-        return bool(r.get("loaded")) and not any(r.get(k) for k in ("mismatched", "unmapped", "unfilled", "lossy",
-                                                                    "source"))
+        from dsconv.engines.loader_check import vllm_summary
+
+        return vllm_summary(r)["load"] == "ok"
     if expect == "refused":
         return not r.get("loaded") and str(r.get("raised_in", "")).startswith(("vllm/", "vllm_ascend/"))
     return bool(r.get("loaded")) and bool(r.get(expect))
