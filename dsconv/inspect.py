@@ -76,6 +76,9 @@ def inspect_model(ck: Any) -> dict[str, Any]:
         "categories": {k.value: dict(cats[k.value]) for k in Category if k.value in cats},
         "architecture": facts.as_dict(),
         "kv_cache_bytes_per_token": {"bf16": facts.kv_bytes_per_token(2), "int8": facts.kv_bytes_per_token(1)},
+        # DeepSeek-V3.2's indexer keys (counted in the KV cache above); a hybrid model's linear-attention state
+        **({"indexer_cache_bytes_per_token": facts.indexer_bytes_per_token()} if facts.index_head_dim else {}),
+        **({"state_bytes_per_sequence": facts.state_bytes_per_sequence()} if facts.layer_kinds else {}),
         "quantized": bool(ck.is_quantized),
         # the cache this checkpoint runs with: int8 when quantized with --kv-cache int8 (description C8)
         "kv_cache": "int8" if int8_cache(getattr(ck, "quant_description", None)) else "bf16",
@@ -87,6 +90,7 @@ def inspect_model(ck: Any) -> dict[str, Any]:
         from dsconv.engines import mix_engines, recipes, w4a8_recipe
 
         report["engine_recipes"] = recipes(ck)
+        report["engines_refused"] = {e: f"{t} ({src})" for e, (t, src) in ck.family.engine_refused.items()}
         report["w8a8_mix"] = {"weight_bytes": mix, "engines": mix_engines(ck)}
         if experts:
             report["w4a8"] = {"layer_types": w4a8_recipe(ck), "weight_bytes": w4a8,
@@ -175,14 +179,26 @@ def render(report: dict[str, Any]) -> str:
         geo.append(f"MLA kv_lora {a['kv_lora_rank']} + rope {a['qk_rope_head_dim']}")
     if a["num_mtp_layers"]:
         geo.append(f"MTP layers {a['num_mtp_layers']}")
+    if a.get("index_n_heads"):
+        geo.append(f"indexer {a['index_n_heads']} heads x {a['index_head_dim']}")
     lines.append("architecture: " + ", ".join(geo))
     kv = report["kv_cache_bytes_per_token"]
     lines.append(f"KV cache per token (all layers): {kv['bf16']:,} B in BF16/FP16, {kv['int8']:,} B in INT8"
                  + ("; this checkpoint's cache is INT8" if report.get("kv_cache") == "int8" else "")
                  + (f" (FA quant: {FA_QUANT_WHERE})" if report.get("kv_cache_form") == FA_QUANT else ""))
+    if "indexer_cache_bytes_per_token" in report:
+        lines.append(f"  of which the indexer's key cache: {report['indexer_cache_bytes_per_token']:,} B per token "
+                     f"(16-bit in both)")
+    if "state_bytes_per_sequence" in report:
+        full = sum(k != "linear_attention" for k in a["layer_kinds"])
+        lines.append(f"  KV cache in the {full} full-attention layers only; the {len(a['layer_kinds']) - full} "
+                     f"linear-attention layers keep {report['state_bytes_per_sequence']:,} B of state per sequence "
+                     f"(BF16, any length)")
     lines.append("")
     for eng, kinds in report.get("engine_recipes", {}).items():
         lines.append(f"quantize --bits 8 --engine {eng}: " + ", ".join(f"{k} {t}" for k, t in kinds.items()))
+    for eng, why in report.get("engines_refused", {}).items():
+        lines.append(f"--engine {eng}: refused: {why}")
     w4 = report.get("w4a8")
     if w4:
         cards = report["cards"][w4["node_soc"]]["w4a8"]

@@ -82,7 +82,12 @@ def make_tiny(family: str, out: Path, seed: int = 0, fused: bool = False, dtype:
               tokenizer: Any | None = None, **overrides: Any) -> Path:
     if tokenizer is not None:
         overrides.setdefault("vocab_size", len(tokenizer))
-    return save_model(build_model(family, seed=seed, **overrides), out, fused=fused, dtype=dtype, tokenizer=tokenizer)
+    out = save_model(build_model(family, seed=seed, **overrides), out, fused=fused, dtype=dtype, tokenizer=tokenizer)
+    saved = _family(family).tiny_saved
+    if saved:  # the keys the family's real config.json carries that transformers' own config class does not write
+        cfg_path = Path(out) / "config.json"
+        cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), **saved}, indent=2) + "\n")
+    return out
 
 
 def make_deep(out: Path, layers: int = 30, seed: int = 0, vocab_size: int = 1024, embed_std: float = 1.0,

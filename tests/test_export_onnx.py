@@ -22,8 +22,11 @@ from dsconv.tiny import FAMILIES
 
 # granitemoe (False): Granite's own 3-D input_linear/output_linear experts on disk
 CASES = [("llama", False), ("qwen2", False), ("qwen3", False), ("qwen2_moe", True), ("qwen3_moe", False),
-         ("mixtral", True), ("deepseek_v3", False), ("gemma3", False), ("granitemoe", False)]
-MOE = {"qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "granitemoe"}
+         ("mixtral", True), ("deepseek_v3", False), ("gemma3", False), ("granitemoe", False), ("glm4_moe", True),
+         ("kimi_k2", False)]
+MOE = {"qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "granitemoe", "glm4_moe", "kimi_k2"}
+# families whose graph ONNX cannot express: refused with the reason before any work (test below)
+REFUSED = {"deepseek_v32": "scatter", "qwen3_next": "solve_triangular"}
 
 
 pytestmark = [pytest.mark.cli, pytest.mark.usefixtures("one_torch_thread")]
@@ -348,8 +351,15 @@ def test_mindir_dispatch_without_the_module(tiny_model, tmp_path, run_cli, monke
     assert r.code == 2 and "MindIR export is unavailable" in r.err
 
 
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_graphs_onnx_cannot_express_are_refused_before_any_work(tiny_model, run_cli, tmp_path, family):
+    r = run_cli(["export", "--model", tiny_model(family), "--output", tmp_path / "o", "--format", "onnx"])
+    assert r.code == 2 and "cannot be exported to ONNX" in r.err and REFUSED[family] in r.err
+    assert "Traceback" not in r.err and not (tmp_path / "o").exists()
+
+
 def test_all_families_are_covered():
-    assert {f for f, _ in CASES} == set(FAMILIES)
+    assert {f for f, _ in CASES} | set(REFUSED) == set(FAMILIES) and not {f for f, _ in CASES} & set(REFUSED)
     assert {f for f, fused in CASES if fused} & MOE and {f for f, fused in CASES if not fused} & MOE
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dsconv.families import family_for, supported_model_types
-from dsconv.families.base import (LAYER, REGISTRY, Family, TableError, TensorRow, decoder, dense_mlp, gqa_attention,
-                                  linear, register)
+from dsconv.families.base import LAYER, REGISTRY, Family, TableError, TensorRow, register
+from dsconv.families.rows import decoder, dense_mlp, gqa_attention, linear
 from dsconv.families.roles import AUX_PARAMS, Category, Role
 
 pytestmark = pytest.mark.unit

@@ -5,6 +5,9 @@ the same parameter and buffer names, dtypes and values (tied weights tied), for 
 export dtype, and FP8 checkpoints (dequantized in-stream, no scratch copy)."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -19,10 +22,16 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def reference(model_dir, dtype, experts):
+    """transformers' own loading. Its config object comes from dsconv.families.facts.hf_config: Kimi-K2's
+    config.json names remote code in auto_map (from_pretrained alone asks to run it); everything else is the same."""
     from transformers import AutoModelForCausalLM
 
+    from dsconv.families.facts import hf_config
+
+    config = hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
     kwargs = {"experts_implementation": experts} if experts else {}
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager", **kwargs).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=dtype, attn_implementation="eager",
+                                                trust_remote_code=False, **kwargs).eval()
 
 
 def assert_same_model(got, want):

@@ -145,6 +145,9 @@ def export_onnx(model_dir: Path, output: Path, *, dtype: str = "fp32", opset: in
         raise UserError(f"{model_dir} is a quantized (msModelSlim layout) output",
                         hint="`dsconv export --format onnx` exports it (convert/quant_onnx.py); export_onnx takes "
                              "float checkpoints")
+    if ck.family.onnx_refused:
+        raise UserError(f"{model_dir}: {ck.family.name} cannot be exported to ONNX: {ck.family.onnx_refused}",
+                        hint="quantize it for an engine (dsconv quantize), or export --format safetensors")
     mem = memory_estimate(ck, dtype)
     summary: dict[str, Any] = {
         "format": "onnx", "model": str(model_dir), "output": str(output), "family": ck.family.name, "dtype": dtype,

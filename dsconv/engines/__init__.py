@@ -312,6 +312,24 @@ def check_kv_cache(prof: EngineProfile, family: Any, model_type: str, plan: Any)
                             hint=f"use --scheme {' or '.join(t.lower() for t in sorted(allowed))}")
 
 
+def refusal(prof: EngineProfile, family: Any) -> Any:
+    """The Rule by which the engine has no model for this family (Family.engine_refused), else None."""
+    from dsconv.engines.profiles import Rule
+
+    own = _family(family).engine_refused.get(prof.name)
+    return Rule(*own) if own else None
+
+
+def check_engine(prof: EngineProfile, family: Any, root: Any) -> None:
+    """UserError (exit 2) before any work when the engine has no model for the family."""
+    rule = refusal(prof, family)
+    if rule is not None:
+        others = [n for n, p in ENGINES.items() if refusal(p, family) is None]
+        raise UserError(f"--engine {prof.name}: {prof.label} has no {_family(family).name} model ({root}): "
+                        f"{rule.text} ({rule.source})",
+                        hint=f"use --engine {' or '.join(others)}" if others else "no engine dsconv knows loads it")
+
+
 def check_dtype(prof: EngineProfile, dtype: str, root: Any) -> None:
     """UserError (exit 2) for a model dtype the engine does not run (profiles: rules["dtype"])."""
     if prof.dtypes is None or dtype in prof.dtypes:
@@ -443,6 +461,8 @@ def recipes(ck: Any) -> dict[str, dict[str, str]]:
                if ck.role(n).param == "weight" and ck.role(n).role.quantized_by_default}
     out = {}
     for name, prof in ENGINES.items():
+        if refusal(prof, ck.family) is not None:
+            continue
         t = kind_types(prof, ck.family, "W8A8", bits_default=True)
         out[name] = {k: t[k] for k in KINDS if k in present}
     return out
@@ -454,6 +474,8 @@ def mix_engines(ck: Any) -> dict[str, str]:
     out = {}
     model_type = ck.config.get("model_type", "")
     for name, prof in ENGINES.items():
+        if refusal(prof, ck.family) is not None:
+            continue
         ok = runs_mix(prof, ck.family, model_type)
         out[name] = ("loads" + (" (routed experts W8A8_DYNAMIC)" if ck.facts.num_experts else "")) if ok else \
             f"refused: {model_type} has no PD-mix path in {prof.label} ({prof.rules['w8a8_mix'].source.split(';')[0]})"

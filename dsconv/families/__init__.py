@@ -7,7 +7,7 @@ the supported types when a model_type is unknown.
 
 Adding a family (everything else - classification, synthesis, inspect, quantize, shard, the torch builder, the
 MindSpore network's weight lookup, the tiny test model - follows from these):
-  1. `families/<name>.py`: an `@register` class with `model_types`; `table` from the row builders in base.py
+  1. `families/<name>.py`: an `@register` class with `model_types`; `table` from the row builders in rows.py
      (`decoder`, `gqa_attention`, `qk_norm`, `dense_mlp`, `experts`, `router`, `swiglu`, `linear`, `norm`, ...) plus
      `TensorRow(key=, name=, role=, category=, shape=, ...)` rows of its own, per-layer names starting with `LAYER`;
      `layer_prefix` when the checkpoint's layers are not under "model.layers."; `tiny` config keys; `config_keys`
@@ -28,7 +28,7 @@ from dsconv.families.facts import ModelFacts
 from dsconv.families.roles import Category, Role, TensorRole
 
 #: the modules of this package that define no family
-NOT_FAMILIES = frozenset({"base", "facts", "roles"})
+NOT_FAMILIES = frozenset({"base", "facts", "roles", "rows"})
 
 
 def supported_model_types() -> list[str]:

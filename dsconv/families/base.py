@@ -92,9 +92,18 @@ PRESENT: dict[str, Callable[[ModelFacts, int | None], bool]] = {
     "noaux_tc": lambda f, layer: layer in f.moe_layers and f.router == "sigmoid_group",
     "untied": lambda f, layer: not f.tie_word_embeddings,
     "mtp": lambda f, layer: layer is not None and layer >= f.num_layers,
+    "mtp_own_head": lambda f, layer: layer is not None and layer >= f.num_layers and f.mtp_own_head,
+    "qk_norm": lambda f, layer: f.qk_norm and _kind(f, layer) != "linear_attention",
+    "full_attention": lambda f, layer: _kind(f, layer) != "linear_attention",
+    "linear_attention": lambda f, layer: _kind(f, layer) == "linear_attention",
     # written by `quantize` only (e.g. DeepSeek's FA-quant cache scales): known by name, never expected in a source
     "quantized_output": lambda f, layer: False,
 }
+
+
+def _kind(f: ModelFacts, layer: int | None) -> str:
+    """A layer's attention kind (an MTP layer past the listed ones is full attention)."""
+    return f.layer_kinds[layer] if layer is not None and layer < len(f.layer_kinds) else "full_attention"
 
 
 #: the names a shape dim may use: ModelFacts fields and properties
@@ -117,7 +126,11 @@ def register(cls: type["Family"]) -> type["Family"]:
     if not cls.model_types:
         raise TableError(f"{cls.__name__}: a registered family needs model_types")
     family = cls()
+    from dsconv.families.facts import TRANSFORMERS_MODEL_TYPE
+
     for model_type in cls.model_types:
+        if cls.transformers_model_type:
+            TRANSFORMERS_MODEL_TYPE[model_type] = cls.transformers_model_type
         other = REGISTRY.get(model_type)
         if other is not None and (type(other).__module__, type(other).__qualname__) != (cls.__module__,
                                                                                         cls.__qualname__):
@@ -163,9 +176,18 @@ class Family:
     #: 3-D expert tensors a checkpoint may store besides transformers' own (`fused_experts`.`fused_params`),
     #: relative to the layer -> the per-expert slots each holds
     disk_fused_params: dict[str, tuple[str, ...]] = {}
+    #: engine -> (rule, source) where the engine has no model for this family: refused before any work
+    engine_refused: dict[str, tuple[str, str]] = {}
+    #: keys of rows not quantized by default that an FP8 checkpoint still stores in FP8 with block scales
+    fp8_keys: tuple[str, ...] = ()
+    #: the transformers model type that runs this family's checkpoints, where transformers has none of its own
+    transformers_model_type: str | None = None
+    #: config.json keys the tiny model's saved config.json carries besides transformers' (e.g. Kimi-K2's auto_map)
+    tiny_saved: dict[str, Any] = {}
     #: why a stage cannot take this family (None: it can): engines' loaders, the MindSpore builder
     quantize_refused: str | None = None
     mindir_refused: str | None = None
+    onnx_refused: str | None = None
 
     @property
     def disk_fused(self) -> dict[str, tuple[str, ...]]:
@@ -193,6 +215,9 @@ class Family:
     #: engine -> (the dtype it computes this family in whatever config.json says, rule, source): scales are
     #: written in the form that dtype's kernels read (an fp16 run reads deq_scale as int64)
     engine_dtypes: dict[str, tuple[str, str, str]] = {}
+    #: keys transformers 5 derives and saves that the engines' own config classes reject (left out of config.json as
+    #: the published checkpoint leaves them out; transformers derives them again)
+    engine_config_derived: tuple[str, ...] = ()
     #: config.json key an engine reads -> the key this family's transformers 5 config holds the value under
     #: (written when absent, as engine_config writes the renamed keys back)
     engine_config_aliases: dict[str, str] = {}
@@ -222,6 +247,8 @@ class Family:
         for k, src in self.engine_config_aliases.items():
             if k not in out and out.get(src) is not None:
                 out[k] = out[src]
+        for k in self.engine_config_derived:
+            out.pop(k, None)
         return out
 
     @property
@@ -393,102 +420,10 @@ class Family:
         for row, name, shape in self.iter_shapes(f):
             if row.dtype:
                 out.append(TensorSpec(name, row.dtype, shape))
-            elif f.fp8_block and row.role.quantized_by_default and row.param == "weight":
+            elif f.fp8_block and (row.role.quantized_by_default or row.key in self.fp8_keys) and row.param == "weight":
                 out.append(TensorSpec(name, "F8_E4M3", shape))
                 br, bc = f.fp8_block
                 out.append(TensorSpec(name + "_scale_inv", "F32", (math.ceil(shape[0] / br), math.ceil(shape[1] / bc))))
             else:
                 out.append(TensorSpec(name, f.dtype, shape))
         return out
-
-
-# ------------------------------------------------------------------------------------------------ row builders
-# Keywords only. A module path is the name template without its parameter; per-layer ones start with LAYER.
-Rows = tuple[TensorRow, ...]
-SELF_ATTN = LAYER + "self_attn."
-GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
-
-
-def linear(*, key: str, module: str, role: Role, category: Category, shape: tuple[Dim, Dim], slot: str | None = None,
-           when: str | None = None) -> Rows:
-    """The weight of one linear layer, shape (out, in)."""
-    return (TensorRow(key=key, name=module + ".weight", role=role, category=category, shape=shape, slot=slot,
-                      when=when),)
-
-
-def norm(*, key: str, module: str, size: Dim = "hidden_size", category: Category = Category.NORMS,
-         when: str | None = None, slot: str | None = None) -> Rows:
-    return (TensorRow(key=key, name=module + ".weight", role=Role.NORM, category=category, shape=(size,), when=when,
-                      slot=slot),)
-
-
-def gqa_attention(*, qkv_bias: bool = True) -> Rows:
-    """Llama-style attention: q/k/v (biases where `qkv_bias` facts say so), o."""
-    attn = {"role": Role.ATTN_IN, "category": Category.ATTENTION}
-    rows = (*linear(key="attn.q", module=SELF_ATTN + "q_proj", **attn, shape=("q_size", "hidden_size"), slot="q"),
-            *linear(key="attn.k", module=SELF_ATTN + "k_proj", **attn, shape=("kv_size", "hidden_size"), slot="k"),
-            *linear(key="attn.v", module=SELF_ATTN + "v_proj", **attn, shape=("kv_size", "hidden_size"), slot="v"))
-    if qkv_bias:
-        rows += tuple(TensorRow(key=f"attn.{s}_bias", name=f"{SELF_ATTN}{s}_proj.bias", **attn, shape=(size,), slot=s,
-                                when="qkv_bias") for s, size in (("q", "q_size"), ("k", "kv_size"), ("v", "kv_size")))
-    return rows + linear(key="attn.o", module=SELF_ATTN + "o_proj", role=Role.ATTN_OUT, category=Category.ATTENTION,
-                         shape=("hidden_size", "attn_out_size"), slot="o")
-
-
-def qk_norm() -> Rows:
-    """Per-head RMSNorm on q and k before rotary (Qwen3, Gemma 3)."""
-    return (*norm(key="attn.q_norm", module=SELF_ATTN + "q_norm", size="head_dim"),
-            *norm(key="attn.k_norm", module=SELF_ATTN + "k_norm", size="head_dim"))
-
-
-def swiglu(*, module: str, category: Category, inter: Dim, key: str = "mlp", when: str | None = None,
-           role_in: Role = Role.MLP_IN, role_out: Role = Role.MLP_OUT,
-           names: tuple[str, str, str] = GATE_UP_DOWN) -> Rows:
-    """gate/up/down of a gated MLP (dense, shared expert, or one routed expert) under `module`, named `names`."""
-    g, u, d = names
-    return (*linear(key=f"{key}.gate", module=f"{module}.{g}", role=role_in, category=category,
-                    shape=(inter, "hidden_size"), slot="gate", when=when),
-            *linear(key=f"{key}.up", module=f"{module}.{u}", role=role_in, category=category,
-                    shape=(inter, "hidden_size"), slot="up", when=when),
-            *linear(key=f"{key}.down", module=f"{module}.{d}", role=role_out, category=category,
-                    shape=("hidden_size", inter), slot="down", when=when))
-
-
-def experts(*, module: str = LAYER + "mlp.experts.{E}", names: tuple[str, str, str] = GATE_UP_DOWN,
-            inter: Dim = "moe_intermediate_size") -> Rows:
-    """One routed expert's gate/up/down (rows keyed expert.gate/up/down, present in MoE layers)."""
-    return swiglu(module=module, category=Category.ROUTED_EXPERTS, inter=inter, key="expert", when="moe",
-                  role_in=Role.EXPERT_IN, role_out=Role.EXPERT_OUT, names=names)
-
-
-def router(*, module: str = LAYER + "mlp.gate", key: str = "router", out: Dim = "num_experts",
-           when: str | None = "moe") -> Rows:
-    return (TensorRow(key=key, name=module + ".weight", role=Role.ROUTER, category=Category.ROUTER,
-                      shape=(out, "hidden_size"), when=when),)
-
-
-def embedding() -> Rows:
-    return linear(key="embed", module="model.embed_tokens", role=Role.EMBED, category=Category.EMBEDDING,
-                  shape=("vocab_size", "hidden_size"))
-
-
-def final_norm_and_head() -> Rows:
-    """The final norm and the lm_head (absent when tied)."""
-    return (*norm(key="norm.final", module="model.norm"),
-            *linear(key="lm_head", module="lm_head", role=Role.LM_HEAD, category=Category.LM_HEAD,
-                    shape=("vocab_size", "hidden_size"), when="untied"))
-
-
-def layer_norms() -> Rows:
-    return (*norm(key="norm.input", module=LAYER + "input_layernorm"),
-            *norm(key="norm.post", module=LAYER + "post_attention_layernorm"))
-
-
-def decoder(*, attention: Rows, mlp: Rows) -> Rows:
-    """The Llama skeleton every family here shares: embeddings, per layer two norms + attention + MLP, final norm,
-    lm_head (absent when tied)."""
-    return (*embedding(), *layer_norms(), *attention, *mlp, *final_norm_and_head())
-
-
-def dense_mlp(*, when: str | None = None) -> Rows:
-    return swiglu(module=LAYER + "mlp", category=Category.DENSE_MLP, inter="intermediate_size", when=when)

@@ -1,10 +1,11 @@
 """DeepSeek-V3 / R1: MLA attention, sigmoid noaux_tc routing over 256 experts + 1 shared, MTP stored as layer 61,
 FP8 block-scaled weights (see docs/formats.md)."""
-from dsconv.families.base import (LAYER, REQUIRED, SELF_ATTN, Family, TensorRow, dense_mlp, embedding, experts,
-                                  final_norm_and_head, layer_norms, linear, norm, register, router, swiglu)
+from dsconv.families.base import LAYER, REQUIRED, Family, TensorRow, register
+from dsconv.families.rows import (SELF_ATTN, dense_mlp, embedding, experts, final_norm_and_head, layer_norms, linear,
+                                  mtp_block, norm, router, swiglu)
 from dsconv.families.roles import OTHER_PARAMS, Category, Role
 
-ATTENTION, MTP = Category.ATTENTION, Category.MTP
+ATTENTION = Category.ATTENTION
 MLA = (
     *linear(key="attn.q_a", module=SELF_ATTN + "q_a_proj", role=Role.ATTN_LATENT, category=ATTENTION,
             shape=("q_lora_rank", "hidden_size"), slot="q_a", when="q_lora"),
@@ -30,7 +31,9 @@ FA_QUANT = tuple(
     for m, role, heads in (("fa_q", Role.ATTN_IN, "num_heads"), ("fa_k", Role.ATTN_LATENT, 1),
                            ("fa_v", Role.ATTN_LATENT, 1))
     for p, dtype in (("scale", "F32"), ("offset", "I8")))
-MOE = (
+#: DeepSeek-V3's MoE block (also GLM-4.5's): dense MLP in the first layers, router with its correction bias, routed
+#: experts, shared experts
+DEEPSEEK_MOE = (
     *dense_mlp(when="dense"), *router(),
     TensorRow(key="router.bias", name=LAYER + "mlp.gate.e_score_correction_bias", role=Role.ROUTER,
               category=Category.ROUTER, shape=("num_experts",), when="noaux_tc", dtype="F32"),
@@ -38,30 +41,35 @@ MOE = (
     *swiglu(module=LAYER + "mlp.shared_experts", category=Category.SHARED_EXPERTS, inter="shared_intermediate_size",
             key="shared", when="shared"),
 )
-# the multi-token-prediction module's own tensors (layer index >= num_hidden_layers, category MTP)
-MTP_IN = (
-    *linear(key="mtp.embed", module=LAYER + "embed_tokens", role=Role.EMBED, category=MTP,
-            shape=("vocab_size", "hidden_size"), when="mtp"),
-    *norm(key="mtp.enorm", module=LAYER + "enorm", category=MTP, when="mtp"),
-    *norm(key="mtp.hnorm", module=LAYER + "hnorm", category=MTP, when="mtp"),
-    *linear(key="mtp.eh_proj", module=LAYER + "eh_proj", role=Role.MTP_PROJ, category=MTP,
-            shape=("hidden_size", "mtp_in_size"), when="mtp"),
-)
-MTP_OUT = (
-    *norm(key="mtp.norm", module=LAYER + "shared_head.norm", category=MTP, when="mtp"),
-    *linear(key="mtp.head", module=LAYER + "shared_head.head", role=Role.LM_HEAD, category=MTP,
-            shape=("vocab_size", "hidden_size"), when="mtp"),
-)
+MTP_IN, MTP_OUT = mtp_block()
+#: the config keys of DeepSeek-style MoE layers (DeepSeek-V3, GLM-4.5): routed + shared experts after the first dense
+#: layers, sigmoid top-k routing with a correction bias, MTP layers stored after the decoder layers
+DEEPSEEK_MOE_KEYS = {"n_routed_experts": 0, "num_experts_per_tok": 0, "moe_intermediate_size": 0,
+                     "n_shared_experts": 0, "first_k_dense_replace": 0, "moe_layer_freq": 1,
+                     "num_nextn_predict_layers": 0, "topk_method": "noaux_tc"}
+
+
+def deepseek_moe_facts(f, c):
+    """Experts, MoE layers (MTP layers included: they are MoE layers too), routing and MTP count."""
+    f.num_experts = c["n_routed_experts"]
+    f.experts_per_tok = c["num_experts_per_tok"]
+    f.moe_intermediate_size = c["moe_intermediate_size"]
+    f.shared_intermediate_size = f.moe_intermediate_size * c["n_shared_experts"]
+    first_dense, freq = c["first_k_dense_replace"], c["moe_layer_freq"]
+    total = f.num_layers + c["num_nextn_predict_layers"]
+    f.moe_layers = tuple(i for i in range(total) if f.num_experts and i >= first_dense and i % freq == 0)
+    f.num_mtp_layers = c["num_nextn_predict_layers"]
+    f.router = "sigmoid_group" if c["topk_method"] == "noaux_tc" else "softmax"
+    f.extra["noaux_tc"] = f.router == "sigmoid_group"
+    return f
 
 
 @register
 class DeepseekV3(Family):
     name = "deepseek_v3"
     config_keys = {**Family.config_keys, "kv_lora_rank": REQUIRED, "qk_rope_head_dim": REQUIRED,
-                   "qk_nope_head_dim": REQUIRED, "v_head_dim": REQUIRED, "q_lora_rank": None, "n_routed_experts": 0,
-                   "num_experts_per_tok": 0, "moe_intermediate_size": 0, "n_shared_experts": 0,
-                   "first_k_dense_replace": 0, "moe_layer_freq": 1, "num_nextn_predict_layers": 0,
-                   "topk_method": "noaux_tc", "quantization_config": None}
+                   "qk_nope_head_dim": REQUIRED, "v_head_dim": REQUIRED, "q_lora_rank": None, **DEEPSEEK_MOE_KEYS,
+                   "quantization_config": None}
     model_types = ("deepseek_v3",)
     # --kv-cache int8 is FA quant here (MindIE fa3.py::FA3.load_mla; vLLM-Ascend patch_weight_utils.py remaps it)
     kv_int8_engines = {"mindie": ("deepseek_v3",), "vllm-ascend": ("deepseek_v3",)}
@@ -96,7 +104,7 @@ class DeepseekV3(Family):
     mindie_ep_section = "deepseekv2"
     # small enough that the sigmoid scores do not saturate at 1.0, where fp16 cannot tell experts apart
     tiny_router_std = 0.15
-    table = (*embedding(), *MTP_IN, *layer_norms(), *MLA, *FA_QUANT, *MOE, *MTP_OUT, *final_norm_and_head())
+    table = (*embedding(), *MTP_IN, *layer_norms(), *MLA, *FA_QUANT, *DEEPSEEK_MOE, *MTP_OUT, *final_norm_and_head())
     other_params = (*OTHER_PARAMS, "scale", "offset")  # FA_QUANT's
     tiny = {"num_hidden_layers": 3, "num_key_value_heads": 4, "first_k_dense_replace": 1, "n_routed_experts": 16,
             "n_shared_experts": 1, "num_experts_per_tok": 4, "moe_intermediate_size": 32, "n_group": 4,
@@ -112,16 +120,7 @@ class DeepseekV3(Family):
         f.head_dim = f.qk_nope_head_dim + f.qk_rope_head_dim
         f.v_head_dim = c["v_head_dim"]
         f.num_kv_heads = f.num_heads  # MLA decompresses to one K/V per head; the cache holds the latent
-        f.num_experts = c["n_routed_experts"]
-        f.experts_per_tok = c["num_experts_per_tok"]
-        f.moe_intermediate_size = c["moe_intermediate_size"]
-        f.shared_intermediate_size = f.moe_intermediate_size * c["n_shared_experts"]
-        first_dense, freq = c["first_k_dense_replace"], c["moe_layer_freq"]
-        total = f.num_layers + c["num_nextn_predict_layers"]
-        f.moe_layers = tuple(i for i in range(total) if f.num_experts and i >= first_dense and i % freq == 0)
-        f.num_mtp_layers = c["num_nextn_predict_layers"]
-        f.router = "sigmoid_group" if c["topk_method"] == "noaux_tc" else "softmax"
-        f.extra["noaux_tc"] = f.router == "sigmoid_group"
+        deepseek_moe_facts(f, c)
         q = c["quantization_config"] or {}
         if q.get("quant_method") == "fp8":
             f.fp8_block = tuple(q.get("weight_block_size") or (128, 128))

@@ -41,6 +41,23 @@ class ModelFacts:
     qk_rope_head_dim: int | None = None
     qk_nope_head_dim: int | None = None
     fp8_block: tuple[int, int] | None = None
+    #: per layer "full_attention" or "linear_attention" (hybrid models: Qwen3-Next); () = every layer full attention
+    layer_kinds: tuple[str, ...] = ()
+    #: DeepSeek-V3.2's lightning indexer: heads x head dim of its queries (0: no indexer); its key cache per token
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    #: Gated DeltaNet linear attention (Qwen3-Next): key/value heads and head dims, causal conv kernel
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_head_dim: int = 0
+    linear_v_head_dim: int = 0
+    linear_conv_kernel: int = 0
+    #: full attention with an output gate: q_proj writes the query and a sigmoid gate per head (Qwen3-Next)
+    attn_output_gate: bool = False
+    #: an MTP layer stores its own embedding and LM head (DeepSeek) rather than sharing the main model's (GLM-4.5)
+    mtp_own_head: bool = True
+    #: q/k RMSNorm in full attention (GLM-4.5 reads use_qk_norm)
+    qk_norm: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
     # ---- read for the builders (not reported: `as_dict` keeps the fields above) ----
     config: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -76,6 +93,42 @@ class ModelFacts:
         return self.num_heads * (self.qk_nope_head_dim + self.v_head_dim)
 
     @property
+    def q_proj_size(self) -> int:
+        """q_proj's rows: the query heads, twice over with an output gate."""
+        return self.q_size * (2 if self.attn_output_gate else 1)
+
+    @property
+    def index_q_size(self) -> int:
+        return self.index_n_heads * self.index_head_dim
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_k_heads * self.linear_k_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_v_heads * self.linear_v_head_dim
+
+    @property
+    def linear_qkvz_size(self) -> int:
+        """in_proj_qkvz's rows: q and k per key head, v and the output gate z per value head."""
+        return 2 * self.linear_key_dim + 2 * self.linear_value_dim
+
+    @property
+    def linear_qkv_size(self) -> int:
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def linear_ba_size(self) -> int:
+        """in_proj_ba's rows: the write strength b and the decay a, one each per value head."""
+        return 2 * self.linear_v_heads
+
+    @property
+    def full_attention_layers(self) -> int:
+        """Layers with a KV cache (all but the linear-attention ones of a hybrid model)."""
+        return sum(k != "linear_attention" for k in self.layer_kinds) if self.layer_kinds else self.num_layers
+
+    @property
     def mtp_in_size(self) -> int:
         return 2 * self.hidden_size
 
@@ -96,13 +149,34 @@ class ModelFacts:
         """
         if self.is_mla:
             rope_bytes = 2 if bytes_per_element == 1 else bytes_per_element
-            return self.num_layers * (self.kv_lora_rank * bytes_per_element + self.qk_rope_head_dim * rope_bytes)
+            return self.num_layers * (self.kv_lora_rank * bytes_per_element + self.qk_rope_head_dim * rope_bytes) \
+                + self.indexer_bytes_per_token()
         heads = max(1, math.ceil(self.num_kv_heads / tp)) if tp > 1 else self.num_kv_heads
-        return 2 * self.num_layers * heads * self.head_dim * bytes_per_element
+        return 2 * self.full_attention_layers * heads * self.head_dim * bytes_per_element
+
+    def indexer_bytes_per_token(self) -> int:
+        """DeepSeek-V3.2's indexer key cache, all layers: one index_head_dim key per token and layer, replicated on
+        every TP rank like the latent; 2 bytes per element whatever the KV cache's dtype (the engines keep it
+        apart from the C8/FA-quant scales)."""
+        return self.num_layers * self.index_head_dim * 2
+
+    def state_bytes_per_sequence(self, bytes_per_element: int = 2, tp: int = 1) -> int:
+        """The constant-size state a linear-attention layer keeps per sequence instead of a KV cache, all such layers,
+        on one card: the causal conv's last kernel-1 inputs (conv_dim channels) and the DeltaNet recurrent matrix
+        (k_head_dim x v_head_dim per value head), both split by TP with the heads."""
+        linear = sum(k == "linear_attention" for k in self.layer_kinds)
+        if not linear:
+            return 0
+        conv = self.linear_qkv_size * (self.linear_conv_kernel - 1)
+        recurrent = self.linear_v_heads * self.linear_k_head_dim * self.linear_v_head_dim
+        return linear * math.ceil((conv + recurrent) / tp) * bytes_per_element
 
     def as_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items() if k not in NOT_REPORTED}
+        d = {k: v for k, v in self.__dict__.items() if k not in NOT_REPORTED
+             and not (k in REPORTED_IF_SET and v == REPORTED_IF_SET[k])}
         d["moe_layers"] = list(self.moe_layers)
+        if self.layer_kinds:
+            d["layer_kinds"] = list(self.layer_kinds)
         return d
 
     # ---- what transformers' config object computes (defaults, layer_types, rope tables) ----
@@ -181,6 +255,10 @@ class ModelFacts:
                             hint="SwiGLU (silu) only")
 
 
+#: the newer families' fields, reported only where they differ from these defaults (the older families' reports stay)
+REPORTED_IF_SET = {"layer_kinds": (), "index_n_heads": 0, "index_head_dim": 0, "linear_k_heads": 0,
+                   "linear_v_heads": 0, "linear_k_head_dim": 0, "linear_v_head_dim": 0, "linear_conv_kernel": 0,
+                   "attn_output_gate": False, "mtp_own_head": True, "qk_norm": True}
 #: ModelFacts fields that are not part of the reported architecture (inspect's JSON)
 NOT_REPORTED = ("extra", "config", "rms_norm_eps", "hidden_act", "qkv_bias", "router", "norm_topk_prob", "sliding")
 # rope types whose tables do not depend on the sequence length (dynamic NTK and longrope switch tables at run time)
@@ -227,15 +305,20 @@ def config_dtype(c: Mapping[str, Any]) -> str:
     return DTYPE_FROM_CONFIG.get(raw, "BF16")
 
 
+#: model_type -> the transformers model type whose code runs it, where transformers has no class of its own
+#: (Kimi-K2 names remote code in auto_map; dsconv never runs it and builds DeepSeek-V3's). Filled by families' @register.
+TRANSFORMERS_MODEL_TYPE: dict[str, str] = {}
+
+
 def hf_config(config: dict[str, Any], where: str = "config.json"):
     """transformers' config object for config.json's dict (no model, no weights). FP8/int8 `quantization_config` is
     dropped: dsconv hands transformers plain float weights (dequantized by the reader)."""
     from transformers import AutoConfig
 
-    cfg = {k: v for k, v in config.items() if k != "quantization_config"}
+    cfg = {k: v for k, v in config.items() if k not in ("quantization_config", "auto_map")}
     model_type = cfg.pop("model_type", None)
     try:
-        return AutoConfig.for_model(model_type, **cfg)
+        return AutoConfig.for_model(TRANSFORMERS_MODEL_TYPE.get(model_type, model_type), **cfg)
     except (ValueError, TypeError, KeyError) as e:
         raise UserError(f"{where}: transformers cannot read it as a {model_type} config ({e})",
                         hint="compare it with the model's published config.json") from None

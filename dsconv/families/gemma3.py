@@ -6,7 +6,8 @@ What else differs is computation, read from transformers' config object by the M
 stored as offsets from 1, embeddings scaled by sqrt(hidden), sliding/full layer types with their own rope bases,
 query_pre_attn_scalar, final-logit softcapping.
 """
-from dsconv.families.base import LAYER, Family, decoder, dense_mlp, gqa_attention, norm, qk_norm, register
+from dsconv.families.base import LAYER, Family, register
+from dsconv.families.rows import decoder, dense_mlp, gqa_attention, norm, qk_norm
 
 
 @register

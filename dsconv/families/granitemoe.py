@@ -10,7 +10,8 @@ Granite scales embeddings, residuals, attention and logits by config multipliers
 applies; the MindSpore builder has no such block (MindIR export refuses it), and no engine loader reads its experts
 per expert (quantize refuses it).
 """
-from dsconv.families.base import LAYER, Family, decoder, experts, gqa_attention, register, router
+from dsconv.families.base import LAYER, Family, register
+from dsconv.families.rows import decoder, experts, gqa_attention, router
 from dsconv.families.mixtral import every_layer_moe
 
 

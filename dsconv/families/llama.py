@@ -1,5 +1,6 @@
 """Llama (and Mistral, a Llama with a sliding window on every layer): GQA attention, SwiGLU MLP."""
-from dsconv.families.base import Family, decoder, dense_mlp, gqa_attention, register
+from dsconv.families.base import Family, register
+from dsconv.families.rows import decoder, dense_mlp, gqa_attention
 
 
 @register

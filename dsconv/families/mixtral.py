@@ -1,6 +1,7 @@
 """Mixtral: every layer MoE (softmax top-k, always renormalised), experts named block_sparse_moe.experts.E.w1/w2/w3 on
 disk (w1 gate, w3 up, w2 down), a sliding window on every layer when set."""
-from dsconv.families.base import LAYER, Family, decoder, experts, gqa_attention, register, router
+from dsconv.families.base import LAYER, Family, register
+from dsconv.families.rows import decoder, experts, gqa_attention, router
 
 
 @register

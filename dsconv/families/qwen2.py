@@ -1,5 +1,6 @@
 """Qwen2 / Qwen2.5: Llama with q/k/v biases, sliding windows where `layer_types` says."""
-from dsconv.families.base import Family, decoder, dense_mlp, gqa_attention, register
+from dsconv.families.base import Family, register
+from dsconv.families.rows import decoder, dense_mlp, gqa_attention
 
 
 @register

@@ -1,6 +1,6 @@
 """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): softmax top-k experts plus a shared expert behind a sigmoid gate."""
-from dsconv.families.base import (LAYER, Family, cfg_get, decoder, dense_mlp, experts, gqa_attention, register,
-                                  router, swiglu)
+from dsconv.families.base import LAYER, Family, cfg_get, register
+from dsconv.families.rows import decoder, dense_mlp, experts, gqa_attention, router, swiglu
 from dsconv.families.roles import Category
 
 MOE_TINY = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
@@ -46,15 +46,20 @@ def moe_facts(f, c):
     return f
 
 
+#: Qwen's MoE block: a dense MLP where mlp_only_layers say, else the router, the experts and a shared expert behind a
+#: sigmoid gate (Qwen2-MoE, Qwen3-Next)
+QWEN_MOE_SHARED = (
+    *dense_mlp(when="dense"), *router(), *experts(),
+    *swiglu(module=LAYER + "mlp.shared_expert", category=Category.SHARED_EXPERTS, inter="shared_intermediate_size",
+            key="shared", when="moe"),
+    *router(module=LAYER + "mlp.shared_expert_gate", key="shared_gate", out=1, when="moe"))
+
+
 @register
 class Qwen2Moe(Family):
     name = "qwen2_moe"
     model_types = ("qwen2_moe",)
-    table = decoder(attention=gqa_attention(), mlp=(
-        *dense_mlp(when="dense"), *router(), *experts(),
-        *swiglu(module=LAYER + "mlp.shared_expert", category=Category.SHARED_EXPERTS, inter="shared_intermediate_size",
-                key="shared", when="moe"),
-        *router(module=LAYER + "mlp.shared_expert_gate", key="shared_gate", out=1, when="moe")))
+    table = decoder(attention=gqa_attention(), mlp=QWEN_MOE_SHARED)
     tiny = {**MOE_TINY, "shared_expert_intermediate_size": 48}
     config_keys = {**Family.config_keys, **MOE_KEYS, "shared_expert_intermediate_size": 0}
     engine_regions = MINDIE_MOE_REGIONS

@@ -1,5 +1,6 @@
 """Qwen3: Llama with per-head q/k RMSNorm and an explicit head_dim."""
-from dsconv.families.base import Family, decoder, dense_mlp, gqa_attention, qk_norm, register
+from dsconv.families.base import Family, register
+from dsconv.families.rows import decoder, dense_mlp, gqa_attention, qk_norm
 
 
 @register

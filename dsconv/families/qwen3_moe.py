@@ -1,5 +1,6 @@
 """Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B): Qwen3 attention, softmax top-k experts, no shared expert."""
-from dsconv.families.base import Family, decoder, dense_mlp, experts, gqa_attention, qk_norm, register, router
+from dsconv.families.base import Family, register
+from dsconv.families.rows import decoder, dense_mlp, experts, gqa_attention, qk_norm, router
 from dsconv.families.qwen2_moe import (MINDIE_EXPLICIT, MINDIE_MOE_EXPERT_TYPES, MINDIE_MOE_REGIONS, MOE_KEYS,
                                        MOE_TINY, NUM_EXPERTS_ALIAS, moe_facts)
 

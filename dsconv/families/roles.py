@@ -18,6 +18,8 @@ class Role(str, Enum):
     EXPERT_OUT = "expert_out"    # routed expert down (w2)
     ROUTER = "router"            # mlp.gate, e_score_correction_bias, shared_expert_gate
     MTP_PROJ = "mtp_proj"        # DeepSeek MTP eh_proj: replicated, kept in high precision
+    INDEXER = "indexer"          # DeepSeek-V3.2's lightning indexer (wq_b, wk, weights_proj): replicated, float
+    MIXER = "mixer"              # linear attention's per-channel parameters (conv1d, A_log, dt_bias): split by heads
 
     @property
     def tp_dim(self) -> int | None:
@@ -35,9 +37,9 @@ class Role(str, Enum):
 
 _TP_DIM = {Role.EMBED: 0, Role.LM_HEAD: 0, Role.NORM: None, Role.ATTN_IN: 0, Role.ATTN_LATENT: None,
            Role.ATTN_OUT: 1, Role.MLP_IN: 0, Role.MLP_OUT: 1, Role.EXPERT_IN: 0, Role.EXPERT_OUT: 1,
-           Role.ROUTER: None, Role.MTP_PROJ: None}
+           Role.ROUTER: None, Role.MTP_PROJ: None, Role.INDEXER: None, Role.MIXER: 0}
 LINEAR_ROLES = frozenset({Role.ATTN_IN, Role.ATTN_LATENT, Role.ATTN_OUT, Role.MLP_IN, Role.MLP_OUT,
-                          Role.EXPERT_IN, Role.EXPERT_OUT, Role.MTP_PROJ, Role.LM_HEAD})
+                          Role.EXPERT_IN, Role.EXPERT_OUT, Role.MTP_PROJ, Role.LM_HEAD, Role.INDEXER})
 QUANTIZED_BY_DEFAULT = frozenset({Role.ATTN_IN, Role.ATTN_LATENT, Role.ATTN_OUT, Role.MLP_IN, Role.MLP_OUT,
                                   Role.EXPERT_IN, Role.EXPERT_OUT})
 
@@ -53,6 +55,7 @@ class Category(str, Enum):
     SHARED_EXPERTS = "shared_experts"
     ROUTER = "router"
     NORMS = "norms"
+    INDEXER = "indexer"
     MTP = "mtp"
 
 

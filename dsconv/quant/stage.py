@@ -66,6 +66,7 @@ def planned_output(ck: Any, scheme: str, engine: str | None = None) -> tuple[lis
         raise UserError(f"unknown scheme {scheme}", hint=f"choose one of {', '.join(SCHEMES)}")
     _check_family(ck)
     prof = engines.get(engine)
+    engines.check_engine(prof, ck.family, ck.root)
     ktypes = engines.kind_types(prof, ck.family, SCHEMES[scheme], bits_default=False)
     plan = make_plan(ck, scheme, None, "rtn", (), assign=engines.assigner(prof, ck.family, ktypes),
                      mix_ok=prof.fallback_ok, mtp_type=engines.mtp_type(ktypes),
@@ -116,6 +117,7 @@ def run(req: QuantRequest) -> QuantResult:
         raise UserError(f"{model_dir} is already quantized (it has a quant_model_description)",
                         hint="quantize the original float checkpoint")
     prof = engines.get(opts.engine)
+    engines.check_engine(prof, ck.family, model_dir)
     engines.check_layout(prof, opts.layout)
     engines.check_dtype(prof, ck.facts.dtype, model_dir)
     if opts.moe_scheme is not None and opts.moe_scheme not in SCHEMES:

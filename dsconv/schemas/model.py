@@ -178,10 +178,14 @@ _INTS = {  # key -> (lo, hi): every integer a family reads, with bounds no publi
     "qk_rope_head_dim": (1, 8192), "qk_nope_head_dim": (1, 8192), "v_head_dim": (1, 8192),
     "max_position_embeddings": (1, 2**31), "n_group": (1, 4096), "topk_group": (1, 4096),
     "pad_token_id": (-1, 2**24), "bos_token_id": (-1, 2**24),
+    "index_n_heads": (1, 4096), "index_head_dim": (1, 8192), "linear_num_key_heads": (1, 4096),
+    "linear_num_value_heads": (1, 4096), "linear_key_head_dim": (1, 8192), "linear_value_head_dim": (1, 8192),
+    "linear_conv_kernel_dim": (1, 64), "full_attention_interval": (1, 1024),
 }
 _NUMBERS = {"rms_norm_eps": (0.0, 1.0), "rope_theta": (0.0, 1e12), "routed_scaling_factor": (0.0, 1e6),
             "initializer_range": (0.0, 1e3)}
-_BOOLS = ("tie_word_embeddings", "attention_bias", "norm_topk_prob")
+_BOOLS = ("tie_word_embeddings", "attention_bias", "norm_topk_prob", "use_qk_norm")
+LAYER_KINDS = ("full_attention", "linear_attention")
 _STRS = {"model_type": 100, "torch_dtype": 64, "dtype": 64, "hidden_act": 64, "hidden_activation": 64,
          "topk_method": 64}  # key -> longest accepted
 MAX_TENSORS = 4_000_000  # layers x experts x 3 beyond this is a typo, not a model (DeepSeek-V3: 91,991 tensors)
@@ -221,6 +225,8 @@ _OTHER: dict[str, Callable[[Fields, Any], Any]] = {
     "mlp_only_layers": lambda f, d: f.list("mlp_only_layers", is_int(0, _INTS["num_hidden_layers"][1]),
                                            "a list of layer numbers", default=d),
     "quantization_config": lambda f, d: f.obj("quantization_config", default=d),
+    "layer_types": lambda f, d: f.list("layer_types", lambda v: v in LAYER_KINDS,
+                                       f"a list of {' / '.join(LAYER_KINDS)}", default=d),
 }
 
 

@@ -174,6 +174,7 @@ def run(req: ShardRequest) -> ShardResult:
         from dsconv.shard.engine_formats import resolve_format
 
         prof = engines.get(req.engine)
+        engines.check_engine(prof, src.family, getattr(src, "root", None) or req.model or req.config)
         engine = prof.name
         opts = ShardOptions(placement=req.placement, redundant=req.redundant, tolerance=req.tolerance, fit=fit,
                             load=load, num_groups=groups, group_rule=prof.group_split)

@@ -254,8 +254,13 @@ def rotate_half(x):
 
 
 def apply_rope(x, cos, sin):
-    """x [B, H, S, d], cos/sin [B, 1, S, d]."""
-    return x * cos + rotate_half(x) * sin
+    """x [B, H, S, d], cos/sin [B, 1, S, r]: the first r dims of each head turned, the rest passed (partial rotary,
+    GLM-4.5's partial_rotary_factor; r == d for a full rotation)."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    turned = x[..., :r]
+    return ops.cat((turned * cos + rotate_half(turned) * sin, x[..., r:]), -1)
 
 
 def apply_rope_interleaved(x, cos, sin):

@@ -63,7 +63,7 @@ def gqa(t: Tensors, layer: int, mask_index: int) -> GQAAttention:
     """Llama-style attention; q/k norms (Qwen3) where the table has them; biases where the checkpoint has them."""
     f = t.facts
     q_norm = k_norm = None
-    if t.family.has("attn.q_norm"):
+    if t.present("attn.q_norm", layer):  # Qwen3, Gemma 3; GLM-4.5 where use_qk_norm
         q_norm, k_norm = t.norm("attn.q_norm", layer), t.norm("attn.k_norm", layer)
     return GQAAttention(t.linear("attn.q", layer), t.linear("attn.k", layer), t.linear("attn.v", layer),
                         t.linear("attn.o", layer), f.num_heads, f.num_kv_heads, f.head_dim, f.head_dim ** -0.5,

@@ -119,7 +119,11 @@ class Skeleton:
         types = getattr(self.config, "layer_types", None)
         kind = types[self._index[layer]] if types and layer is not None else None
         make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
-        mask = make(config=self.config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=pos)
+        # DeepSeek-V3.2's indexer reads the mask itself (never the SDPA is_causal shortcut's None); a linear-attention
+        # layer (Qwen3-Next) takes only a 2-D padding mask, and its causal scan needs none for right padding
+        skip = {"allow_is_causal_skip": False} if kind == "indexed_attention" else {}
+        mask = None if kind == "linear_attention" else make(config=self.config, inputs_embeds=x, attention_mask=None,
+                                                             cache=None, position_ids=pos, **skip)
         rope = self.rotary(x, pos, kind) if self._rope_by_type else self.rotary(x, pos)
         inputs = {"attention_mask": mask, "position_ids": pos, "position_embeddings": rope}
         if cache is not None:
