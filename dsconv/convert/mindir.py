@@ -390,10 +390,9 @@ def export_mindir(model_dir: Path, output: Path, *, dtype: str = "fp32", with_pa
     worker.require_mindspore()
     with Checkpoint.open(model_dir, allow_pickle=allow_pickle) as ck:  # a network per family (model/ms/build.py)
         if ck.family.mindir_refused:
+            other = "onnx instead" if not ck.family.onnx_refused else "safetensors, or quantize it for an engine"
             raise UserError(f"{model_dir}: --format mindir cannot export {ck.family.name}: "
-                            f"{ck.family.mindir_refused}",
-                            hint="export --format onnx instead" if not ck.family.onnx_refused else
-                            "quantize it for an engine (dsconv quantize), or export --format safetensors")
+                            f"{ck.family.mindir_refused}", hint=f"export --format {other}")
         return _export(ck, model_dir, output, dtype, atol, force, allow_pickle, t0)
 
 

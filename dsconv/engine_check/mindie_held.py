@@ -268,12 +268,19 @@ def graph_problems(held: list[Held], graphs: dict[str, list[torch.Tensor]]) -> l
     for graph_name, graph in graphs.items():
         ptrs = {(t.data_ptr(), tuple(t.shape)) for t in graph if isinstance(t, torch.Tensor)}
         digests = {(str(t.dtype), tuple(t.shape), _digest(t)) for t in graph if isinstance(t, torch.Tensor)}
+
+        def handed(t: torch.Tensor) -> bool:
+            return (t.data_ptr(), tuple(t.shape)) in ptrs or (str(t.dtype), tuple(t.shape), _digest(t)) in digests
+
+        # GLM-4.5's causal LM builds a second, never-called TensorEmbedding of model.embed_tokens beside the model's
+        # own (atb_llm/models/glm4_moe/flash_causal_glm4_moe.py __init__; the graph gets self.model.embed_tokens):
+        # an embedding outside the list is fine where another embedding module is in it
+        embed_handed = any(h.embed and handed(h.tensors["weight"]) for h in held if "weight" in h.tensors)
         for h in held:
             keys = GRAPH_KEYS[graph_name] if h.kind == "W8A8_PDMIX" else ALL_KEYS if graph_name == "prefill" else ()
             for key in keys:
                 t = h.tensors.get(key)
-                if t is None or (t.data_ptr(), tuple(t.shape)) in ptrs or \
-                        (str(t.dtype), tuple(t.shape), _digest(t)) in digests:
+                if t is None or handed(t) or (h.embed and embed_handed):
                     continue
                 where = "ATB graph" if len(graphs) == 1 else f"ATB {graph_name} graph"
                 out.append(f"{h.module}.{key}: not among the tensors handed to the {where}")

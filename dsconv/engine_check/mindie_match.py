@@ -34,7 +34,11 @@ from mindie_nearest import nearest
 # which norm feeds a source linear (HF names): held_W x held norm is what the model computes
 NORM_OF = (
     (re.compile(r"\.self_attn\.(q_proj|k_proj|v_proj|q_a_proj|kv_a_proj_with_mqa)\.weight$"), "input_layernorm"),
-    (re.compile(r"\.self_attn\.q_b_proj\.weight$"), "self_attn.q_a_layernorm"),
+    # Qwen3-Next's linear attention (Qwen3.5's split projections too); DeepSeek-V3.2's indexer
+    (re.compile(r"\.linear_attn\.(in_proj_qkvz|in_proj_ba|in_proj_qkv|in_proj_z|in_proj_b|in_proj_a)\.weight$"),
+     "input_layernorm"),
+    (re.compile(r"\.self_attn\.indexer\.(wk|weights_proj)\.weight$"), "input_layernorm"),
+    (re.compile(r"\.self_attn\.(q_b_proj|indexer\.wq_b)\.weight$"), "self_attn.q_a_layernorm"),
     (re.compile(r"\.self_attn\.kv_b_proj\.weight$"), "self_attn.kv_a_layernorm"),
     (re.compile(r"\.(mlp|block_sparse_moe)\.(gate_proj|up_proj|gate|shared_expert_gate)\.weight$"),
      "post_attention_layernorm"),
@@ -63,8 +67,10 @@ CLIP_LIMIT = 0.10
 
 
 def norm_offset(config: dict) -> float:
-    """What a model adds to a norm's weight before scaling by it: Gemma's RMSNorm multiplies by (1 + weight)."""
-    return 1.0 if str(config.get("model_type", "")).startswith("gemma") else 0.0
+    """What a model adds to a norm's weight before scaling by it: Gemma's RMSNorm multiplies by (1 + weight), and so
+    does Qwen3-Next's (vllm/model_executor/models/qwen3_next.py imports GemmaRMSNorm as Qwen3NextRMSNorm)."""
+    model_type = str(config.get("model_type", ""))
+    return 1.0 if model_type.startswith(("gemma", "qwen3_next", "qwen3_5")) else 0.0
 
 
 @dataclass

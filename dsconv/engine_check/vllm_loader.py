@@ -18,6 +18,7 @@ unmapped.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -42,9 +43,12 @@ import torch  # noqa: E402
 # `stacked_params_mapping`), not imported, so a change in the engine shows up as a failure here.
 STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-           "q_a_proj": ("fused_qkv_a_proj", 0), "kv_a_proj_with_mqa": ("fused_qkv_a_proj", 1)}
+           "q_a_proj": ("fused_qkv_a_proj", 0), "kv_a_proj_with_mqa": ("fused_qkv_a_proj", 1),
+           # DeepSeek-V3.2's indexer (deepseek_v2.py: ("wk_weights_proj", "wk", 0), ("wk_weights_proj",
+           # "weights_proj", 1))
+           "wk": ("wk_weights_proj", 0), "weights_proj": ("wk_weights_proj", 1)}
 STACK_ORDER = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
-               "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")}
+               "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"), "wk_weights_proj": ("wk", "weights_proj")}
 # routed experts: checkpoint projection -> (fused parameter, half of w13 or None)
 EXPERT_RE = re.compile(r"^(?P<moe>.+\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.(?P<param>\w+)$")
 EXPERT_SLOT = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1),
@@ -131,13 +135,43 @@ def build_and_load(directory: Path, dtype: str) -> Any:
         init_parallel(vllm_config)
         # BaseModelLoader.load_model up to process_weights_after_loading (which runs NPU kernels)
         with set_default_torch_dtype(vllm_config.model_config.dtype):
-            with torch.device("cpu"):
+            with torch.device("cpu"), _cpu_buffers():
                 model = initialize_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
             params = dict(model.named_parameters())
+            ZERO_NORM_BIASES.clear()
+            ZERO_NORM_BIASES.update(n for n, p in params.items() if _zero_norm_bias(model, n, p))
             for p in params.values():
                 _fill_sentinel(p.data)
             get_model_loader(vllm_config.load_config).load_weights(model, vllm_config.model_config)
     return model, params
+
+
+#: RMSNorm biases the engine created as zeros (filled per model by build_and_load)
+ZERO_NORM_BIASES: set[str] = set()
+
+
+def _zero_norm_bias(model: Any, name: str, p: torch.Tensor) -> bool:
+    """vLLM-Ascend gives every RMSNorm a zero `bias` parameter once any description key holds "norm.bias" (for
+    msModelSlim's m4 anti-outlier biases; vllm_ascend/ops/layernorm.py AscendRMSNorm.__init__): DeepSeek-V3.2's
+    indexer k_norm (a LayerNorm) has one. A norm the checkpoint gives no bias keeps those zeros, which is the
+    norm without a bias; the check accepts exactly that: an RMSNorm's bias, all zeros as built, never written."""
+    module = model.get_submodule(name.rsplit(".", 1)[0])
+    return name.endswith(".bias") and type(module).__name__.endswith("RMSNorm") and not bool(p.data.any())
+
+
+@contextlib.contextmanager
+def _cpu_buffers():
+    """Model construction with the platform's device type "cpu": DeepSeek-V3.2's model allocates its indexer's
+    top-k buffer on `current_platform.device_type` explicitly (vllm/model_executor/models/deepseek_v2.py
+    DeepseekV2Model.__init__), which on this host has no allocator. Loading never touches that buffer."""
+    from vllm.platforms import current_platform
+
+    real = current_platform.device_type
+    current_platform.device_type = "cpu"
+    try:
+        yield
+    finally:
+        current_platform.device_type = real
 
 
 def _fill_sentinel(t: torch.Tensor) -> None:
@@ -261,6 +295,8 @@ def check(directory: Path, dtype: str | None = None, source: Path | None = None)
             continue  # the same tensor as the embedding (vLLM ties the parameter)
         if pname.endswith((".weight_scale", ".weight_offset")) and _static_w8a8(pname, params, mix):
             continue  # static W8A8 declares them for another format; nothing reads them for msModelSlim's
+        if pname in ZERO_NORM_BIASES and not mask.any():
+            continue  # the engine's own zeros: an RMSNorm with no bias in the checkpoint computes without one
         res["unfilled"].append(f"{pname}: {int((~mask).sum())} of {mask.numel()} elements")
     from written_source import source_problems
 

@@ -24,18 +24,23 @@ __all__ = ["ENGINES", "EngineProfile", "get", "default_engine", "layer_kind", "k
 DEFAULT_BITS8: dict[str, dict[str, str]] = {
     # MindIE reads one `quantize` region: static everywhere
     "mindie": {k: "W8A8" for k in KINDS},
-    # vLLM-Ascend has no static MoE scheme: routed experts per-token dynamic
-    "vllm-ascend": {"attention": "W8A8", "dense_mlp": "W8A8", "shared_experts": "W8A8",
-                    "routed_experts": "W8A8_DYNAMIC"},
+    # vLLM-Ascend has no static MoE scheme: routed experts per-token dynamic. A linear attention's projections
+    # (Qwen3-Next's Gated DeltaNet, 1.5% of its weights) stay float, as msModelSlim's Qwen3.5 practice keeps them: its
+    # recurrence carries quantization error from token to token (tiny Qwen3-Next, `eval` KL: 0.086 static, 0.013
+    # per-token dynamic, 0.002 float)
+    "vllm-ascend": {"attention": "W8A8", "linear_attention": FLOAT, "dense_mlp": "W8A8",
+                    "shared_experts": "W8A8", "routed_experts": "W8A8_DYNAMIC"},
 }
+#: the slots of a linear attention's projections (families' tables): layer kind "linear_attention"
+LINEAR_ATTENTION_SLOTS = frozenset({"qkvz", "ba", "out"})
 
 
 # `--scheme w4a8_dynamic`: msModelSlim's W4A8 practice (lab_practice/deepseek_v3/deepseek_w4a8_per_channel.yaml):
 # routed experts int4 per channel, every other quantized linear W8A8_DYNAMIC (neither engine loads a per-channel
 # W4A8 linear; vLLM-Ascend's W4A8 MoE needs W8A8_DYNAMIC shared experts), the engine's float-only kinds float
 W4A8 = "W4A8_DYNAMIC"
-W4A8_RECIPE = {"attention": "W8A8_DYNAMIC", "dense_mlp": "W8A8_DYNAMIC", "shared_experts": "W8A8_DYNAMIC",
-               "routed_experts": W4A8}
+W4A8_RECIPE = {"attention": "W8A8_DYNAMIC", "linear_attention": "W8A8_DYNAMIC", "dense_mlp": "W8A8_DYNAMIC",
+               "shared_experts": "W8A8_DYNAMIC", "routed_experts": W4A8}
 # ... and the MTP layer's linears (its experts included) W8A8_DYNAMIC, its kv_b_proj float: MindIE reads an MTP layer
 # with `quantize`'s type once config.json has `mtp_quantize` (profiles: MINDIE.rules["mtp"])
 W4A8_MTP = "W8A8_DYNAMIC"
@@ -93,7 +98,7 @@ def layer_kind(r: Any) -> str | None:
     if r.category == Category.DENSE_MLP:
         return "dense_mlp"
     if r.category == Category.ATTENTION:
-        return "kv_b" if r.slot == "kv_b" else "attention"
+        return "kv_b" if r.slot == "kv_b" else "linear_attention" if r.slot in LINEAR_ATTENTION_SLOTS else "attention"
     return None
 
 

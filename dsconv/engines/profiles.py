@@ -11,9 +11,9 @@ from typing import Any, Mapping
 
 FLOAT = "FLOAT"
 # dsconv's layer kinds, in model order
-KINDS = ("attention", "kv_b", "dense_mlp", "shared_experts", "routed_experts")
-ENGINE_LAYER_TYPE = {"attention": "linear", "kv_b": "linear", "dense_mlp": "linear", "shared_experts": "linear",
-                     "routed_experts": "moe"}
+KINDS = ("attention", "linear_attention", "kv_b", "dense_mlp", "shared_experts", "routed_experts")
+ENGINE_LAYER_TYPE = {"attention": "linear", "linear_attention": "linear", "kv_b": "linear", "dense_mlp": "linear",
+                     "shared_experts": "linear", "routed_experts": "moe"}
 DEFAULT_ENGINE = "mindie"
 
 

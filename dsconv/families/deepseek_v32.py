@@ -43,6 +43,10 @@ class DeepseekV32(DeepseekV3):
     # config.json has neither key
     engine_config_derived = ("layer_types", "mlp_layer_types")
     kv_int8_engines = {}
+    engine_refused = {"mindie": (
+        "its model router takes a model_type only where atb_llm/models/ has a folder of that name, and it has no "
+        "deepseek_v32 folder (NotImplementedError 'unsupported model type: deepseek_v32')",
+        "MindIE-LLM atb_llm/models/__init__.py::get_model")}
     offline_sharded = {}
     tiny = {**DeepseekV3.tiny, "index_n_heads": 4, "index_head_dim": 16, "index_topk": 8}
 

@@ -52,15 +52,24 @@ class Qwen3Next(Family):
     table = decoder(attention=(*LINEAR_ATTENTION, *gqa_attention(qkv_bias=False, when="full_attention"),
                                *qk_norm(when="qk_norm")), mlp=QWEN_MOE_SHARED)
     other_params = (*OTHER_PARAMS, "A_log", "dt_bias")
+    # its RMSNorm multiplies by (1 + weight), as Gemma's (transformers' Qwen3NextRMSNorm; vLLM imports GemmaRMSNorm as
+    # Qwen3NextRMSNorm): SmoothQuant scales the effective weight (the gated norm inside linear_attn is plain)
+    norm_offset = 1.0
+    engine_refused = {"mindie": (
+        "its model router takes a model_type only where atb_llm/models/ has a folder of that name, and it has no "
+        "qwen3_next folder (NotImplementedError 'unsupported model type: qwen3_next')",
+        "MindIE-LLM atb_llm/models/__init__.py::get_model")}
     onnx_refused = mindir_refused = (
         "its linear-attention layers run the gated delta rule as a chunked scan whose within-chunk step solves a "
         "triangular system (torch.linalg.solve_triangular in transformers' torch_chunk_gated_delta_rule), which "
         "no ONNX opset (11..18) and no MindSpore block here expresses; the recurrent state it carries between "
         "chunks is no KV cache an ONNX graph could take either")
     config_keys = {**Family.config_keys, **MOE_KEYS, **LINEAR_KEYS, "shared_expert_intermediate_size": 0}
+    # DeltaNet heads of 32: vLLM-Ascend pages the recurrent state and the KV cache together and needs the state
+    # (4 x 32 x 32) to fill whole 128-token attention blocks (patch/platform/patch_mamba_config.py)
     tiny = {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
             "shared_expert_intermediate_size": 48, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-            "linear_key_head_dim": 16, "linear_value_head_dim": 16, "layer_types": ["linear_attention",
+            "linear_key_head_dim": 32, "linear_value_head_dim": 32, "layer_types": ["linear_attention",
                                                                                    "full_attention"]}
 
     def _facts(self, c):

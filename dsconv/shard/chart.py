@@ -139,7 +139,9 @@ def render_summary(obj: dict[str, Any]) -> str:
         ws = m["workspace"]
         lines.append(f"memory: {m['soc']} {m['card_bytes'] / GiB:.0f} GiB x {m['fraction']:g} = "
                      f"{_gib(m['budget_bytes'])} per card; KV {m['kv_bytes_per_token']:,} B/token/card x "
-                     f"{m['max_context']:,} x {m['batch']} = {_gib(m['kv_requested_bytes'])}; workspace "
+                     f"{m['max_context']:,} x {m['batch']}"
+                     + (f" + linear-attention state {m['state_bytes'] // m['batch']:,} B/sequence/card x {m['batch']}"
+                        if m.get("state_bytes") else "") + f" = {_gib(m['kv_requested_bytes'])}; workspace "
                      f"{_gib(ws['runtime'] + ws['activations'])} + comm {_gib(ws['comm'])}; "
                      f"{'fits' if m['ok'] else 'DOES NOT FIT'}, >= {m['min_kv_tokens']:,} KV tokens per card")
         lines.append("")

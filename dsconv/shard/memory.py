@@ -5,7 +5,10 @@ The budget per card is the SoC's usable memory (dsconv/atc_profiles, via `dsconv
 
 * weights: the plan's bytes on that card;
 * KV cache: `--batch` sequences of `--max-context` tokens per attention DP group. MLA (DeepSeek) caches the latent,
-  replicated on every TP rank; MHA/GQA caches K and V split by tp while tp <= KV heads (ModelFacts.kv_bytes_per_token);
+  replicated on every TP rank, and DeepSeek-V3.2 its indexer's keys beside it; MHA/GQA caches K and V split by tp
+  while tp <= KV heads, in the full-attention layers only (ModelFacts.kv_bytes_per_token); a hybrid model's
+  linear-attention layers keep a constant state per sequence instead, split by tp with the heads
+  (ModelFacts.state_bytes_per_sequence: `--batch` of them);
 * workspace (an estimate, `--workspace-gb` replaces it): 1 GiB of runtime reserve (CANN context, operator binaries,
   the ATB workspace pool) + activations of one prefill chunk (min(max_context x batch, 8192) tokens, MindIE's default
   maxPrefillTokens): 6 hidden-size vectors per token (residual, norm, attention in/out, MoE in/out), 3 local MLP
@@ -77,6 +80,7 @@ class FitReport:
     kv_per_token: int
     kv_requested: int
     workspace: dict[str, int]
+    state_bytes: int = 0  # linear-attention state of the batch (included in kv_requested)
     ranks: list[dict[str, Any]] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
 
@@ -91,20 +95,22 @@ class FitReport:
     def as_dict(self) -> dict[str, Any]:
         return {"budget_bytes": self.budget, "kv_bytes_per_token": self.kv_per_token,
                 "kv_requested_bytes": self.kv_requested, "workspace": self.workspace, "ok": self.ok,
+                **({"state_bytes": self.state_bytes} if self.state_bytes else {}),
                 "min_kv_tokens": self.min_kv_tokens}
 
 
 def check_fit(rank_bytes: np.ndarray, facts: Any, layout: Any, s: FitSettings, describe_ranks) -> FitReport:
     kv_tok = facts.kv_bytes_per_token(s.kv_bytes, layout.tp)
     requested_tokens = s.max_context * s.batch
-    kv_req = kv_tok * requested_tokens
+    state = facts.state_bytes_per_sequence(ACT_BYTES, layout.tp) * s.batch
+    kv_req = kv_tok * requested_tokens + state
     ws = workspace_estimate(facts, layout, s)
     ws_total = sum(ws.values())
-    rep = FitReport(s.budget, kv_tok, kv_req, ws)
+    rep = FitReport(s.budget, kv_tok, kv_req, ws, state_bytes=state)
     over: dict[int, list[int]] = {}
     for r, w in enumerate(rank_bytes):
         w = int(w)
-        room = s.budget - w - ws_total
+        room = s.budget - w - ws_total - state
         tokens_max = max(room, 0) // kv_tok if kv_tok else 0
         hbm = w + kv_req + ws_total
         free = s.budget - hbm

@@ -10,8 +10,9 @@ import io
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")
-MOE = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "deepseek_v32",
+            "kimi_k2", "qwen3_next")
+MOE = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "deepseek_v32", "kimi_k2", "qwen3_next")
 ENGINES = ("mindie", "vllm-ascend")
 # scheme label (a README row) -> `dsconv quantize` options. 4-bit rows round to nearest (--method rtn): the check
 # then holds every weight to half a quantization step (GPTQ's integers move further, through the same layout).
