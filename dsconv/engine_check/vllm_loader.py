@@ -120,30 +120,61 @@ class _StandInBackend:
         return "stand-in"
 
 
-def build_and_load(directory: Path, dtype: str) -> Any:
-    """The engine's own path from a checkpoint directory to a model with its weights loaded."""
+def build_and_load(directory: Path, dtype: str, mtp: bool = False) -> Any:
+    """The engine's own path from a checkpoint directory to a model with its weights loaded; with `mtp`, the MTP
+    drafter vLLM builds for speculative decoding (`speculative_config` method "mtp": the draft model config names
+    DeepSeekMTPModel / Glm4MoeMTPModel, built with the target's config and loaded from the same directory)."""
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
+    spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}} if mtp else {}
     args = EngineArgs(model=str(directory), quantization="ascend", load_format="safetensors", dtype=dtype,
-                      enforce_eager=True, tensor_parallel_size=1, skip_tokenizer_init=True, max_model_len=256)
+                      enforce_eager=True, tensor_parallel_size=1, skip_tokenizer_init=True, max_model_len=256, **spec)
     vllm_config = args.create_engine_config()
+    model_config = vllm_config.speculative_config.draft_model_config if mtp else vllm_config.model_config
     with set_current_vllm_config(vllm_config):
         init_parallel(vllm_config)
         # BaseModelLoader.load_model up to process_weights_after_loading (which runs NPU kernels)
-        with set_default_torch_dtype(vllm_config.model_config.dtype):
+        with set_default_torch_dtype(model_config.dtype):
             with torch.device("cpu"), _cpu_buffers():
-                model = initialize_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
+                model = initialize_model(vllm_config=vllm_config, model_config=model_config)
             params = dict(model.named_parameters())
             ZERO_NORM_BIASES.clear()
             ZERO_NORM_BIASES.update(n for n, p in params.items() if _zero_norm_bias(model, n, p))
             for p in params.values():
                 _fill_sentinel(p.data)
-            get_model_loader(vllm_config.load_config).load_weights(model, vllm_config.model_config)
+            get_model_loader(vllm_config.load_config).load_weights(model, model_config)
     return model, params
+
+
+# DeepSeek's and GLM's MTP drafters (vllm/model_executor/models/deepseek_mtp.py and glm4_moe_mtp.py
+# `_rewrite_spec_layer_name`, restated): an MTP layer's own modules keep their names, its decoder layer moves under
+# `mtp_block`, its embed_tokens is the drafter's (shared) embedding; GLM's MTP layer, which stores neither, reads the
+# main model's embed_tokens and lm_head (as shared_head.head)
+MTP_OWN = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head")
+LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+
+
+def mtp_names(ck: dict[str, torch.Tensor], n_layers: int) -> dict[str, str]:
+    """checkpoint name -> the drafter's name, for the MTP layers' tensors (and the main ones GLM's drafter reads)."""
+    out: dict[str, str] = {}
+    first = None
+    for name in ck:
+        m = LAYER_RE.match(name)
+        if not m or int(m[1]) < n_layers:
+            continue
+        layer, rest = int(m[1]), m[2]
+        first = layer if first is None else min(first, layer)
+        head = rest.split(".")[0]
+        out[name] = f"model.{rest}" if head == "embed_tokens" else name if head in MTP_OWN else \
+            f"model.layers.{layer}.mtp_block.{rest}"
+    if first is not None and not any(n.endswith(".shared_head.head.weight") for n in out):
+        out["lm_head.weight"] = f"model.layers.{first}.shared_head.head.weight"
+        out["model.embed_tokens.weight"] = "model.embed_tokens.weight"
+    return out
 
 
 #: RMSNorm biases the engine created as zeros (filled per model by build_and_load)
@@ -258,13 +289,47 @@ def check(directory: Path, dtype: str | None = None, source: Path | None = None)
     ck = _checkpoint(directory)
     desc_file = directory / "quant_model_description.json"
     desc = json.loads(desc_file.read_text()) if desc_file.exists() else {}
+    mtp = mtp_names(ck, int(cfg["num_hidden_layers"]))
+    own = {n: t for n, t in ck.items() if LAYER_RE.match(n) is None or int(LAYER_RE.match(n)[1]) <
+           int(cfg["num_hidden_layers"])}
+    _place(res, own, desc, params, tied=bool(cfg.get("tie_word_embeddings")))
+    if mtp:  # the MTP layer's tensors, where the engine's drafter puts them
+        try:
+            _, draft = build_and_load(directory, dtype, mtp=True)
+        except Exception as e:  # the engine's MTP path refused the checkpoint
+            res["loaded"] = False
+            res["error"] = f"MTP drafter: {type(e).__name__}: {e}".splitlines()[0][:400]
+            res["error_type"], res["raised_in"] = type(e).__name__, raised_in(e, ("vllm_ascend", "vllm"))
+            res["seconds"] = round(time.perf_counter() - started, 2)
+            return res
+        res["tensors"] -= sum(1 for n in mtp if n in own)  # the main tensors GLM's drafter reads, counted once
+        _place(res, {mtp[n]: ck[n] for n in mtp}, {mtp[n]: desc.get(n) for n in mtp}, draft, tied=False,
+               where="MTP drafter: ")
+        res["mtp_tensors"] = len(mtp)
+    from written_source import source_problems
+
+    try:
+        res["source"], res["clipped_max"], res["source_checked"] = source_problems(directory, ck, desc, dtype,
+                                                                                   source)
+    except Exception as e:  # noqa: BLE001 - the comparison's own failure is a failed check, not the batch's end
+        res["source"], res["clipped_max"], res["source_checked"] = \
+            [f"the comparison with the source failed: {type(e).__name__}: {e}"], 0.0, True
+    if not res["source_checked"]:
+        res["source"] = ["no float source to compare with: the manifest names none that exists (pass --source)"]
+    res["seconds"] = round(time.perf_counter() - started, 2)
+    return res
+
+
+def _place(res: dict, ck: dict[str, torch.Tensor], desc: dict, params: dict, tied: bool, where: str = "") -> None:
+    """Every tensor of `ck` compared with the part of the parameter it must land in; then every parameter element
+    must have been claimed by some tensor (counts and problems into `res`)."""
     mix: set[str] = set()  # the engine modules holding W8A8_MIX linears
     claimed = {n: torch.zeros(p.shape, dtype=torch.bool) for n, p in params.items()}
     for name, t in sorted(ck.items()):
         res["tensors"] += 1
         dest = _destination(name, ck, params)
         if dest is None:
-            res["unmapped"].append(name)
+            res["unmapped"].append(where + name)
             continue
         pname, index = dest
         if desc.get(name) == "W8A8_MIX":
@@ -278,16 +343,15 @@ def check(directory: Path, dtype: str | None = None, source: Path | None = None)
             res["after_cast"] += 1
             changed = int((t.to(got.dtype).to(t.dtype) != t).sum())  # values, so -0.0 -> 0 is no change
             if changed:  # the engine keeps another value than the one written
-                res["lossy"].append(f"{name}: {t.dtype} -> {got.dtype} changes {changed} of {t.numel()} values")
+                res["lossy"].append(f"{where}{name}: {t.dtype} -> {got.dtype} changes {changed} of {t.numel()} values")
         else:
-            res["mismatched"].append(f"{name} -> {pname}{_fmt(index)}: {tuple(t.shape)} {t.dtype} vs "
+            res["mismatched"].append(f"{where}{name} -> {pname}{_fmt(index)}: {tuple(t.shape)} {t.dtype} vs "
                                      f"{tuple(got.shape)} {got.dtype}")
             continue
         if index:
             claimed[pname][index] = True
         else:
             claimed[pname][...] = True
-    tied = bool(cfg.get("tie_word_embeddings"))
     for pname, mask in claimed.items():
         if bool(mask.all()):
             continue
@@ -297,19 +361,7 @@ def check(directory: Path, dtype: str | None = None, source: Path | None = None)
             continue  # static W8A8 declares them for another format; nothing reads them for msModelSlim's
         if pname in ZERO_NORM_BIASES and not mask.any():
             continue  # the engine's own zeros: an RMSNorm with no bias in the checkpoint computes without one
-        res["unfilled"].append(f"{pname}: {int((~mask).sum())} of {mask.numel()} elements")
-    from written_source import source_problems
-
-    try:
-        res["source"], res["clipped_max"], res["source_checked"] = source_problems(directory, ck, desc, dtype,
-                                                                                   source)
-    except Exception as e:  # noqa: BLE001 - the comparison's own failure is a failed check, not the batch's end
-        res["source"], res["clipped_max"], res["source_checked"] = \
-            [f"the comparison with the source failed: {type(e).__name__}: {e}"], 0.0, True
-    if not res["source_checked"]:
-        res["source"] = ["no float source to compare with: the manifest names none that exists (pass --source)"]
-    res["seconds"] = round(time.perf_counter() - started, 2)
-    return res
+        res["unfilled"].append(f"{where}{pname}: {int((~mask).sum())} of {mask.numel()} elements")
 
 
 def _static_w8a8(pname: str, params: dict, mix: set[str]) -> bool:

@@ -156,7 +156,9 @@ def source_problems(directory: Path, ck: dict[str, torch.Tensor], desc: dict[str
             problems += _float_rows(name, t, weights.get(name))
         else:  # fed by a norm: through the comparison, whose products take a folded scale
             W = mh._np(t)
-            held.append(mh.Held(name[:-len(".weight")], "FLOAT", None, W, np.zeros_like(W), None, t.dtype))
+            bias = ck.get(name[:-len("weight")] + "bias")  # a float linear's written bias (GLM's MTP q/k/v)
+            held.append(mh.Held(name[:-len(".weight")], "FLOAT", None, W, np.zeros_like(W),
+                                None if bias is None else mh._np(bias), t.dtype))
     out = mm.compare_by_name(held, src)
     problems += out.value_mismatch + out.class_mismatch + out.lossy
     return problems, max(out.clipped.values(), default=0.0), True

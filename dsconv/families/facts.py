@@ -163,7 +163,8 @@ class ModelFacts:
     def state_bytes_per_sequence(self, bytes_per_element: int = 2, tp: int = 1) -> int:
         """The constant-size state a linear-attention layer keeps per sequence instead of a KV cache, all such layers,
         on one card: the causal conv's last kernel-1 inputs (conv_dim channels) and the DeltaNet recurrent matrix
-        (k_head_dim x v_head_dim per value head), both split by TP with the heads."""
+        (k_head_dim x v_head_dim per value head), both split by TP with the heads, as vLLM allocates them
+        (vllm/model_executor/layers/mamba/mamba_utils.py::gated_delta_net_state_shape)."""
         linear = sum(k == "linear_attention" for k in self.layer_kinds)
         if not linear:
             return 0

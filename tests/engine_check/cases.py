@@ -13,6 +13,10 @@ from typing import Any
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "deepseek_v32",
             "kimi_k2", "qwen3_next")
 MOE = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "deepseek_v32", "kimi_k2", "qwen3_next")
+# families whose checkpoints carry MTP layers, and the recipes their MTP layer differs in (FLOAT under --bits 8,
+# W8A8_DYNAMIC under W4A8): layout "mtp" is the per-expert checkpoint with one MTP layer appended (tiny.add_mtp_layer)
+MTP = ("deepseek_v3", "deepseek_v32", "glm4_moe")
+MTP_SCHEMES = ("bits8", "w4a8")
 ENGINES = ("mindie", "vllm-ascend")
 # scheme label (a README row) -> `dsconv quantize` options. 4-bit rows round to nearest (--method rtn): the check
 # then holds every weight to half a quantization step (GPTQ's integers move further, through the same layout).
@@ -78,13 +82,15 @@ def build_source(root: Path, family: str, dtype: str, layout: str, tok: Any, sch
     """A tiny checkpoint of `family` for `scheme`'s rows (cached by its path): bf16 or fp16, per-expert or
     transformers' fused experts, wide where the scheme needs it (WIDE), with the special-token ids in config.json
     that real checkpoints carry (MindIE checks eos against the vocabulary)."""
-    from dsconv.tiny import make_tiny
+    from dsconv.tiny import add_mtp_layer, make_tiny
 
     d = root / source_name(family, dtype, layout, scheme, seed)
     if not (d / "config.json").exists():
         ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
         shape = WIDE.get(family, {}) if scheme is not None and wide(family, scheme) else {}
         make_tiny(family, d, dtype=dtype, tokenizer=tok, fused=layout == "fused", seed=seed, **{**ids, **shape})
+        if layout == "mtp":
+            add_mtp_layer(d, seed=seed)
     return d
 
 

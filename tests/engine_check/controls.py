@@ -42,7 +42,12 @@ CONTROLS: dict[str, tuple] = {
     "norm-held-differs": ("llama", "w8a16", "bf16", "per-expert", 1, "norms"),
     "w4a8-reference-packed": ("deepseek_v3", "w4a8", "bf16", "per-expert", 1, "ok"),
     "head-rows-swapped": ("llama", "bits8", "bf16", "per-expert", 1, "value_mismatch"),  # a float tensor
+    # GLM-4.5's fused q/k/v with biases and partial rotary, sharded by MindIE at tp 2
+    "glm-q-rows-in-head": ("glm4_moe", "bits8", "bf16", "per-expert", 2, "value_mismatch"),
+    "glm-k-v-swapped": ("glm4_moe", "w8a8", "bf16", "per-expert", 1, "value_mismatch"),
 }
+# controls that make another control's edit on another family's output
+SAME_EDIT = {"glm-q-rows-in-head": "q-rows-in-head", "glm-k-v-swapped": "k-v-swapped"}
 
 
 # vLLM-Ascend: name -> (output "family-scheme", bf16 per-expert, the copy is made of; what the check must report: a
@@ -70,6 +75,10 @@ VLLM_CONTROLS: dict[str, tuple[str, str]] = {
     "mix-prefill-scale-off": ("llama-w8a8_mix", "source"),
     "describe-other-type": ("llama-w8a8_dynamic", "unfilled"),  # the static params it then declares
     "head-rows-swapped": ("llama-bits8", "source"),
+    # the new families' own layouts: Qwen3-Next's in_proj_qkvz (one key head's rows reversed), DeepSeek-V3.2's
+    # indexer wk (a float matrix vLLM fuses with weights_proj: two rows exchanged)
+    "qkvz-rows-in-head": ("qwen3_next-w8a8_dynamic", "source"),
+    "indexer-wk-rows-swapped": ("deepseek_v32-bits8", "source"),
 }
 
 
@@ -210,6 +219,15 @@ def make(name: str, base: Path, src: Path, root: Path) -> Path:
     shutil.rmtree(d, ignore_errors=True)
     shutil.copytree(base, d)
     o = f"{L0}.self_attn.o_proj"
+    if name == "qkvz-rows-in-head":  # layer 0 is linear attention: its first key head's q rows reversed
+        hd = int(_config(d)["linear_key_head_dim"])
+
+        def qkvz(t: dict) -> None:
+            n = t[f"{L0}.linear_attn.in_proj_qkvz.weight"].shape[0]
+            _permute_rows(t, f"{L0}.linear_attn.in_proj_qkvz", np.r_[np.arange(hd)[::-1], np.arange(hd, n)])
+        _edit(d, qkvz)
+        return d
+    name = SAME_EDIT.get(name, name)
     if name == "drop-deq-scale":
         _edit(d, lambda t: t.pop(o + ".deq_scale"))
     elif name == "transpose-square":
@@ -266,6 +284,11 @@ def make(name: str, base: Path, src: Path, root: Path) -> Path:
         _edit(d, swap)
     elif name == "mla-rope-permuted":
         _rope_permuted(d)
+    elif name == "indexer-wk-rows-swapped":
+        def wk(t: dict) -> None:
+            n = t[f"{L0}.self_attn.indexer.wk.weight"].shape[0]
+            _permute_rows(t, f"{L0}.self_attn.indexer.wk", np.r_[1, 0, np.arange(2, n)])
+        _edit(d, wk)
     elif name == "drop-weight-scale":
         _edit(d, lambda t: t.pop(_first(t, "down_proj.weight_scale")))
     elif name == "w4a8-drop-scale-bias":

@@ -30,8 +30,8 @@ from pathlib import Path
 
 from dsconv.engines.loader_check import (merge_ranks, mindie_env, mindie_load, vllm_load, vllm_python,
                                          vllm_summary)
-from tests.engine_check.cases import (ENGINES, FAMILIES, MOE, SCHEMES, build_source, quantize, source_name,
-                                      tokenizer)
+from tests.engine_check.cases import (ENGINES, FAMILIES, MOE, MTP, MTP_SCHEMES, SCHEMES, build_source, quantize,
+                                      source_name, tokenizer)
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results.json"
@@ -40,7 +40,8 @@ STABLE_DROP = ("reason", "seconds", "edits")  # not compared with the committed 
 
 def cases(engine: str) -> list[dict]:
     """vLLM-Ascend: every scheme on bf16 per-expert checkpoints; the engine recipe (`--bits 8`: static and dynamic
-    layers) also on fp16 inputs (int64 deq_scale, fp16 parameters) and on fused 3-D experts. MindIE: every scheme on
+    layers) also on fp16 inputs (int64 deq_scale, fp16 parameters) and on fused 3-D experts, and with an MTP layer
+    (loaded by the engine's MTP drafter) where the family has one. MindIE: every scheme on
     bf16 and fp16 per-expert checkpoints and on bf16 fused experts, each loaded at tp 1 and tp 2."""
     out = []
     for f in FAMILIES:
@@ -57,6 +58,8 @@ def cases(engine: str) -> list[dict]:
             out.append(dict(engine=engine, family=f, scheme="bits8", dtype="fp16", layout="per-expert"))
             if f in MOE:
                 out.append(dict(engine=engine, family=f, scheme="bits8", dtype="bf16", layout="fused"))
+            if f in MTP:  # the MTP layer through the engine's own MTP drafter (vllm_loader.mtp_names)
+                out += [dict(engine=engine, family=f, scheme=s, dtype="bf16", layout="mtp") for s in MTP_SCHEMES]
     return out
 
 
@@ -183,15 +186,20 @@ def shard_mindie(root: Path, written: dict[str, Path], todo: list[dict]) -> dict
 
     from dsconv.cli import main
 
+    from dsconv.families import families
+
+    # the families MindIE loads from offline-sharded folders (DeepSeek-V3 and Kimi-K2, which runs DeepSeek's code)
+    sharded = [f.name for f in families() if "mindie" in f.offline_sharded and f.name in FAMILIES]
     out = {}
     for oid, d in sorted(written.items()):
-        if not (oid.startswith("mindie/deepseek_v3-") and oid.endswith("-bf16-per-expert")):
+        family = oid.split("/")[1].split("-")[0]
+        if family not in sharded or not oid.endswith("-bf16-per-expert"):
             continue
-        scheme = oid.split("/")[1][len("deepseek_v3-"):-len("-bf16-per-expert")]
+        scheme = oid.split("/")[1][len(family) + 1:-len("-bf16-per-expert")]
         for layout, options, world, schemes in SHARDINGS:
             if schemes is not None and scheme not in schemes:
                 continue
-            key = f"mindie/deepseek_v3-{scheme}-bf16-{layout}"
+            key = f"mindie/{family}-{scheme}-bf16-{layout}"
             err = io.StringIO()
             with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
                 try:
@@ -200,7 +208,7 @@ def shard_mindie(root: Path, written: dict[str, Path], todo: list[dict]) -> dict
                     code = 0
                 except SystemExit as e:
                     code = e.code if isinstance(e.code, int) else 1
-            c = dict(engine="mindie", family="deepseek_v3", scheme=scheme, dtype="bf16", layout=layout, tp=world,
+            c = dict(engine="mindie", family=family, scheme=scheme, dtype="bf16", layout=layout, tp=world,
                      dsconv="wrote" if code == 0 else ("refused" if code == 2 else f"failed (exit {code})"))
             if code:
                 c["reason"] = (err.getvalue().strip().splitlines() or [""])[-1]

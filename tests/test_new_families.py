@@ -1,0 +1,185 @@
+"""The models the field deploys now - GLM-4.5, DeepSeek-V3.2, Kimi-K2, Qwen3-Next - through inspect, export's refusals,
+quantize's engine rules, shard's memory and eval, against transformers' own modules and the published configs.
+
+The engines' own loaders take these outputs in `make engine-check` (tests/engine_check/); here is what runs in
+`make test`: sizes from config.json alone equal what transformers builds, caches equal what its cache objects hold,
+and every refusal names its rule before any work."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsconv.checkpoint import Checkpoint
+from dsconv.families import family_for
+from dsconv.families.facts import hf_config
+
+pytestmark = pytest.mark.cli
+REAL = Path(__file__).parent / "data" / "real_configs"
+# published config.json -> (family, the model card's total in billions, which figure it quotes: DeepSeek's 685B
+# counts its MTP block, GLM's cards do not)
+CARDS = {"glm-4.5": ("glm4_moe", 355, "main_parameters"), "glm-4.5-air": ("glm4_moe", 106, "main_parameters"),
+         "deepseek-v3.2": ("deepseek_v32", 685, "parameters"), "kimi-k2-instruct": ("kimi_k2", 1000, "parameters"),
+         "qwen3-next-80b-a3b": ("qwen3_next", 80, "parameters")}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict[str, Path]:
+    """bf16 tiny checkpoints of the new families with the bundled-text tokenizer (what quantize and eval need)."""
+    from dsconv.bundled import calib_texts
+    from dsconv.tiny import make_tiny, train_tokenizer
+
+    tok = train_tokenizer(calib_texts(), vocab_size=384)
+    root = tmp_path_factory.mktemp("new")
+    return {f: make_tiny(f, root / f, dtype="bf16", tokenizer=tok)
+            for f in ("glm4_moe", "deepseek_v32", "kimi_k2", "qwen3_next")}
+
+
+def _transformers_count(config: dict) -> int:
+    """Parameters (and DeepSeek-style routing-bias buffers, which dsconv counts as DeepSeek does) of transformers'
+    own model for `config`, built on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(config))
+    state = set(model.state_dict())
+    return sum(p.numel() for p in model.parameters()) + sum(b.numel() for n, b in model.named_buffers() if n in state)
+
+
+@pytest.mark.parametrize("name", sorted(CARDS))
+def test_real_configs_size_as_transformers_builds_them(run_cli, name):
+    config = json.loads((REAL / f"{name}.json").read_text())
+    r = run_cli(["inspect", "--config", REAL / f"{name}.json", "--json"])
+    assert r.code == 0, r.err
+    report = json.loads(r.out)
+    family, card, quoted = CARDS[name]
+    assert report["family"] == family
+    assert report["main_parameters"] == _transformers_count(config)  # transformers never builds the MTP layer
+    assert abs(report[quoted] / 1e9 - card) / card < 0.03  # the card's round figure
+    assert sum(c["parameters"] for c in report["categories"].values()) == report["parameters"]
+    if family == "deepseek_v32":
+        assert 0.84e9 < report["categories"]["indexer"]["parameters"] < 0.86e9
+
+
+def test_kv_indexer_and_state_bytes_equal_transformers_caches():
+    """Per token: K/V of the full-attention layers and V3.2's indexer keys; per sequence: the linear-attention state,
+    as transformers' cache objects hold them after a forward (conv state: vLLM keeps kernel - 1 of its kernel
+    inputs)."""
+    from dsconv.tiny import build_model, tiny_config
+
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    for fam_name, per_token, per_seq in (("qwen3_next", True, True), ("deepseek_v32", False, False)):
+        model = build_model(fam_name)
+        with torch.no_grad():
+            cache = model(input_ids=ids, use_cache=True).past_key_values
+        cfg = tiny_config(fam_name).to_dict()
+        facts = family_for(cfg).facts(cfg)
+        if per_token:
+            kv = sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers if hasattr(layer, "keys")
+                     and layer.keys is not None)
+            assert facts.kv_bytes_per_token(4) == kv * 4 // ids.shape[1]
+        if per_seq:
+            k = facts.linear_conv_kernel
+            state = sum(cache.get_recurrent_state(i).numel() + cache.get_conv_state(i).numel() * (k - 1) // k
+                        for i, kind in enumerate(facts.layer_kinds) if kind == "linear_attention")
+            assert facts.state_bytes_per_sequence(4) == state * 4
+            assert facts.state_bytes_per_sequence(2, tp=2) == math.ceil(state / 2) * 2
+        else:
+            indexer = sum(layer.indexer_keys.numel() for layer in cache.layers)
+            assert facts.indexer_bytes_per_token() == indexer * 2 // ids.shape[1]
+
+
+def test_kimi_k2_remote_code_is_never_run(tiny_model, run_cli, tmp_path):
+    """Kimi-K2's config.json names DeepseekV3ForCausalLM with auto_map to modeling_deepseek.py: dsconv builds
+    transformers' own DeepSeek-V3 and never imports the file (here, one that would raise)."""
+    d = tmp_path / "kimi"
+    shutil.copytree(tiny_model("kimi_k2"), d)
+    config = json.loads((d / "config.json").read_text())
+    assert config["model_type"] == "kimi_k2" and "auto_map" in config
+    for f in ("configuration_deepseek.py", "modeling_deepseek.py"):
+        (d / f).write_text("raise RuntimeError('remote code ran')\n")
+    r = run_cli(["inspect", "--model", d])
+    assert r.code == 0 and "kimi_k2" in r.out, r.err
+    r = run_cli(["export", "--model", d, "--output", tmp_path / "o", "--format", "onnx"])
+    assert r.code == 0 and "check passed" in r.out, r.err
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "qwen3_next"])
+def test_mindie_has_no_model_refused_before_any_work(built, run_cli, tmp_path, family):
+    r = run_cli(["quantize", "-m", built[family], "-o", tmp_path / "q", "--engine", "mindie", "--bits", "8"])
+    assert r.code == 2 and f"MindIE has no {family} model" in r.err and "atb_llm/models/__init__.py" in r.err
+    assert "--engine vllm-ascend" in r.err and not (tmp_path / "q").exists()
+    r = run_cli(["shard", "--model", built[family], "--engine", "mindie", "--tp", "2", "--dry-run"])
+    assert r.code == 2 and f"MindIE has no {family} model" in r.err
+
+
+def test_glm_attention_static_or_float_for_mindie(built, run_cli, tmp_path):
+    r = run_cli(["quantize", "-m", built["glm4_moe"], "-o", tmp_path / "q", "--engine", "mindie",
+                 "--scheme", "w8a8_dynamic"])
+    assert r.code == 2 and "attention layers" in r.err and "attn_quantize_type=_W8A8" in r.err
+
+
+def test_inspect_reports_what_each_new_model_keeps(run_cli):
+    r = run_cli(["inspect", "--config", REAL / "qwen3-next-80b-a3b.json", "--json"])
+    report = json.loads(r.out)
+    facts = family_for(json.loads((REAL / "qwen3-next-80b-a3b.json").read_text()))
+    assert report["architecture"]["layer_kinds"].count("full_attention") == 12
+    # 36 layers x (conv 8192 x 3 + 32 x 128 x 128) x 2 bytes; the KV cache in 12 layers only
+    assert report["state_bytes_per_sequence"] == 36 * (8192 * 3 + 32 * 128 * 128) * 2
+    assert report["kv_cache_bytes_per_token"]["bf16"] == 2 * 12 * 2 * 256 * 2
+    assert "mindie" in report["engines_refused"] and "mindie" not in report["engine_recipes"]
+    assert report["engine_recipes"]["vllm-ascend"]["linear_attention"] == "FLOAT"
+    assert facts.name == "qwen3_next"
+    r = run_cli(["inspect", "--config", REAL / "deepseek-v3.2.json"])
+    assert "indexer's key cache: 15,616 B per token" in r.out  # 61 layers x 128 x 2 bytes
+
+
+def test_shard_counts_the_state_and_the_indexer_cache(run_cli):
+    r = run_cli(["shard", "--config", REAL / "qwen3-next-80b-a3b.json", "--tp", "4", "--ep", "4", "--engine",
+                 "vllm-ascend", "--batch", "8", "--json"])
+    assert r.code == 0, r.err
+    mem = json.loads(r.out)["memory"]
+    per_card = 36 * (8192 * 3 // 4 + 32 * 128 * 128 // 4) * 2
+    assert mem["state_bytes"] == 8 * per_card
+    assert mem["kv_requested_bytes"] == mem["kv_bytes_per_token"] * 4096 * 8 + 8 * per_card
+    r = run_cli(["shard", "--config", REAL / "deepseek-v3.2.json", "--tp", "4", "--ep", "32", "--world", "32",
+                 "--engine", "vllm-ascend", "--json"])
+    assert json.loads(r.out)["memory"]["kv_bytes_per_token"] == 61 * (512 * 2 + 64 * 2) + 61 * 128 * 2
+
+
+def test_mtp_layer_gets_description_entries(built, run_cli, tmp_path):
+    """GLM-4.5's MTP layer (stored after the decoder layers, sharing the main embedding and head): every tensor has
+    a description entry, FLOAT under --bits 8 (vLLM-Ascend's note: not quantized on the NPU)."""
+    from dsconv.tiny import add_mtp_layer
+
+    d = tmp_path / "glm"
+    shutil.copytree(built["glm4_moe"], d)
+    add_mtp_layer(d)
+    ck = Checkpoint.open(d)
+    mtp = sorted(n for n in ck.names() if ck.role(n).layer == ck.facts.num_layers)
+    assert any(n.endswith("eh_proj.weight") for n in mtp) and not any("shared_head.head" in n for n in mtp)
+    r = run_cli(["quantize", "-m", d, "-o", tmp_path / "q", "--engine", "vllm-ascend", "--bits", "8",
+                 "--calib-samples", "4", "--seq-len", "32"])
+    assert r.code == 0, r.err
+    desc = json.loads((tmp_path / "q" / "quant_model_description.json").read_text())
+    assert all(desc.get(n) == "FLOAT" for n in mtp)
+
+
+@pytest.mark.parametrize("family", ["glm4_moe", "qwen3_next"])
+def test_eval_streams_the_new_families(built, run_cli, tmp_path, family):
+    """The streamed eval (a decoder layer at a time) and --qa on a quantized output: the float side equals
+    transformers' own model on the same tokens, so the report is about quantization alone."""
+    q = tmp_path / "q"
+    r = run_cli(["quantize", "-m", built[family], "-o", q, "--engine", "vllm-ascend", "--scheme", "w8a8_dynamic",
+                 "--calib-samples", "4", "--seq-len", "32"])
+    assert r.code == 0, r.err
+    r = run_cli(["eval", "-m", built[family], "-q", q, "--samples", "2", "--seq-len", "64", "--qa",
+                 "--max-new-tokens", "4", "--json"])
+    assert r.code == 0, r.err
+    report = json.loads(r.out)
+    assert report["tokens"] == 128 and 0 < report["kl_divergence"] < 0.1 and report["top1_agreement"] > 0.5
+    assert report["qa"]["questions"] > 0
