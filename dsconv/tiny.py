@@ -145,9 +145,14 @@ def add_mtp_layer(model_dir: Path, seed: int = 0) -> None:
     g = torch.Generator().manual_seed(seed)
     existing = load_file(model_dir / "model.safetensors")
     dtype = next(iter(existing.values())).dtype
+    shared = {fam.tensor("mtp.embed", facts.num_layers): "model.embed_tokens.weight",
+              fam.tensor("mtp.head", facts.num_layers): "lm_head.weight"}
     for spec in fam.synthesize(cfg):
         if spec.name not in existing and fam.classify(spec.name, facts).layer == facts.num_layers:
-            existing[spec.name] = (torch.randn(spec.shape, generator=g) * 0.05).to(dtype)
+            if existing.get(shared.get(spec.name, "")) is not None:  # DeepSeek's MTP module shares the embedding and
+                existing[spec.name] = existing[shared[spec.name]].clone()  # the head; its checkpoint stores copies
+            else:
+                existing[spec.name] = (torch.randn(spec.shape, generator=g) * 0.05).to(dtype)
     save_file(existing, model_dir / "model.safetensors", metadata={"format": "pt"})
     (model_dir / "config.json").write_text(json.dumps(cfg, indent=2))
 

@@ -68,6 +68,9 @@ RANKS = click.IntRange(1, MAX_WORLD)
 @click.option("--scheme", type=click.Choice(SCHEME_NAMES), default=None,
               help="With --config: plan the output `dsconv quantize --scheme SCHEME` would write (its tensors' real "
                    "sizes), e.g. w4a8_dynamic for DeepSeek-R1 on one node.")
+@click.option("--mtp", is_flag=True,
+              help="--format mindie: place the MTP layer too (MindIE builds it when serving with MTP speculative "
+                   "decoding, num_speculative_tokens > 0); without it MindIE's folders leave it out.")
 @click.option("--dry-run", is_flag=True, help="Print the plan; write nothing.")
 @click.option("--plot", type=PATH, default=None, help="Also draw the per-card chart into this PNG.")
 @output_option
@@ -76,8 +79,8 @@ RANKS = click.IntRange(1, MAX_WORLD)
 @json_option
 def shard(model: Path | None, config: Path | None, ep, tp, world, nodes, cards_per_node, expert_tp, dp_attention, soc,
           placement, expert_load, redundant, tolerance, max_context, batch, kv_bits, memory_fraction, workspace_gb,
-          hosts, max_shard_size, engine, fmt, scheme, dry_run, plot, output, workers, executor, ray_address, force,
-          as_json) -> None:
+          hosts, max_shard_size, engine, fmt, scheme, mtp, dry_run, plot, output, workers, executor, ray_address,
+          force, as_json) -> None:
     """Place every tensor on every rank (EP/TP), check balance and HBM fit, write rank_XX/ dirs and cluster files.
 
     A plan that is unbalanced or does not fit exits 3 with the reason per rank and valid layouts for the same world.
@@ -102,7 +105,7 @@ def shard(model: Path | None, config: Path | None, ep, tp, world, nodes, cards_p
                        max_context=max_context, batch=batch, kv_bits=int(kv_bits) if kv_bits else None, memory_fraction=memory_fraction,
                        workspace_gb=workspace_gb, hosts=hosts, output=output, force=force,
                        max_shard_size=max_shard_size, dry_run=dry_run, plot=plot, engine=engine, format=fmt,
-                       execution=resolve_exec(workers, executor, ray_address), source=source)
+                       execution=resolve_exec(workers, executor, ray_address), source=source, mtp=mtp)
     result = run(req)
     for w in result.warnings:
         warn(w)

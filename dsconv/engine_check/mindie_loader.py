@@ -169,10 +169,28 @@ def parallel(directory: Path, world_size: int) -> dict[str, int]:
     return {k: int(cfg.get(k, d)) for k, d in (("dp", 1), ("tp", world_size), ("moe_tp", world_size), ("moe_ep", 1))}
 
 
+def speculative_tokens(directory: Path) -> int:
+    """1 where the checkpoint carries an MTP layer (a tensor of layer num_hidden_layers, in any rank folder): MindIE
+    builds DeepSeek's MTP layer only with num_speculative_tokens > 0, as a deployment with the MTP plugin sets it
+    (atb/models/deepseekv2/modeling_deepseekv2.py: `if self.num_speculative_tokens:` ... mtp_layer); else 0, as
+    text_generator/generator.py sets it without the plugin."""
+    from safetensors import safe_open
+
+    cfg = json.loads((directory / "config.json").read_text())
+    if not cfg.get("num_nextn_predict_layers"):
+        return 0
+    prefix = f"model.layers.{int(cfg['num_hidden_layers'])}."
+    for f in sorted(directory.rglob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            if any(k.startswith(prefix) for k in st.keys()):
+                return 1
+    return 0
+
+
 def load(directory: Path, rank: int, world_size: int) -> Any:
     """MindIE's path from a directory to a model with its weights loaded, as mindie_llm's ATB wrapper drives it
-    (mindie_llm/modeling/model_wrapper/atb/atb_model_wrapper.py; num_speculative_tokens 0 as text_generator/
-    generator.py sets it without the MTP plugin)."""
+    (mindie_llm/modeling/model_wrapper/atb/atb_model_wrapper.py), its MTP layer built where it has one
+    (speculative_tokens)."""
     from atb_llm.models import InferenceMode
     from atb_llm.runner.model_runner import ModelRunner
 
@@ -180,7 +198,7 @@ def load(directory: Path, rank: int, world_size: int) -> Any:
                          world_size=world_size, is_flash_causal_lm=True, enable_edge=False, trust_remote_code=False,
                          load_tokenizer=True, tokenizer_path=None, inference_mode=InferenceMode.REGRESSION,
                          max_position_embeddings=None, lora_modules=None, max_loras=0, max_lora_rank=0,
-                         plugin_params=None, num_speculative_tokens=0, sp=-1, cp=-1,
+                         plugin_params=None, num_speculative_tokens=speculative_tokens(directory), sp=-1, cp=-1,
                          **parallel(directory, world_size), distributed_enable=False, max_batch_size=-1, models_dict=None,
                          num_lccl_comm_shards=1, lccl_comm_shard_id=0, model_role="standard")
     runner.load_weights()
@@ -191,12 +209,15 @@ def hand_to_graph(runner: Any) -> dict[str, list[Any]]:
     """What the model's first forward does before running: init_ascend_weight builds the weight list it hands to
     the ATB graph (the stand-in graph object records it). The list, in order, by graph: "prefill" (every model's
     one list) and "decode" where the model builds the decode graph's own (a PD-mix model: flash_causal_llama.py /
-    flash_causal_qwen2.py `decode_weight`, from the W8A8 side of each W8A8_PDMIX linear)."""
+    flash_causal_qwen2.py `decode_weight`, from the W8A8 side of each W8A8_PDMIX linear). DeepSeek's MTP layer has
+    a graph of its own (flash_causal_deepseekv2.py::init_ascend_weight `ascend_weight_mtp`): it joins "prefill", the
+    lists a forward hands its graphs."""
     model = runner.model
     if not hasattr(model, "init_ascend_weight"):
         return {}
     model.init_ascend_weight()
-    out = {"prefill": getattr(model, "ascend_weight", None) or []}
+    out = {"prefill": [*(getattr(model, "ascend_weight", None) or []), *(getattr(model, "ascend_weight_mtp", None)
+                                                                          or [])]}
     if getattr(model, "decode_weight", None):
         out["decode"] = model.decode_weight
     return {k: [t for t in v if hasattr(t, "data_ptr")] for k, v in out.items()}
@@ -341,16 +362,33 @@ def run(case: dict, rank: int, world_size: int, ref: dict | None = None) -> dict
     res["covered"] = {n: {str(m): [np.nonzero(v[:, c])[0].tolist() for c in range(m)] for m, v in by_m.items()}
                       for n, by_m in out.covered.items()}
     res["bias_parts"] = out.bias_parts
-    res["rows_of"] = {n: int(a.shape[0]) for n, a in src.weights.items() if a.ndim == 2}
-    res["unread"], res["unread_explained"] = unread(written_names(d), written, src.desc, d)
+    shared = mtp_shared_copies(written, d) | mtp_shared_copies(src.weights, d)
+    res["rows_of"] = {n: int(a.shape[0]) for n, a in src.weights.items() if a.ndim == 2 and n not in shared}
+    res["unread"], res["unread_explained"] = unread(written_names(d), written, src.desc, d, shared)
     res["tensors"] = len(written)
     res["seconds"] = round(time.perf_counter() - started, 2)
     return res
 
 
 # Checkpoint tensors a MindIE path legitimately never reads, and the check that the reason holds.
-def unread(names: set[tuple[str, str]], written: dict[str, Any], desc: dict[str, str], d: Path
-           ) -> tuple[list[str], dict[str, int]]:
+def mtp_shared_copies(written: dict[str, Any], d: Path) -> set[str]:
+    """The MTP layer's own embed_tokens / shared_head.head where they hold exactly the main model's embedding / LM
+    head (in the written tensors, or in the source's for an offline-sharded output, which leaves the copies out) (DeepSeek's MTP module shares both with the main model and its checkpoint stores copies): MindIE builds no
+    MTP embedding or head and runs the main ones (atb/models/deepseekv2/modeling_deepseekv2.py, the MTP branch of
+    DeepseekV2Model.__init__), which is the same computation only when the copies are exact."""
+    cfg = json.loads((d / "config.json").read_text())
+    n = int(cfg["num_hidden_layers"])
+    out = set()
+    for own, main in ((f"model.layers.{n}.embed_tokens.weight", "model.embed_tokens.weight"),
+                      (f"model.layers.{n}.shared_head.head.weight", "lm_head.weight")):
+        a, b = written.get(own), written.get(main)  # torch tensors as written, or the source's float64 arrays
+        if a is not None and b is not None and a.shape == b.shape and a.dtype == b.dtype and bool((a == b).all()):
+            out.add(own)
+    return out
+
+
+def unread(names: set[tuple[str, str]], written: dict[str, Any], desc: dict[str, str], d: Path,
+           shared: set[str] = frozenset()) -> tuple[list[str], dict[str, int]]:
     """Written tensors this rank did not read: explained (reason -> count), or not ("file: name (type)"). A tp > 1
     load's lists are intersected over its ranks by the driver (a rank reads only its own folders)."""
     unexplained, explained = [], {}
@@ -360,7 +398,9 @@ def unread(names: set[tuple[str, str]], written: dict[str, Any], desc: dict[str,
         module, _, leaf = n.rpartition(".")
         kind = desc.get(module + ".weight")
         t = written.get(n)
-        if leaf == "weight_offset" and kind == "W4A8_DYNAMIC" and t is not None and not bool(t.abs().max() > 0):
+        if n in shared:
+            reason = "the MTP layer's copy of the main embedding / LM head: MindIE runs the main one"
+        elif leaf == "weight_offset" and kind == "W4A8_DYNAMIC" and t is not None and not bool(t.abs().max() > 0):
             reason = "W4A8_DYNAMIC weight_offset (zeros): W4A8LinearDynamic takes no offset"
         elif leaf == "bias" and kind == "W8A8" and any(k == (f, module + ".quant_bias") for k in READS):
             reason = "float bias of a W8A8 linear: folded into quant_bias (checked against the source bias)"

@@ -31,6 +31,8 @@ class Glm4Moe(Family):
     engine_regions = {"mindie": {"attn_quantize": ("attention",),
                                  "quantize": ("dense_mlp", "shared_experts", "routed_experts")}}
     engine_explicit_keys = {"mindie": ("attn_quantize",)}
+    # vLLM-Ascend maps C8 scale names for Glm4MoeForCausalLM (patch/worker/patch_gqa_c8.py): make engine-check
+    kv_int8_engines = {"vllm-ascend": ("glm4_moe",)}
     engine_kind_types = {"mindie": {"attention": (
         frozenset({"FLOAT", "W8A8"}),
         "GLM-4.5's attention is registered with the static W8A8 layout whatever attn_quantize says (W8A8_DYNAMIC: "

@@ -16,4 +16,7 @@ class KimiK2(DeepseekV3):
                   "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
                                "AutoModel": "modeling_deepseek.DeepseekV3Model",
                                "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}}
+    # both engines run Kimi-K2 with DeepSeek's model code, FA quant included (MindIE: Kimik2Router sets model_type
+    # deepseekv2; vLLM: DeepseekV3ForCausalLM from `architectures`): make engine-check loads its int8 cache
+    kv_int8_engines = {"mindie": ("kimi_k2",), "vllm-ascend": ("kimi_k2",)}
     tiny = {**DeepseekV3.tiny, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.827}

@@ -58,8 +58,9 @@ FA3_WHY = ("its offline-sharded weights carry FA3's derived buffers (fa3.q_scale
 class Planner:
     """The items of one folder kind for one sub-rank (headers only)."""
 
-    def __init__(self, src: Any, rk: Ranks) -> None:
+    def __init__(self, src: Any, rk: Ranks, mtp: bool = False) -> None:
         self.src, self.rk = src, rk
+        self.mtp = mtp  # place the MTP layer too (`shard --mtp`: MindIE builds it with num_speculative_tokens > 0)
         self.f = src.facts
         if (src.quant_description or {}).get("fa_quant_type"):
             raise UserError(f"{src.root}: an int8 latent cache (FA quant) has no MindIE offline-sharded form here: "
@@ -247,7 +248,9 @@ class Planner:
         return items
 
     def layers(self) -> range:
-        return range(self.f.num_layers)  # MTP only with DEEPSEEK_MTP=1 (weight_sharder.py L36-37): left out
+        """The decoder layers; the MTP layer's too with `mtp` (MindIE builds it as FlashDeepseekV2DecoderLayer with
+        its own layer id only with num_speculative_tokens > 0: modeling_deepseekv2.py)."""
+        return range(self.f.num_layers + (self.f.num_mtp_layers if self.mtp else 0))
 
     def dense(self, a: int) -> list[Item]:
         """modeling_deepseek.py::DeepseekMLP.__init__: gate_up_proj = [gate_r; up_r] column-parallel, down_proj
@@ -311,6 +314,9 @@ class Planner:
                           self._src_dtype(emb), pad_row=True))
         if "lm_head.weight" in self.shapes:
             items += self.linear("lm_head", [["lm_head"]], "col", r, self.rk.world)
+        for L in self.layers()[self.f.num_layers:]:  # the MTP layer's eh_proj: read whole (weights.get_tensor)
+            eh = f"model.layers.{L}.eh_proj.weight"
+            items.append(Item(eh, self.model_dtype, [[self._part(eh)]], self._src_dtype(eh), qtype="FLOAT"))
         return items
 
     def norm(self) -> list[Item]:
@@ -321,7 +327,7 @@ class Planner:
             if "norm" not in n:
                 continue
             r = self.src.role(n)
-            if r.layer is not None and r.layer >= self.f.num_layers:
+            if r.layer is not None and r.layer >= self.f.num_layers and not self.mtp:
                 continue
             out.append(Item(n, self.model_dtype, [[self._part(n)]], self._src_dtype(n)))
         return out

@@ -273,6 +273,7 @@ class MindiePlan:
     rank_folders: list[dict[str, str]]       # world rank -> kind -> folder
     description: dict[str, Any] | None
     dropped: dict[str, str] = field(default_factory=dict)  # source tensor -> why it is not in the layout
+    mtp: bool = False                                       # the MTP layer placed (`shard --mtp`)
 
     def items(self) -> Iterator[tuple[str, Item]]:
         for f, items in self.folders.items():

@@ -75,7 +75,8 @@ def verify(directory: Path, manifest: dict[str, Any], doc: dict[str, Any]) -> li
         return changed
     try:
         lay = doc["layout"]
-        plan = build_plan(src, make_layout(lay["ep"], lay["tp"], lay["world"], lay["nodes"], lay["cards_per_node"]))
+        plan = build_plan(src, make_layout(lay["ep"], lay["tp"], lay["world"], lay["nodes"], lay["cards_per_node"]),
+                          mtp=bool(doc.get("mtp")))
         return _check_folders(directory, src, plan)[:50]
     finally:
         src.close()

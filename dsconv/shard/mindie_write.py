@@ -28,7 +28,7 @@ ST_DTYPE_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16",
                   "I64", "U64")
 
 
-def build_plan(src: Any, layout: Any) -> MindiePlan:
+def build_plan(src: Any, layout: Any, mtp: bool = False) -> MindiePlan:
     """Every folder's items for the layout (headers only). DeepSeek-V3/R1 only (the layout's documented scope).
 
     One deliberate difference: MindIE's get_module_save_dir sends `mlp` tensors of layers > 2 to the moe folder
@@ -41,7 +41,10 @@ def build_plan(src: Any, layout: Any) -> MindiePlan:
                              "only), or --format ranks for per-rank copies")
     rk = Ranks(world=layout.world, tp=layout.tp, moe_tp=layout.moe_tp, moe_ep=layout.ep)
     check_ranks(rk)
-    pl = Planner(src, rk)
+    if mtp and not src.facts.num_mtp_layers:
+        raise UserError(f"{src.root}: --mtp, but the checkpoint has no MTP layer (tensors of layer "
+                        f"{src.facts.num_layers})", hint="drop --mtp")
+    pl = Planner(src, rk, mtp=mtp)
     folders: dict[str, list[Item]] = {}
     rank_folders = [rk.folders(r) for r in range(rk.world)]
     for r, fo in enumerate(rank_folders):
@@ -54,10 +57,13 @@ def build_plan(src: Any, layout: Any) -> MindiePlan:
                 if not folders[fo[kind]]:
                     raise UserError(f"{fo[kind]} would be empty: MindIE's loader needs every rank folder to hold "
                                     "a safetensors file (weights.py::Weights.__init__)")
-    dropped = {n: "MTP layer (MindIE shards it only with DEEPSEEK_MTP=1)" for n, r in src.roles.items()
-               if (r.layer or 0) >= src.facts.num_layers}
+    placed = {it.name for items in folders.values() for it in items}
+    dropped = {n: ("the MTP layer's copy of the main embedding / head: MindIE runs the main one" if mtp else
+                   "MTP layer (placed with --mtp: MindIE builds it with num_speculative_tokens > 0)")
+               for n, r in src.roles.items() if (r.layer or 0) >= src.facts.num_layers and n not in placed
+               and not r.is_aux}
     dropped.update({n: "FP8 scale (weights are dequantized)" for n in src.fp8_scales.values()})
-    plan = MindiePlan(rk, folders, rank_folders, None, dropped)
+    plan = MindiePlan(rk, folders, rank_folders, None, dropped, mtp=mtp)
     plan.description = description(src, plan) if src.quant_description else None
     return plan
 
@@ -210,7 +216,7 @@ def write(src: Any, plan: MindiePlan, output: Path, *, head: dict[str, Any], fil
         for f in sorted(Path(src.root).iterdir()):  # convert_utils.py::copy_tokenizer_files
             if f.is_file() and any(m in f.name for m in COPY_MARKS):
                 out.copy_in(f)
-        doc = {**head, "format": "mindie", "folders": {f: len(v) for f, v in plan.folders.items()},
+        doc = {**head, "format": "mindie", "mtp": plan.mtp, "folders": {f: len(v) for f, v in plan.folders.items()},
                "rank_folders": plan.rank_folders, "dropped": plan.dropped}
         out.write_text("plan.json", json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
         for rel, obj in files.items():

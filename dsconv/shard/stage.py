@@ -46,6 +46,7 @@ class ShardRequest:
     engine: str | None = None    # dsconv.engines profile (default: dsconv.toml, else mindie)
     format: str | None = None    # mindie | ranks | plan (default: what the engine loads, engine_formats.py)
     source: Any = None           # an opened input instead of model/config (a config's quantized view)
+    mtp: bool = False            # MindIE's offline-sharded folders carry the MTP layer too
     execution: Any = None        # dsconv.executor.ExecOptions: how rank parts are written (default inline)
 
     def options(self) -> dict[str, Any]:
@@ -185,7 +186,7 @@ def run(req: ShardRequest) -> ShardResult:
         if fmt == "mindie":  # every layout error (splits, quant types) before any work
             from dsconv.shard.mindie_write import build_plan
 
-            mplan = build_plan(src, layout)
+            mplan = build_plan(src, layout, mtp=req.mtp)
         table = build_table(src)
         plan = make_plan(table, layout, opts)
         if not plan.ok:

@@ -17,6 +17,8 @@ MOE = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "deepseek
 # W8A8_DYNAMIC under W4A8): layout "mtp" is the per-expert checkpoint with one MTP layer appended (tiny.add_mtp_layer)
 MTP = ("deepseek_v3", "deepseek_v32", "glm4_moe")
 MTP_SCHEMES = ("bits8", "w4a8")
+# MindIE builds an MTP layer for DeepSeek's code only (num_speculative_tokens > 0; GLM-4.5's model never reads one)
+MINDIE_MTP = ("deepseek_v3",)
 ENGINES = ("mindie", "vllm-ascend")
 # scheme label (a README row) -> `dsconv quantize` options. 4-bit rows round to nearest (--method rtn): the check
 # then holds every weight to half a quantization step (GPTQ's integers move further, through the same layout).

@@ -30,8 +30,8 @@ from pathlib import Path
 
 from dsconv.engines.loader_check import (merge_ranks, mindie_env, mindie_load, vllm_load, vllm_python,
                                          vllm_summary)
-from tests.engine_check.cases import (ENGINES, FAMILIES, MOE, MTP, MTP_SCHEMES, SCHEMES, build_source, quantize,
-                                      source_name, tokenizer)
+from tests.engine_check.cases import (ENGINES, FAMILIES, MINDIE_MTP, MOE, MTP, MTP_SCHEMES, SCHEMES, build_source,
+                                      quantize, source_name, tokenizer)
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results.json"
@@ -42,15 +42,17 @@ def cases(engine: str) -> list[dict]:
     """vLLM-Ascend: every scheme on bf16 per-expert checkpoints; the engine recipe (`--bits 8`: static and dynamic
     layers) also on fp16 inputs (int64 deq_scale, fp16 parameters) and on fused 3-D experts, and with an MTP layer
     (loaded by the engine's MTP drafter) where the family has one. MindIE: every scheme on
-    bf16 and fp16 per-expert checkpoints and on bf16 fused experts, each loaded at tp 1 and tp 2."""
+    bf16 and fp16 per-expert checkpoints and on bf16 fused experts, and DeepSeek's with an MTP layer (its MTP graph
+    built), each loaded at tp 1 and tp 2."""
     out = []
     for f in FAMILIES:
         for s in SCHEMES:
             if engine == "vllm-ascend":
                 out.append(dict(engine=engine, family=f, scheme=s, dtype="bf16", layout="per-expert"))
                 continue
-            for dtype, layout in (("bf16", "per-expert"), ("fp16", "per-expert"), ("bf16", "fused")):
-                if layout == "fused" and f not in MOE:
+            for dtype, layout in (("bf16", "per-expert"), ("fp16", "per-expert"), ("bf16", "fused"), ("bf16", "mtp")):
+                if layout == "fused" and f not in MOE or layout == "mtp" and (f not in MINDIE_MTP or
+                                                                             s not in MTP_SCHEMES):
                     continue
                 for tp in (1, 2):
                     out.append(dict(engine=engine, family=f, scheme=s, dtype=dtype, layout=layout, tp=tp))
@@ -175,7 +177,9 @@ def mindie_controls(written: dict[str, Path], sharded: dict[str, Path], root: Pa
 
 # MindIE's offline-sharded layouts the check loads: (layout name, `dsconv shard` options, world size, schemes)
 SHARDINGS = (("sharded", ["--tp", "2", "--ep", "1", "--world", "2"], 2, None),
-             ("sharded-ep4", ["--ep", "4", "--tp", "2"], 8, ("bits8",)))
+             ("sharded-ep4", ["--ep", "4", "--tp", "2"], 8, ("bits8",)),
+             # an output with an MTP layer, its MTP layer placed (`shard --mtp`)
+             ("sharded-mtp", ["--tp", "2", "--ep", "1", "--world", "2", "--mtp"], 2, None))
 
 
 def shard_mindie(root: Path, written: dict[str, Path], todo: list[dict]) -> dict[str, Path]:
@@ -193,11 +197,12 @@ def shard_mindie(root: Path, written: dict[str, Path], todo: list[dict]) -> dict
     out = {}
     for oid, d in sorted(written.items()):
         family = oid.split("/")[1].split("-")[0]
-        if family not in sharded or not oid.endswith("-bf16-per-expert"):
+        source = next((s for s in ("per-expert", "mtp") if oid.endswith(f"-bf16-{s}")), None)
+        if family not in sharded or source is None:
             continue
-        scheme = oid.split("/")[1][len(family) + 1:-len("-bf16-per-expert")]
+        scheme = oid.split("/")[1][len(family) + 1:-len(f"-bf16-{source}")]
         for layout, options, world, schemes in SHARDINGS:
-            if schemes is not None and scheme not in schemes:
+            if schemes is not None and scheme not in schemes or layout.endswith("mtp") != (source == "mtp"):
                 continue
             key = f"mindie/{family}-{scheme}-bf16-{layout}"
             err = io.StringIO()
@@ -225,11 +230,14 @@ def run_mindie(root: Path, only: str | None, env: tuple[str, str]) -> tuple[list
     todo = [c for c in cases("mindie") if not only or only in case_id(c)]
     t0 = time.perf_counter()
     written = quantize_all(root, todo)
-    sharded = shard_mindie(root, written, todo) if not only or "sharded" in only or "deepseek" in only else {}
+    sharded = shard_mindie(root, written, todo) if not only or "sharded" in only or "deepseek" in only or \
+        "kimi" in only else {}
     controls, bad = mindie_controls(written, sharded, root / "mindie-controls", only)
     t1 = time.perf_counter()
     def load_case(cid: str, d: Path, c: dict) -> dict:
-        layout = "fused" if c["layout"] == "fused" else "per-expert"  # a sharded layout's source: the per-expert one
+        # a sharded layout's source: the per-expert one (the mtp one for sharded-mtp)
+        layout = c["layout"] if c["layout"] in ("fused", "mtp") else "mtp" if c["layout"].endswith("mtp") \
+            else "per-expert"
         return {"id": cid, "dir": str(d), "source": str(root / "src" / source_name(c["family"], c["dtype"], layout,
                                                                                     c["scheme"])),
                 "plain": str(written[f"mindie/{c['family']}-{c['scheme']}-{c['dtype']}-{layout}"])}

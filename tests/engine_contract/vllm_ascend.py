@@ -22,7 +22,9 @@ DESCRIPTION = "quant_model_description.json"
 # AscendModelSlimConfig.get_cache_scale (Qwen3ForCausalLM, Glm4MoeForCausalLM, MiniMaxM2ForCausalLM)
 C8_MODEL_TYPES = ("qwen3", "glm4_moe", "minimax_m2")
 C8_PARAMS = ("kv_cache_scale", "kv_cache_offset")
-FA_MODEL_TYPE = "deepseek_v3"  # patch_weight_utils.py patches vllm.model_executor.models.deepseek_v2 only
+# patch_weight_utils.py patches vllm.model_executor.models.deepseek_v2 only, whose DeepseekV3ForCausalLM also runs
+# Kimi-K2 (its config.json's architectures)
+FA_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 
 
 def description_file(d: Path, cfg: dict, p: Problems) -> dict | None:
@@ -61,7 +63,7 @@ def fa_quant(desc: dict, route: dict, cfg: dict, model_dtype: str, model_type: s
     if not desc.get("fa_quant_type"):
         p.add("load_weights", "FA-quant tensors without fa_quant_type: no parameter takes them")
         return
-    if model_type != FA_MODEL_TYPE:
+    if model_type not in FA_MODEL_TYPES:
         p.add("patch_weight_utils", f"{model_type}: FA-quant names are remapped for DeepSeek only")
     for layer in layers.values():
         for name in layer.values():
