@@ -22,7 +22,7 @@ from typing import Any
 
 from dsconv import schemas
 from dsconv.errors import UserError
-from dsconv.families import Family, family_for, supported_model_types
+from dsconv.families import NOT_YET, Family, family_for, supported_model_types
 from dsconv.families.base import ModelFacts
 from dsconv.families.roles import TensorRole
 from dsconv.io.tensorfile import TensorInfo, TensorReader, dequant_fp8_block, read_header
@@ -434,6 +434,6 @@ class ConfigOnly:
 
 def _read_json(path: Path, hint: str = "pass a HF config.json") -> dict[str, Any]:
     """config.json (or a config given by --config): bounded parse, then every field a family reads checked."""
-    data = schemas.config(schemas.read_json(path, "config", hint), str(path), supported_model_types())
+    data = schemas.config(schemas.read_json(path, "config", hint), str(path), supported_model_types(), NOT_YET)
     schemas.model.config_fields(data, str(path), family_for(data, where=str(path)).config_keys)
     return data

@@ -95,6 +95,17 @@ def tiny_model(tmp_path_factory) -> Callable[..., Path]:
     return get
 
 
+def hf_from_pretrained(model_dir: Path, **kwargs):
+    """transformers' own `from_pretrained`, its config object made by dsconv.families.facts.hf_config: Kimi-K2's
+    config.json names remote code in auto_map (from_pretrained alone asks to run it); nothing else differs."""
+    from transformers import AutoModelForCausalLM
+
+    from dsconv.families.facts import hf_config
+
+    config = hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
+    return AutoModelForCausalLM.from_pretrained(model_dir, config=config, trust_remote_code=False, **kwargs).eval()
+
+
 def write_raw_safetensors(path: Path, header: dict, data: bytes, header_len: int | None = None) -> Path:
     """A safetensors file with an arbitrary (possibly malicious) header, for attack tests."""
     raw = json.dumps(header).encode()

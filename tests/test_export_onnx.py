@@ -19,6 +19,7 @@ from dsconv.convert import tolerance
 from dsconv.convert.onnx import export_onnx
 from dsconv.errors import CheckFailed
 from dsconv.tiny import FAMILIES
+from conftest import hf_from_pretrained
 
 # granitemoe (False): Granite's own 3-D input_linear/output_linear experts on disk
 CASES = [("llama", False), ("qwen2", False), ("qwen3", False), ("qwen2_moe", True), ("qwen3_moe", False),
@@ -40,9 +41,7 @@ def session(path: Path) -> ort.InferenceSession:
 
 def hf_model(model_dir: Path, dtype=torch.float32):
     """transformers' model with its default implementations (not the ones the export uses)."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    return hf_from_pretrained(model_dir, dtype=dtype)
 
 
 def gen_positions(mask: np.ndarray) -> np.ndarray:

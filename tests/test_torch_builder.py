@@ -5,9 +5,6 @@ the same parameter and buffer names, dtypes and values (tied weights tied), for 
 export dtype, and FP8 checkpoints (dequantized in-stream, no scratch copy)."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -15,6 +12,7 @@ from dsconv.checkpoint import Checkpoint
 from dsconv.errors import UserError
 from dsconv.model import torch_builder
 from dsconv.tiny import FAMILIES, MOE_FAMILIES
+from conftest import hf_from_pretrained
 
 pytestmark = pytest.mark.cli
 
@@ -22,16 +20,9 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def reference(model_dir, dtype, experts):
-    """transformers' own loading. Its config object comes from dsconv.families.facts.hf_config: Kimi-K2's
-    config.json names remote code in auto_map (from_pretrained alone asks to run it); everything else is the same."""
-    from transformers import AutoModelForCausalLM
-
-    from dsconv.families.facts import hf_config
-
-    config = hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
+    """transformers' own loading (conftest.hf_from_pretrained)."""
     kwargs = {"experts_implementation": experts} if experts else {}
-    return AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=dtype, attn_implementation="eager",
-                                                trust_remote_code=False, **kwargs).eval()
+    return hf_from_pretrained(model_dir, dtype=dtype, attn_implementation="eager", **kwargs)
 
 
 def assert_same_model(got, want):

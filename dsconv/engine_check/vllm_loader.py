@@ -309,8 +309,8 @@ def check(directory: Path, dtype: str | None = None, source: Path | None = None)
     from written_source import source_problems
 
     try:
-        res["source"], res["clipped_max"], res["source_checked"] = source_problems(directory, ck, desc, dtype,
-                                                                                   source)
+        res["source"], res["clipped_max"], res["source_checked"] = source_problems(
+            directory, ck, desc, dtype, source, engine_norm_offset(model))
     except Exception as e:  # noqa: BLE001 - the comparison's own failure is a failed check, not the batch's end
         res["source"], res["clipped_max"], res["source_checked"] = \
             [f"the comparison with the source failed: {type(e).__name__}: {e}"], 0.0, True
@@ -362,6 +362,13 @@ def _place(res: dict, ck: dict[str, torch.Tensor], desc: dict, params: dict, tie
         if pname in ZERO_NORM_BIASES and not mask.any():
             continue  # the engine's own zeros: an RMSNorm with no bias in the checkpoint computes without one
         res["unfilled"].append(f"{where}{pname}: {int((~mask).sum())} of {mask.numel()} elements")
+
+
+def engine_norm_offset(model: Any) -> float | None:
+    """1.0 where the engine's own norms multiply by (1 + weight): vLLM's GemmaRMSNorm, which Gemma 3 and Qwen3-Next
+    use (vllm/model_executor/models/qwen3_next.py imports it as Qwen3NextRMSNorm); else None (config.json decides)."""
+    gemma = any(c.__name__.endswith("GemmaRMSNorm") for m in model.modules() for c in type(m).__mro__)
+    return 1.0 if gemma else None
 
 
 def _static_w8a8(pname: str, params: dict, mix: set[str]) -> bool:

@@ -123,9 +123,10 @@ def _float_rows(name: str, t: torch.Tensor, source: np.ndarray | None, chunk: in
 
 
 def source_problems(directory: Path, ck: dict[str, torch.Tensor], desc: dict[str, str], dtype: Any,
-                    source: Path | None = None) -> tuple[list[str], float, bool]:
+                    source: Path | None = None, norm_offset: float | None = None) -> tuple[list[str], float, bool]:
     """(problems, the largest clipped fraction of a linear, whether a source was found): every written quantized
-    weight against the source the output's manifest names (or `source`)."""
+    weight against the source the output's manifest names (or `source`); `norm_offset`: what the engine's norms add
+    to their weight (None: as mindie_match.norm_offset reads config.json)."""
     if source is None:
         f = directory / "dsconv_manifest.json"
         inputs = json.loads(f.read_text()).get("inputs", []) if f.is_file() else []
@@ -146,7 +147,8 @@ def source_problems(directory: Path, ck: dict[str, torch.Tensor], desc: dict[str
     weights = {n: t.to(torch.float64).numpy() for n, t in
                mr.source_tensors(sorted(source.glob("*.safetensors")), read, ck).items() if t.is_floating_point()}
     cfg = json.loads((directory / "config.json").read_text())
-    src = mm.Source(weights, ck, desc, dtype=model_dtype, norm_offset=mm.norm_offset(cfg))
+    src = mm.Source(weights, ck, desc, dtype=model_dtype,
+                    norm_offset=mm.norm_offset(cfg) if norm_offset is None else norm_offset)
     src.norms = {n: t.to(torch.float64).numpy() for n, t in ck.items()
                  if t.dim() == 1 and t.is_floating_point() and "norm" in n}
     for name, t in sorted(ck.items()):  # float matrices: embeddings, heads, routers, linears kept float

@@ -307,7 +307,7 @@ def config_dtype(c: Mapping[str, Any]) -> str:
 
 
 #: model_type -> the transformers model type whose code runs it, where transformers has no class of its own
-#: (Kimi-K2 names remote code in auto_map; dsconv never runs it and builds DeepSeek-V3's). Filled by families' @register.
+#: (Kimi-K2 names remote code in auto_map; dsconv never runs it, it builds DeepSeek-V3). Filled by @register.
 TRANSFORMERS_MODEL_TYPE: dict[str, str] = {}
 
 

@@ -230,13 +230,15 @@ _OTHER: dict[str, Callable[[Fields, Any], Any]] = {
 }
 
 
-def config(data: Any, where: str = "config.json", supported: Collection[str] | None = None) -> dict[str, Any]:
+def config(data: Any, where: str = "config.json", supported: Collection[str] | None = None,
+           not_yet: Mapping[str, str] | None = None) -> dict[str, Any]:
     """A config.json's content with every field a family uses type- and range-checked, and the relations between
     them (heads divide the hidden size, KV heads divide heads, top-k within the experts)."""
     f = Fields(data, where, CONFIG_HINT, what="a JSON object (a HF config.json)")
     model_type = f.str("model_type", max_len=100)
     if supported is not None and model_type not in supported:
-        raise UserError(f"{where}: model_type {model_type!r} is not supported",
+        why = f" ({not_yet[model_type]})" if not_yet and model_type in not_yet else ""
+        raise UserError(f"{where}: model_type {model_type!r} is not supported{why}",
                         hint=f"dsconv supports {', '.join(sorted(supported))}")
     for key in ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads"):
         f.int(key, *_INTS[key])

@@ -216,7 +216,8 @@ def write(src: Any, plan: MindiePlan, output: Path, *, head: dict[str, Any], fil
         for f in sorted(Path(src.root).iterdir()):  # convert_utils.py::copy_tokenizer_files
             if f.is_file() and any(m in f.name for m in COPY_MARKS):
                 out.copy_in(f)
-        doc = {**head, "format": "mindie", "mtp": plan.mtp, "folders": {f: len(v) for f, v in plan.folders.items()},
+        doc = {**head, "format": "mindie", **({"mtp": True} if plan.mtp else {}),
+               "folders": {f: len(v) for f, v in plan.folders.items()},
                "rank_folders": plan.rank_folders, "dropped": plan.dropped}
         out.write_text("plan.json", json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
         for rel, obj in files.items():
