@@ -131,20 +131,34 @@ def train_tokenizer(texts: list[str], vocab_size: int = 512):
 
 
 def add_mtp_layer(model_dir: Path, seed: int = 0) -> None:
-    """Append a DeepSeek MTP module (layer index num_hidden_layers) to a saved tiny DeepSeek-V3 checkpoint, as the
-    published checkpoint stores it; transformers ignores it, dsconv must account for it."""
+    """Append an MTP module to a saved tiny checkpoint as the published one stores it: DeepSeek's and GLM's as layer
+    num_hidden_layers, Qwen3-Next's as `mtp.*`; transformers ignores it, dsconv must account for it."""
     import torch
     from safetensors.torch import load_file, save_file
 
     from dsconv.families import family_for
 
     cfg = json.loads((model_dir / "config.json").read_text())
-    cfg["num_nextn_predict_layers"] = 1
     fam = family_for(cfg)
-    facts = fam.facts(cfg)
     g = torch.Generator().manual_seed(seed)
     existing = load_file(model_dir / "model.safetensors")
     dtype = next(iter(existing.values())).dtype
+    if fam.mtp_prefixes:  # Qwen3-Next: mtp.fc, its norms and a copy of a full-attention layer's layout as mtp.layers.0
+        facts = fam.facts(cfg)
+        full = next(i for i in range(facts.num_layers) if not facts.layer_kinds or
+                    facts.layer_kinds[i] == "full_attention")
+        p, h = fam.mtp_prefixes[0], facts.hidden_size
+        shapes = {f"{p}fc.weight": (h, 2 * h), **{f"{p}{n}.weight": (h,) for n in
+                                                   ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}}
+        layer = f"{fam.layer_prefix}{full}."
+        shapes.update({f"{p}layers.0.{n[len(layer):]}": tuple(t.shape) for n, t in existing.items()
+                       if n.startswith(layer)})
+        for name, shape in shapes.items():
+            existing[name] = (torch.randn(shape, generator=g) * 0.05).to(dtype)
+        save_file(existing, model_dir / "model.safetensors", metadata={"format": "pt"})
+        return
+    cfg["num_nextn_predict_layers"] = 1
+    facts = fam.facts(cfg)
     shared = {fam.tensor("mtp.embed", facts.num_layers): "model.embed_tokens.weight",
               fam.tensor("mtp.head", facts.num_layers): "lm_head.weight"}
     for spec in fam.synthesize(cfg):

@@ -183,3 +183,25 @@ def test_eval_streams_the_new_families(built, run_cli, tmp_path, family):
     report = json.loads(r.out)
     assert report["tokens"] == 128 and 0 < report["kl_divergence"] < 0.1 and report["top1_agreement"] > 0.5
     assert report["qa"]["questions"] > 0
+
+
+def test_qwen3_next_mtp_block_carried_in_float(built, run_cli, tmp_path):
+    """Qwen3-Next's published checkpoint carries its MTP block as mtp.* (fc, norms, a full-attention MoE layer),
+    which transformers never builds: dsconv counts it as MTP and writes it float, every tensor described FLOAT."""
+    from dsconv.tiny import add_mtp_layer
+
+    d = tmp_path / "q3n"
+    shutil.copytree(built["qwen3_next"], d)
+    add_mtp_layer(d)
+    ck = Checkpoint.open(d)
+    mtp = sorted(n for n in ck.names() if n.startswith("mtp."))
+    assert "mtp.fc.weight" in mtp and any(".mlp.experts." in n for n in mtp)
+    assert all(ck.role(n).category.value == "mtp" for n in mtp)
+    report = json.loads(run_cli(["inspect", "--model", d, "--json"]).out)
+    assert report["categories"]["mtp"]["tensors"] == len(mtp)
+    assert report["parameters"] - report["main_parameters"] == report["categories"]["mtp"]["parameters"]
+    r = run_cli(["quantize", "-m", d, "-o", tmp_path / "q", "--engine", "vllm-ascend", "--bits", "8",
+                 "--calib-samples", "4", "--seq-len", "32"])
+    assert r.code == 0, r.err
+    desc = json.loads((tmp_path / "q" / "quant_model_description.json").read_text())
+    assert all(desc.get(n) == "FLOAT" for n in mtp)

@@ -153,7 +153,7 @@ def build_and_load(directory: Path, dtype: str, mtp: bool = False) -> Any:
 # DeepSeek's and GLM's MTP drafters (vllm/model_executor/models/deepseek_mtp.py and glm4_moe_mtp.py
 # `_rewrite_spec_layer_name`, restated): an MTP layer's own modules keep their names, its decoder layer moves under
 # `mtp_block`, its embed_tokens is the drafter's (shared) embedding; GLM's MTP layer, which stores neither, reads the
-# main model's embed_tokens and lm_head (as shared_head.head)
+# main model's embed_tokens and lm_head (as shared_head.head). Qwen3-Next's block is stored as mtp.*, read as model.*
 MTP_OWN = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head")
 LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 
@@ -161,6 +161,10 @@ LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 def mtp_names(ck: dict[str, torch.Tensor], n_layers: int) -> dict[str, str]:
     """checkpoint name -> the drafter's name, for the MTP layers' tensors (and the main ones GLM's drafter reads)."""
     out: dict[str, str] = {}
+    if any(n.startswith("mtp.") for n in ck):  # Qwen3-Next (qwen3_next_mtp.py::load_weights): mtp.* -> model.*,
+        out = {n: "model." + n[len("mtp."):] for n in ck if n.startswith("mtp.")}  # the embedding and head shared
+        out.update({n: n for n in ("model.embed_tokens.weight", "lm_head.weight") if n in ck})
+        return out
     first = None
     for name in ck:
         m = LAYER_RE.match(name)
@@ -290,8 +294,8 @@ def check(directory: Path, dtype: str | None = None, source: Path | None = None)
     desc_file = directory / "quant_model_description.json"
     desc = json.loads(desc_file.read_text()) if desc_file.exists() else {}
     mtp = mtp_names(ck, int(cfg["num_hidden_layers"]))
-    own = {n: t for n, t in ck.items() if LAYER_RE.match(n) is None or int(LAYER_RE.match(n)[1]) <
-           int(cfg["num_hidden_layers"])}
+    own = {n: t for n, t in ck.items() if not n.startswith("mtp.") and (LAYER_RE.match(n) is None or int(
+        LAYER_RE.match(n)[1]) < int(cfg["num_hidden_layers"]))}
     _place(res, own, desc, params, tied=bool(cfg.get("tie_word_embeddings")))
     if mtp:  # the MTP layer's tensors, where the engine's drafter puts them
         try:

@@ -178,6 +178,9 @@ class Family:
     disk_fused_params: dict[str, tuple[str, ...]] = {}
     #: engine -> (rule, source) where the engine has no model for this family: refused before any work
     engine_refused: dict[str, tuple[str, str]] = {}
+    #: name prefixes of an MTP block stored apart from the decoder layers (Qwen3-Next's `mtp.*`: its own fc, norms
+    #: and a decoder layer): classified as category MTP and carried through every stage in float, never required
+    mtp_prefixes: tuple[str, ...] = ()
     #: keys of rows not quantized by default that an FP8 checkpoint still stores in FP8 with block scales
     fp8_keys: tuple[str, ...] = ()
     #: the transformers model type that runs this family's checkpoints, where transformers has none of its own
@@ -349,6 +352,11 @@ class Family:
         return ".".join(parts), param, layer, expert
 
     def classify(self, name: str, facts: ModelFacts) -> TensorRole:
+        prefix = next((p for p in self.mtp_prefixes if name.startswith(p)), None)
+        if prefix is not None:  # an MTP block stored apart from the layers: carried as it is, in float
+            module, _, param = name.rpartition(".")
+            if param in self._params:
+                return TensorRole(module, param, Role.MTP_PROJ, Category.MTP)
         module, param, layer, expert = self.template_of(name)
         rule = self._modules.get(module)
         if rule is None or not param:

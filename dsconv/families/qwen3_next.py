@@ -52,6 +52,10 @@ class Qwen3Next(Family):
     table = decoder(attention=(*LINEAR_ATTENTION, *gqa_attention(qkv_bias=False, when="full_attention"),
                                *qk_norm(when="qk_norm")), mlp=QWEN_MOE_SHARED)
     other_params = (*OTHER_PARAMS, "A_log", "dt_bias")
+    # the published checkpoint carries its MTP block as mtp.fc, mtp.pre_fc_norm_{embedding,hidden}, mtp.layers.0.* (a
+    # full-attention MoE layer) and mtp.norm, which vLLM's Qwen3NextMTP loads as model.* (qwen3_next_mtp.py
+    # load_weights); transformers builds none of it
+    mtp_prefixes = ("mtp.",)
     # its RMSNorm multiplies by (1 + weight), as Gemma's (transformers' Qwen3NextRMSNorm; vLLM imports GemmaRMSNorm as
     # Qwen3NextRMSNorm): SmoothQuant scales the effective weight (the gated norm inside linear_attn is plain)
     norm_offset = 1.0
