@@ -93,11 +93,12 @@ def test_kv_indexer_and_state_bytes_equal_transformers_caches():
             assert facts.indexer_bytes_per_token() == indexer * 2 // ids.shape[1]
 
 
-def test_kimi_k2_remote_code_is_never_run(tiny_model, run_cli, tmp_path):
+def test_kimi_k2_remote_code_is_never_run(built, run_cli, tmp_path):
     """Kimi-K2's config.json names DeepseekV3ForCausalLM with auto_map to modeling_deepseek.py: dsconv builds
-    transformers' own DeepSeek-V3 and never imports the file (here, one that would raise)."""
+    transformers' own DeepSeek-V3 and never imports the file (here, one that would raise), nor lets transformers
+    ask whether to run it (its prompt once reached stdout through the tokenizer's loading)."""
     d = tmp_path / "kimi"
-    shutil.copytree(tiny_model("kimi_k2"), d)
+    shutil.copytree(built["kimi_k2"], d)
     config = json.loads((d / "config.json").read_text())
     assert config["model_type"] == "kimi_k2" and "auto_map" in config
     for f in ("configuration_deepseek.py", "modeling_deepseek.py"):
@@ -106,6 +107,9 @@ def test_kimi_k2_remote_code_is_never_run(tiny_model, run_cli, tmp_path):
     assert r.code == 0 and "kimi_k2" in r.out, r.err
     r = run_cli(["export", "--model", d, "--output", tmp_path / "o", "--format", "onnx"])
     assert r.code == 0 and "check passed" in r.out, r.err
+    r = run_cli(["quantize", "-m", d, "-o", tmp_path / "q", "--engine", "vllm-ascend", "--scheme", "w8a8_dynamic",
+                 "--calib-samples", "2", "--seq-len", "32", "--json"])
+    assert r.code == 0 and "custom code" not in r.out + r.err and json.loads(r.out)
 
 
 @pytest.mark.parametrize("family", ["deepseek_v32", "qwen3_next"])
@@ -169,7 +173,7 @@ def test_mtp_layer_gets_description_entries(built, run_cli, tmp_path):
     assert all(desc.get(n) == "FLOAT" for n in mtp)
 
 
-@pytest.mark.parametrize("family", ["glm4_moe", "qwen3_next"])
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v32", "kimi_k2", "qwen3_next"])
 def test_eval_streams_the_new_families(built, run_cli, tmp_path, family):
     """The streamed eval (a decoder layer at a time) and --qa on a quantized output: the float side equals
     transformers' own model on the same tokens, so the report is about quantization alone."""

@@ -109,7 +109,8 @@ def load_tokenizer(model_dir: Path):
     try:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(model_dir))
+        # never remote code: Kimi-K2's config.json names some in auto_map (transformers would ask to run it)
+        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
     except Exception as e:  # transformers raises OSError/ValueError/... for a missing or broken tokenizer
         raise UserError(f"{model_dir}: cannot load the tokenizer ({type(e).__name__})",
                         hint="calibration needs the model's tokenizer files (tokenizer.json / tokenizer_config.json)"
