@@ -330,8 +330,8 @@ def check_engine(prof: EngineProfile, family: Any, root: Any) -> None:
     rule = refusal(prof, family)
     if rule is not None:
         others = [n for n, p in ENGINES.items() if refusal(p, family) is None]
-        raise UserError(f"--engine {prof.name}: {prof.label} has no {_family(family).name} model ({root}): "
-                        f"{rule.text} ({rule.source})",
+        raise UserError(f"--engine {prof.name}: {prof.label} does not load {_family(family).name} models here "
+                        f"({root}): {rule.text} ({rule.source})",
                         hint=f"use --engine {' or '.join(others)}" if others else "no engine dsconv knows loads it")
 
 

@@ -44,9 +44,11 @@ class DeepseekV32(DeepseekV3):
     engine_config_derived = ("layer_types", "mlp_layer_types")
     kv_int8_engines = {}
     engine_refused = {"mindie": (
-        "its model router takes a model_type only where atb_llm/models/ has a folder of that name, and it has no "
-        "deepseek_v32 folder (NotImplementedError 'unsupported model type: deepseek_v32')",
-        "MindIE-LLM atb_llm/models/__init__.py::get_model")}
+        "its ATB model router (the default backend) takes a model_type only where atb_llm/models/ has a folder of "
+        "that name, and it has no deepseek_v32 folder (NotImplementedError 'unsupported model type: deepseek_v32'); "
+        "its torch runtime backend (backend_type \"torch\", mindie_llm/runtime/models/deepseek_v32, all of the "
+        "indexer float, the MTP layer at index 61) is not run by dsconv's engine check, so dsconv does not claim it",
+        "MindIE-LLM atb_llm/models/__init__.py::get_model; mindie_llm/runtime/models/__init__.py::get_router_ins")}
     offline_sharded = {}
     tiny = {**DeepseekV3.tiny, "index_n_heads": 4, "index_head_dim": 16, "index_topk": 8}
 
