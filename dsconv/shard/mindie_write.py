@@ -29,14 +29,16 @@ ST_DTYPE_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16",
 
 
 def build_plan(src: Any, layout: Any, mtp: bool = False) -> MindiePlan:
-    """Every folder's items for the layout (headers only). DeepSeek-V3/R1 only (the layout's documented scope).
+    """Every folder's items for the layout (headers only). DeepSeek's model code only (the layout's documented scope:
+    DeepSeek-V3/R1, and Kimi-K2, which MindIE runs with the same code).
 
     One deliberate difference: MindIE's get_module_save_dir sends `mlp` tensors of layers > 2 to the moe folder
     (hard-coded for first_k_dense_replace = 3). dsconv routes by the model's own dense/MoE layers, which is the
     same for V3/R1; for smaller models the hard-coded rule would make ranks of different EP ranks write different
     experts into one dense folder. The loader reads the union of a rank's five folders, so it loads either way."""
     if "mindie" not in src.family.offline_sharded:
-        raise UserError(f"MindIE's offline-sharded layout exists for DeepSeek-V3/R1 only, not {src.facts.model_type}",
+        raise UserError(f"MindIE's offline-sharded layout exists for DeepSeek's model code only (DeepSeek-V3/R1, "
+                        f"Kimi-K2), not {src.facts.model_type}",
                         hint="MindIE shards this family at load time: drop --format mindie (plan and cluster files "
                              "only), or --format ranks for per-rank copies")
     rk = Ranks(world=layout.world, tp=layout.tp, moe_tp=layout.moe_tp, moe_ep=layout.ep)
