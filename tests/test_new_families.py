@@ -209,3 +209,18 @@ def test_qwen3_next_mtp_block_carried_in_float(built, run_cli, tmp_path):
     assert r.code == 0, r.err
     desc = json.loads((tmp_path / "q" / "quant_model_description.json").read_text())
     assert all(desc.get(n) == "FLOAT" for n in mtp)
+
+
+def test_kimi_k2_remote_tokenizer_is_refused_with_the_way_out(built, run_cli, tmp_path):
+    """Kimi-K2's real tokenizer is code (tokenizer_config.json auto_map -> tokenization_kimi.TikTokenTokenizer):
+    calibration refuses it in one line, says why and how to get a tokenizer.json, and never runs it."""
+    d = tmp_path / "kimi"
+    shutil.copytree(built["kimi_k2"], d)
+    (d / "tokenizer.json").unlink()
+    (d / "tokenization_kimi.py").write_text("raise RuntimeError('remote code ran')\n")
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+         "tokenizer_class": "TikTokenTokenizer"}))
+    r = run_cli(["quantize", "-m", d, "-o", tmp_path / "q", "--engine", "vllm-ascend", "--bits", "8"])
+    assert r.code == 2 and "tokenizer is remote code" in r.err and "TikTokenConverter" in r.err
+    assert "Traceback" not in r.err and not (tmp_path / "q").exists()

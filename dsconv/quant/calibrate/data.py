@@ -112,9 +112,27 @@ def load_tokenizer(model_dir: Path):
         # never remote code: Kimi-K2's config.json names some in auto_map (transformers would ask to run it)
         return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
     except Exception as e:  # transformers raises OSError/ValueError/... for a missing or broken tokenizer
+        remote = _remote_tokenizer(Path(model_dir))
+        if remote:  # Kimi-K2 ships a tiktoken tokenizer as code (tokenization_kimi.py)
+            raise UserError(f"{model_dir}: its tokenizer is remote code ({remote}), which dsconv never runs",
+                            hint="save a tokenizer.json for it once (e.g. transformers' TikTokenConverter over its "
+                                 "tiktoken.model) and drop auto_map from tokenizer_config.json in a copy") from None
         raise UserError(f"{model_dir}: cannot load the tokenizer ({type(e).__name__})",
                         hint="calibration needs the model's tokenizer files (tokenizer.json / tokenizer_config.json)"
                         ) from None
+
+
+def _remote_tokenizer(model_dir: Path) -> str | None:
+    """The auto_map entry naming a tokenizer class in code, where tokenizer_config.json has one."""
+    import json
+
+    try:
+        cfg = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    auto = cfg.get("auto_map") if isinstance(cfg, dict) else None
+    entry = auto.get("AutoTokenizer") if isinstance(auto, dict) else None
+    return f"tokenizer_config.json auto_map AutoTokenizer: {entry}" if entry else None
 
 
 def tokenize(texts: list[str], tokenizer: Any, seq_len: int, source: str) -> CalibSet:
