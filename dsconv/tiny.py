@@ -191,7 +191,8 @@ def write_fp8_checkpoint(src: Path, out: Path, block: tuple[int, int] = (128, 12
     result: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         r = fam.classify(name, facts)
-        if r.role.quantized_by_default and r.param == "weight" and t.dim() == 2:
+        fp8 = r.role.quantized_by_default or any(fam.tensor(k, r.layer) == name for k in fam.fp8_keys)
+        if fp8 and r.param == "weight" and t.dim() == 2:
             w = t.float()
             rows, cols = w.shape
             sr, sc = math.ceil(rows / block[0]), math.ceil(cols / block[1])

@@ -138,3 +138,33 @@ def test_smoothquant_moved_between_up_and_down_passes(tmp_path):
 def test_smoothquant_on_up_alone_fails_on_down(tmp_path):
     out = _smooth_pair(tmp_path, down_carries_factor=False)
     assert any("down_proj" in x for x in out.value_mismatch), out.value_mismatch
+
+
+def test_fp8_source_is_compared_as_the_floats_it_stands_for(tiny_model, tmp_path):
+    """An output quantized from DeepSeek's FP8 checkpoint is compared with the source's dequantized weights (the
+    engine check's own block dequantization equals dsconv's reader's in float32, value for value); the scales are
+    not weights."""
+    import mindie_reference as mr
+
+    from dsconv.checkpoint import Checkpoint
+    from dsconv.io.tensorfile import dequant_fp8_block
+    from dsconv.tiny import write_fp8_checkpoint
+
+    src = write_fp8_checkpoint(tiny_model("deepseek_v3"), tmp_path / "fp8", block=(16, 16))
+    paths = sorted(src.glob("*.safetensors"))
+    got = mr.source_tensors(paths, _read_all)
+    assert not any(n.endswith("weight_scale_inv") for n in got)
+    with Checkpoint.open(src) as ck:
+        for name in ("model.layers.0.self_attn.kv_b_proj.weight", "model.layers.1.mlp.experts.3.down_proj.weight"):
+            assert ck.info(name).dtype == "F8_E4M3"
+            w, s = ck.load(name), ck.load(ck.fp8_scales[name])
+            assert torch.equal(got[name], dequant_fp8_block(w, s, (16, 16), out_dtype=torch.float32))
+
+
+def _read_all(paths):
+    from safetensors.torch import load_file
+
+    out = {}
+    for p in paths:
+        out.update(load_file(str(p)))
+    return out

@@ -41,7 +41,7 @@ def source_tensors(paths: list[Path], read: Any, written: Any = ()) -> dict[str,
     names them by (Mixtral's w1 / w3 / w2 where it has them)."""
     out: dict[str, torch.Tensor] = {}
     prefixes = {k.rsplit(".", i)[0] for k in written for i in range(1, k.count(".") + 1)}
-    for name, t in read(paths).items():
+    for name, t in _dequantized(read(paths), paths).items():
         if not (name.endswith(("experts.gate_up_proj", "experts.down_proj")) and t.dim() == 3):
             out[_as_written(name, prefixes)] = t
             continue
@@ -53,6 +53,26 @@ def source_tensors(paths: list[Path], read: Any, written: Any = ()) -> dict[str,
                 out[f"{base}.{e}.{gate}.weight"], out[f"{base}.{e}.{up}.weight"] = t[e, :half], t[e, half:]
             else:
                 out[f"{base}.{e}.{down}.weight"] = t[e]
+    return out
+
+
+def _dequantized(tensors: dict[str, torch.Tensor], paths: list[Path]) -> dict[str, torch.Tensor]:
+    """An FP8 source (DeepSeek's published form) as the float weights it stands for: each F8_E4M3 weight times its
+    `weight_scale_inv` over blocks of config.json's quantization_config.weight_block_size, in float32 (exact), the
+    scales dropped; any other source unchanged."""
+    scales = [n for n, t in tensors.items() if n.endswith(".weight_scale_inv")]
+    if not scales or not paths:
+        return tensors
+    cfg = json.loads((Path(paths[0]).parent / "config.json").read_text())
+    br, bc = (cfg.get("quantization_config") or {}).get("weight_block_size") or (128, 128)
+    out = dict(tensors)
+    for name in scales:
+        weight = name[:-len("_scale_inv")]
+        w = out.get(weight)
+        if w is None or w.dtype != torch.float8_e4m3fn:
+            continue
+        s = out.pop(name).float().repeat_interleave(br, 0).repeat_interleave(bc, 1)
+        out[weight] = w.float() * s[:w.shape[0], :w.shape[1]]
     return out
 
 
