@@ -42,7 +42,9 @@ def _cli(args: list[str]) -> tuple[dict[str, Any], float]:
     return json.loads(out.getvalue()), time.perf_counter() - t
 
 
-def _transformers_count(config: dict) -> int:
+def transformers_parameters(config: dict) -> int:
+    """Parameters (and DeepSeek-style routing-bias buffers, which dsconv counts as DeepSeek does) of transformers'
+    own model for `config`, built on the meta device (tests/test_new_families.py holds inspect to it too)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -65,7 +67,7 @@ def main() -> None:
         mem = shard["memory"]
         figures[name] = {
             "family": report["family"], "parameters": report["parameters"],
-            "main_parameters": report["main_parameters"], "transformers_parameters": _transformers_count(config),
+            "main_parameters": report["main_parameters"], "transformers_parameters": transformers_parameters(config),
             "mtp_parameters": report["parameters"] - report["main_parameters"],
             "categories_B": {k: round(v["parameters"] / 1e9, 3) for k, v in report["categories"].items()},
             "kv_cache_bytes_per_token": report["kv_cache_bytes_per_token"],

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.bench_field_models import transformers_parameters
 from dsconv.checkpoint import Checkpoint
 from dsconv.families import family_for
-from dsconv.families.facts import hf_config
 
 pytestmark = pytest.mark.cli
 REAL = Path(__file__).parent / "data" / "real_configs"
@@ -39,17 +39,6 @@ def built(tmp_path_factory) -> dict[str, Path]:
             for f in ("glm4_moe", "deepseek_v32", "kimi_k2", "qwen3_next")}
 
 
-def _transformers_count(config: dict) -> int:
-    """Parameters (and DeepSeek-style routing-bias buffers, which dsconv counts as DeepSeek does) of transformers'
-    own model for `config`, built on the meta device."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config(config))
-    state = set(model.state_dict())
-    return sum(p.numel() for p in model.parameters()) + sum(b.numel() for n, b in model.named_buffers() if n in state)
-
-
 @pytest.mark.parametrize("name", sorted(CARDS))
 def test_real_configs_size_as_transformers_builds_them(run_cli, name):
     config = json.loads((REAL / f"{name}.json").read_text())
@@ -58,7 +47,7 @@ def test_real_configs_size_as_transformers_builds_them(run_cli, name):
     report = json.loads(r.out)
     family, card, quoted = CARDS[name]
     assert report["family"] == family
-    assert report["main_parameters"] == _transformers_count(config)  # transformers never builds the MTP layer
+    assert report["main_parameters"] == transformers_parameters(config)  # transformers never builds the MTP layer
     assert abs(report[quoted] / 1e9 - card) / card < 0.03  # the card's round figure
     assert sum(c["parameters"] for c in report["categories"].values()) == report["parameters"]
     if family == "deepseek_v32":

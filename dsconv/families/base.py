@@ -93,17 +93,12 @@ PRESENT: dict[str, Callable[[ModelFacts, int | None], bool]] = {
     "untied": lambda f, layer: not f.tie_word_embeddings,
     "mtp": lambda f, layer: layer is not None and layer >= f.num_layers,
     "mtp_own_head": lambda f, layer: layer is not None and layer >= f.num_layers and f.mtp_own_head,
-    "qk_norm": lambda f, layer: f.qk_norm and _kind(f, layer) != "linear_attention",
-    "full_attention": lambda f, layer: _kind(f, layer) != "linear_attention",
-    "linear_attention": lambda f, layer: _kind(f, layer) == "linear_attention",
+    "qk_norm": lambda f, layer: f.qk_norm and f.attention_kind(layer) != "linear_attention",
+    "full_attention": lambda f, layer: f.attention_kind(layer) != "linear_attention",
+    "linear_attention": lambda f, layer: f.attention_kind(layer) == "linear_attention",
     # written by `quantize` only (e.g. DeepSeek's FA-quant cache scales): known by name, never expected in a source
     "quantized_output": lambda f, layer: False,
 }
-
-
-def _kind(f: ModelFacts, layer: int | None) -> str:
-    """A layer's attention kind (an MTP layer past the listed ones is full attention)."""
-    return f.layer_kinds[layer] if layer is not None and layer < len(f.layer_kinds) else "full_attention"
 
 
 #: the names a shape dim may use: ModelFacts fields and properties
@@ -352,9 +347,8 @@ class Family:
         return ".".join(parts), param, layer, expert
 
     def classify(self, name: str, facts: ModelFacts) -> TensorRole:
-        prefix = next((p for p in self.mtp_prefixes if name.startswith(p)), None)
-        if prefix is not None:  # an MTP block stored apart from the layers: carried as it is, in float
-            module, _, param = name.rpartition(".")
+        if self.mtp_prefixes and name.startswith(self.mtp_prefixes):  # an MTP block stored apart from the layers,
+            module, _, param = name.rpartition(".")  # carried as it is, in float
             if param in self._params:
                 return TensorRole(module, param, Role.MTP_PROJ, Category.MTP)
         module, param, layer, expert = self.template_of(name)

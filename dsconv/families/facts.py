@@ -123,10 +123,19 @@ class ModelFacts:
         """in_proj_ba's rows: the write strength b and the decay a, one each per value head."""
         return 2 * self.linear_v_heads
 
+    def attention_kind(self, layer: int | None) -> str:
+        """A layer's attention kind: "linear_attention" where `layer_kinds` says so, else "full_attention" (an MTP
+        layer past the listed ones included)."""
+        return self.layer_kinds[layer] if layer is not None and layer < len(self.layer_kinds) else "full_attention"
+
+    @property
+    def linear_attention_layers(self) -> int:
+        return sum(k == "linear_attention" for k in self.layer_kinds)
+
     @property
     def full_attention_layers(self) -> int:
         """Layers with a KV cache (all but the linear-attention ones of a hybrid model)."""
-        return sum(k != "linear_attention" for k in self.layer_kinds) if self.layer_kinds else self.num_layers
+        return self.num_layers - self.linear_attention_layers
 
     @property
     def mtp_in_size(self) -> int:
@@ -165,7 +174,7 @@ class ModelFacts:
         on one card: the causal conv's last kernel-1 inputs (conv_dim channels) and the DeltaNet recurrent matrix
         (k_head_dim x v_head_dim per value head), both split by TP with the heads, as vLLM allocates them
         (vllm/model_executor/layers/mamba/mamba_utils.py::gated_delta_net_state_shape)."""
-        linear = sum(k == "linear_attention" for k in self.layer_kinds)
+        linear = self.linear_attention_layers
         if not linear:
             return 0
         conv = self.linear_qkv_size * (self.linear_conv_kernel - 1)

@@ -81,9 +81,8 @@ def plan_kv_cache(ck: Any, kv_cache: str | None) -> dict[int, KVLayer]:
                 and r.param == "weight" and r.layer is not None and r.slot:
             by_layer.setdefault(r.layer, {})[r.slot] = (r.module, int(ck.info(name).shape[0]))
     out = {}
-    kinds = ck.facts.layer_kinds
     for layer, slots in sorted(by_layer.items()):
-        if kinds and layer < len(kinds) and kinds[layer] == "linear_attention":
+        if ck.facts.attention_kind(layer) == "linear_attention":
             continue  # a recurrent state, no KV cache
         if ck.facts.is_mla:
             q = slots.get("q_b") or slots.get("q")
