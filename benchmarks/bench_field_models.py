@@ -22,7 +22,9 @@ PLANS = {"glm-4.5": ["--tp", "8", "--ep", "16", "--world", "16", "--scheme", "w8
          "deepseek-v3.2": ["--tp", "4", "--ep", "32", "--world", "32", "--scheme", "w8a8_dynamic"],
          "kimi-k2-instruct": ["--tp", "4", "--ep", "32", "--world", "32", "--scheme", "w8a8_dynamic"],
          "qwen3-next-80b-a3b": ["--tp", "4", "--ep", "4", "--world", "4", "--scheme", "w8a8_dynamic",
-                                "--batch", "64"]}
+                                "--batch", "64"],
+         "qwen3.5-397b-a17b": ["--tp", "4", "--ep", "16", "--world", "16", "--scheme", "w8a8_dynamic",
+                               "--batch", "64"]}
 
 
 def _cli(args: list[str]) -> tuple[dict[str, Any], float]:
@@ -46,12 +48,13 @@ def transformers_parameters(config: dict) -> int:
     """Parameters (and DeepSeek-style routing-bias buffers, which dsconv counts as DeepSeek does) of transformers'
     own model for `config`, built on the meta device (tests/test_new_families.py holds inspect to it too)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    import transformers
 
+    from dsconv.families import family_for
     from dsconv.families.facts import hf_config
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config(config))
+    with torch.device("meta"):  # the whole checkpoint's model: a vision-language one with its tower
+        model = getattr(transformers, family_for(config).checkpoint_class).from_config(hf_config(config))
     state = set(model.state_dict())
     return sum(p.numel() for p in model.parameters()) + sum(b.numel() for n, b in model.named_buffers() if n in state)
 

@@ -23,7 +23,7 @@ from typing import Any
 from dsconv import schemas
 from dsconv.errors import UserError
 from dsconv.families import NOT_YET, Family, family_for, supported_model_types
-from dsconv.families.base import ModelFacts
+from dsconv.families.base import REGISTRY, ModelFacts
 from dsconv.families.roles import TensorRole
 from dsconv.io.tensorfile import TensorInfo, TensorReader, dequant_fp8_block, read_header
 from dsconv.runtime.process import gc_paused
@@ -62,7 +62,12 @@ class Checkpoint:
         """A config may announce MTP layers the weights do not carry (transformers never saves them): trust disk."""
         f = self.facts
         present = {r.layer for r in self.roles.values() if r.layer is not None and r.layer >= f.num_layers}
+        for prefix in self.family.mtp_prefixes:  # an MTP block stored apart: its decoder layers mtp.layers.K.*
+            present |= {f.num_layers + int(n[len(prefix) + 7:].split(".", 1)[0]) for n in self.tensors
+                        if n.startswith(prefix + "layers.") and n[len(prefix) + 7:].split(".", 1)[0].isdigit()}
         f.num_mtp_layers = len(present)
+        if self.family.mtp_prefixes and f.num_layers - 1 in f.moe_layers:  # a stored-apart MTP layer has the MLP of
+            f.moe_layers = tuple(sorted({*f.moe_layers, *present}))  # the last decoder layer (vLLM qwen3_next_mtp.py)
         f.moe_layers = tuple(i for i in f.moe_layers if i < f.num_layers or i in present)
 
     def _check_inventory(self) -> None:
@@ -434,6 +439,10 @@ class ConfigOnly:
 
 def _read_json(path: Path, hint: str = "pass a HF config.json") -> dict[str, Any]:
     """config.json (or a config given by --config): bounded parse, then every field a family reads checked."""
-    data = schemas.config(schemas.read_json(path, "config", hint), str(path), supported_model_types(), NOT_YET)
-    schemas.model.config_fields(data, str(path), family_for(data, where=str(path)).config_keys)
+    data = schemas.read_json(path, "config", hint)
+    model_type = data.get("model_type") if isinstance(data, dict) else None
+    family = REGISTRY.get(model_type) if isinstance(model_type, str) else None
+    flat = family.flat_config(data) if family is not None else data  # a VL config's text_config at the top
+    schemas.config(flat, str(path), supported_model_types(), NOT_YET)
+    schemas.model.config_fields(flat, str(path), family_for(data, where=str(path)).config_keys)
     return data

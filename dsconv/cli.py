@@ -19,7 +19,7 @@ from dsconv.commands.export import export
 from dsconv.commands.quantize import quantize
 from dsconv.commands.shard import shard
 from dsconv.commands.workspace_cmds import init, inspect, verify
-from dsconv.errors import DsconvError
+from dsconv.errors import DsconvError, install_interrupt_flag
 
 
 class PipelineGroup(click.Group):
@@ -47,6 +47,7 @@ for _command in (init, inspect, export, quantize, eval_cmd, shard, atc, verify, 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the console script and `python -m dsconv`."""
+    install_interrupt_flag()
     try:
         cli.main(args=argv, prog_name="dsconv", standalone_mode=False)
     except DsconvError as e:

@@ -50,3 +50,34 @@ def warn(message: str) -> None:
     import click
 
     click.echo(f"warning: {message}", err=True)
+
+
+# ---- Ctrl-C that nothing may swallow ---------------------------------------------------------------------------
+#: set by the CLI's SIGINT handler: a KeyboardInterrupt raised where CPython ignores exceptions (a weakref callback
+#: of the import machinery, a __del__) is lost, but the output it interrupted must still not appear
+_interrupted: list[bool] = []
+
+
+def install_interrupt_flag() -> None:
+    """SIGINT records itself before raising KeyboardInterrupt as Python's own handler does (main thread only, and
+    only where SIGINT has Python's default handler: an ignored SIGINT stays ignored)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        _interrupted.append(True)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+
+
+def raise_if_interrupted() -> None:
+    """KeyboardInterrupt if a Ctrl-C arrived, even one whose exception something swallowed: called before an output
+    is renamed into place."""
+    if _interrupted:
+        raise KeyboardInterrupt

@@ -34,21 +34,21 @@ def tiny_config(family: str, vocab_size: int = 320, **overrides: Any):
     from dsconv.families.facts import hf_config
 
     fam = _family(family)
-    cfg = hf_config({"model_type": fam.model_types[0], "vocab_size": vocab_size, **COMMON, **fam.tiny})
+    cfg = hf_config(fam.nest_config({"model_type": fam.model_types[0], "vocab_size": vocab_size, **COMMON, **fam.tiny}))
     for k, v in overrides.items():
-        setattr(cfg, k, v)
+        setattr(cfg.get_text_config(), k, v)
     return cfg
 
 
 def build_model(family: str, seed: int = 0, **overrides: Any):
     """A randomly initialised tiny model (seeded; MoE routers get a spread so that routing varies by input)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     torch.manual_seed(seed)
     fam = _family(family)
     cfg = tiny_config(family, **overrides)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model = getattr(transformers, fam.checkpoint_class).from_config(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -156,6 +156,9 @@ def add_mtp_layer(model_dir: Path, seed: int = 0) -> None:
         for name, shape in shapes.items():
             existing[name] = (torch.randn(shape, generator=g) * 0.05).to(dtype)
         save_file(existing, model_dir / "model.safetensors", metadata={"format": "pt"})
+        if "mtp_num_hidden_layers" in fam.config_keys:  # Qwen3.5 announces its block (vLLM's drafter reads it)
+            (cfg.get(fam.config_section) or cfg)["mtp_num_hidden_layers"] = 1
+            (model_dir / "config.json").write_text(json.dumps(cfg, indent=2))
         return
     cfg["num_nextn_predict_layers"] = 1
     facts = fam.facts(cfg)

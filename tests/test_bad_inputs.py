@@ -399,12 +399,16 @@ def test_config_key_null_wrong_type_or_missing(family, key, mutation, tiny_model
     from dsconv.families import families
     from dsconv.schemas.model import REQUIRED, _STRS
 
-    required = next(f for f in families() if f.name == family).config_keys[key] is REQUIRED
+    fam = next(f for f in families() if f.name == family)
+    required = fam.config_keys[key] is REQUIRED
     cfg = json.loads((tiny_model(family) / "config.json").read_text())
-    if mutation == "missing":
-        cfg.pop(key, None)
-    else:
-        cfg[key] = None if mutation == "null" else "x"
+    # a vision-language config keeps the text model's keys in its section (text_config): the key wherever it is
+    places = [d for d in (cfg, cfg.get(fam.config_section or "")) if isinstance(d, dict) and key in d] or [cfg]
+    for where in places:
+        if mutation == "missing":
+            where.pop(key, None)
+        else:
+            where[key] = None if mutation == "null" else "x"
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     r = run_cli(["shard", "--config", path, "--json"])

@@ -48,7 +48,7 @@ def test_moe_layouts_load_identically(tiny_model, family, fused):
     for name in experts:
         r = ck.role(name)
         key = next(k for k in ref if isinstance(k, tuple) and k[1] == r.expert and k[2] == r.slot
-                   and k[0].startswith(f"model.layers.{r.layer}."))
+                   and k[0].startswith(f"{ck.family.layer_prefix}{r.layer}."))
         assert torch.equal(ck.load(name), ref[key]), name
     n_plain = sum(1 for n in ck.names() if ck.role(n).expert is None)
     assert n_plain + len(experts) == len(ck.tensors)

@@ -27,7 +27,7 @@ CASES = [("llama", False), ("qwen2", False), ("qwen3", False), ("qwen2_moe", Tru
          ("kimi_k2", False)]
 MOE = {"qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "granitemoe", "glm4_moe", "kimi_k2"}
 # families whose graph ONNX cannot express: refused with the reason before any work (test below)
-REFUSED = {"deepseek_v32": "scatter", "qwen3_next": "solve_triangular"}
+REFUSED = {"deepseek_v32": "scatter", "qwen3_next": "solve_triangular", "qwen3_5_moe": "solve_triangular"}
 
 
 pytestmark = [pytest.mark.cli, pytest.mark.usefixtures("one_torch_thread")]

@@ -1,4 +1,4 @@
-"""The models the field deploys now - GLM-4.5, DeepSeek-V3.2, Kimi-K2, Qwen3-Next - through inspect, export's refusals,
+"""The models the field deploys now - GLM-4.5, DeepSeek-V3.2, Kimi-K2, Qwen3-Next, Qwen3.5-MoE - through inspect, export's refusals,
 quantize's engine rules, shard's memory and eval, against transformers' own modules and the published configs.
 
 The engines' own loaders take these outputs in `make engine-check` (tests/engine_check/); here is what runs in
@@ -24,7 +24,9 @@ REAL = Path(__file__).parent / "data" / "real_configs"
 # counts its MTP block, GLM's cards do not)
 CARDS = {"glm-4.5": ("glm4_moe", 355, "main_parameters"), "glm-4.5-air": ("glm4_moe", 106, "main_parameters"),
          "deepseek-v3.2": ("deepseek_v32", 685, "parameters"), "kimi-k2-instruct": ("kimi_k2", 1000, "parameters"),
-         "qwen3-next-80b-a3b": ("qwen3_next", 80, "parameters")}
+         "qwen3-next-80b-a3b": ("qwen3_next", 80, "parameters"),
+         # Qwen3.5's 397B: the text model and its vision tower (transformers' whole VL model), not the MTP block
+         "qwen3.5-397b-a17b": ("qwen3_5_moe", 397, "main_parameters")}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,7 @@ def built(tmp_path_factory) -> dict[str, Path]:
     tok = train_tokenizer(calib_texts(), vocab_size=384)
     root = tmp_path_factory.mktemp("new")
     return {f: make_tiny(f, root / f, dtype="bf16", tokenizer=tok)
-            for f in ("glm4_moe", "deepseek_v32", "kimi_k2", "qwen3_next")}
+            for f in ("glm4_moe", "deepseek_v32", "kimi_k2", "qwen3_next", "qwen3_5_moe")}
 
 
 @pytest.mark.parametrize("name", sorted(CARDS))
@@ -101,7 +103,7 @@ def test_kimi_k2_remote_code_is_never_run(built, run_cli, tmp_path):
     assert r.code == 0 and "custom code" not in r.out + r.err and json.loads(r.out)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v32", "qwen3_next"])
+@pytest.mark.parametrize("family", ["deepseek_v32", "qwen3_next", "qwen3_5_moe"])
 def test_mindie_has_no_model_refused_before_any_work(built, run_cli, tmp_path, family):
     r = run_cli(["quantize", "-m", built[family], "-o", tmp_path / "q", "--engine", "mindie", "--bits", "8"])
     assert r.code == 2 and f"MindIE does not load {family} models" in r.err and "atb_llm/models/__init__.py" in r.err
@@ -162,7 +164,7 @@ def test_mtp_layer_gets_description_entries(built, run_cli, tmp_path):
     assert all(desc.get(n) == "FLOAT" for n in mtp)
 
 
-@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v32", "kimi_k2", "qwen3_next"])
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v32", "kimi_k2", "qwen3_next", "qwen3_5_moe"])
 def test_eval_streams_the_new_families(built, run_cli, tmp_path, family):
     """The streamed eval (a decoder layer at a time) and --qa on a quantized output: the float side equals
     transformers' own model on the same tokens, so the report is about quantization alone."""
@@ -178,18 +180,21 @@ def test_eval_streams_the_new_families(built, run_cli, tmp_path, family):
     assert report["qa"]["questions"] > 0
 
 
-def test_qwen3_next_mtp_block_carried_in_float(built, run_cli, tmp_path):
-    """Qwen3-Next's published checkpoint carries its MTP block as mtp.* (fc, norms, a full-attention MoE layer),
-    which transformers never builds: dsconv counts it as MTP and writes it float, every tensor described FLOAT."""
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+def test_qwen_mtp_block_carried_in_float(built, run_cli, tmp_path, family):
+    """Qwen3-Next's and Qwen3.5's published checkpoints carry their MTP block as mtp.* (fc, norms, a full-attention
+    MoE layer), which transformers never builds: dsconv counts it as MTP, requires all of it once any is there, and
+    writes it float, every tensor described FLOAT."""
     from dsconv.tiny import add_mtp_layer
 
-    d = tmp_path / "q3n"
-    shutil.copytree(built["qwen3_next"], d)
+    d = tmp_path / family
+    shutil.copytree(built[family], d)
     add_mtp_layer(d)
     ck = Checkpoint.open(d)
     mtp = sorted(n for n in ck.names() if n.startswith("mtp."))
     assert "mtp.fc.weight" in mtp and any(".mlp.experts." in n for n in mtp)
-    assert all(ck.role(n).category.value == "mtp" for n in mtp)
+    assert all(ck.role(n).category.value == "mtp" for n in mtp) and ck.facts.num_mtp_layers == 1
+    assert {n for _, n, _ in ck.family.iter_shapes(ck.facts) if n.startswith("mtp.")} == set(mtp)
     report = json.loads(run_cli(["inspect", "--model", d, "--json"]).out)
     assert report["categories"]["mtp"]["tensors"] == len(mtp)
     assert report["parameters"] - report["main_parameters"] == report["categories"]["mtp"]["parameters"]
@@ -213,3 +218,33 @@ def test_kimi_k2_remote_tokenizer_is_refused_with_the_way_out(built, run_cli, tm
     r = run_cli(["quantize", "-m", d, "-o", tmp_path / "q", "--engine", "vllm-ascend", "--bits", "8"])
     assert r.code == 2 and "tokenizer is remote code" in r.err and "TikTokenConverter" in r.err
     assert "Traceback" not in r.err and not (tmp_path / "q").exists()
+
+
+def test_qwen3_5_vision_language_checkpoint(built, run_cli, tmp_path):
+    """Qwen3.5-MoE is published as a vision-language checkpoint: the text values under text_config, the text model
+    under model.language_model.*, a vision tower under model.visual.*. The tower is counted (from vision_config alone
+    as transformers builds it) and carried float with a FLOAT entry per tensor; the text model is quantized, its
+    split DeltaNet projections each described (vLLM stacks them into in_proj_qkvz / in_proj_ba at load)."""
+    cfg = json.loads((REAL / "qwen3.5-397b-a17b.json").read_text())
+    report = json.loads(run_cli(["inspect", "--config", REAL / "qwen3.5-397b-a17b.json", "--json"]).out)
+    assert report["categories"]["vision"]["parameters"] == 456_010_480  # 27 ViT blocks and the merger
+    assert report["architecture"]["num_layers"] == 60 and report["architecture"]["num_mtp_layers"] == 1
+    # 45 linear layers x (conv: (2 x 16 x 128 + 64 x 128) channels x 3 + recurrent 64 x 128 x 128) x 2 bytes
+    assert report["state_bytes_per_sequence"] == 45 * ((2 * 16 * 128 + 64 * 128) * 3 + 64 * 128 * 128) * 2
+    assert family_for(cfg).facts(cfg).hidden_size == 4096  # read from text_config
+    ck = Checkpoint.open(built["qwen3_5_moe"])
+    vision = [n for n in ck.names() if n.startswith("model.visual.")]
+    assert vision and all(ck.role(n).category.value == "vision" for n in vision)
+    q = tmp_path / "q"
+    r = run_cli(["quantize", "-m", built["qwen3_5_moe"], "-o", q, "--engine", "vllm-ascend", "--scheme",
+                 "w8a8_dynamic", "--calib-samples", "4", "--seq-len", "32"])
+    assert r.code == 0, r.err
+    desc = json.loads((q / "quant_model_description.json").read_text())
+    assert all(desc[n] == "FLOAT" for n in vision)
+    lin = "model.language_model.layers.0.linear_attn."
+    assert {desc[lin + p + ".weight"] for p in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")} == \
+        {"W8A8_DYNAMIC"}
+    out = Checkpoint.open(q)
+    assert json.loads((q / "config.json").read_text())["text_config"]["hidden_size"] == 64
+    for n in vision:  # carried byte for byte
+        assert torch.equal(out.load(n), ck.load(n))

@@ -46,9 +46,19 @@ STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv
            "q_a_proj": ("fused_qkv_a_proj", 0), "kv_a_proj_with_mqa": ("fused_qkv_a_proj", 1),
            # DeepSeek-V3.2's indexer (deepseek_v2.py: ("wk_weights_proj", "wk", 0), ("wk_weights_proj",
            # "weights_proj", 1))
-           "wk": ("wk_weights_proj", 0), "weights_proj": ("wk_weights_proj", 1)}
+           "wk": ("wk_weights_proj", 0), "weights_proj": ("wk_weights_proj", 1),
+           # Qwen3.5's split DeltaNet projections (qwen3_5.py: ("in_proj_qkvz", "in_proj_qkv", (0, 1, 2)),
+           # ("in_proj_qkvz", "in_proj_z", 3), ("in_proj_ba", "in_proj_b", 0), ("in_proj_ba", "in_proj_a", 1))
+           "in_proj_qkv": ("in_proj_qkvz", 0), "in_proj_z": ("in_proj_qkvz", 1),
+           "in_proj_b": ("in_proj_ba", 0), "in_proj_a": ("in_proj_ba", 1)}
 STACK_ORDER = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
-               "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"), "wk_weights_proj": ("wk", "weights_proj")}
+               "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"), "wk_weights_proj": ("wk", "weights_proj"),
+               "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"), "in_proj_ba": ("in_proj_b", "in_proj_a")}
+# a vision-language checkpoint's names -> the engine model's (vllm/model_executor/models/qwen3_vl.py
+# Qwen3VLForConditionalGeneration.hf_to_vllm_mapper, which Qwen3.5's VL model inherits; modelslim_config.py
+# apply_vllm_mapper renames the description's keys the same way)
+VL_PREFIXES = (("model.visual.", "visual."), ("model.language_model.", "language_model.model."),
+               ("lm_head.", "language_model.lm_head."))
 # routed experts: checkpoint projection -> (fused parameter, half of w13 or None)
 EXPERT_RE = re.compile(r"^(?P<moe>.+\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.(?P<param>\w+)$")
 EXPERT_SLOT = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1),
@@ -164,6 +174,8 @@ def mtp_names(ck: dict[str, torch.Tensor], n_layers: int) -> dict[str, str]:
     if any(n.startswith("mtp.") for n in ck):  # Qwen3-Next (qwen3_next_mtp.py::load_weights): mtp.* -> model.*,
         out = {n: "model." + n[len("mtp."):] for n in ck if n.startswith("mtp.")}  # the embedding and head shared
         out.update({n: n for n in ("model.embed_tokens.weight", "lm_head.weight") if n in ck})
+        if "model.language_model.embed_tokens.weight" in ck:  # Qwen3.5's VL checkpoint (qwen3_5_mtp.py
+            out["model.language_model.embed_tokens.weight"] = "model.embed_tokens.weight"  # remap_weight_names)
         return out
     first = None
     for name in ck:
@@ -179,6 +191,11 @@ def mtp_names(ck: dict[str, torch.Tensor], n_layers: int) -> dict[str, str]:
         out["lm_head.weight"] = f"model.layers.{first}.shared_head.head.weight"
         out["model.embed_tokens.weight"] = "model.embed_tokens.weight"
     return out
+
+
+def vl_name(name: str) -> str:
+    """A vision-language checkpoint's tensor (or description key) under the engine model's name (VL_PREFIXES)."""
+    return next((new + name[len(old):] for old, new in VL_PREFIXES if name.startswith(old)), name)
 
 
 #: RMSNorm biases the engine created as zeros (filled per model by build_and_load)
@@ -293,10 +310,15 @@ def check(directory: Path, dtype: str | None = None, source: Path | None = None)
     ck = _checkpoint(directory)
     desc_file = directory / "quant_model_description.json"
     desc = json.loads(desc_file.read_text()) if desc_file.exists() else {}
-    mtp = mtp_names(ck, int(cfg["num_hidden_layers"]))
+    n_layers = int((cfg.get("text_config") or cfg)["num_hidden_layers"])  # a VL config keeps it in text_config
+    mtp = mtp_names(ck, n_layers)
     own = {n: t for n, t in ck.items() if not n.startswith("mtp.") and (LAYER_RE.match(n) is None or int(
-        LAYER_RE.match(n)[1]) < int(cfg["num_hidden_layers"]))}
-    _place(res, own, desc, params, tied=bool(cfg.get("tie_word_embeddings")))
+        LAYER_RE.match(n)[1]) < n_layers)}
+    if "vision_config" in cfg:
+        own, own_desc = {vl_name(n): t for n, t in own.items()}, {vl_name(n): v for n, v in desc.items()}
+    else:
+        own_desc = desc
+    _place(res, own, own_desc, params, tied=bool(cfg.get("tie_word_embeddings")))
     if mtp:  # the MTP layer's tensors, where the engine's drafter puts them
         try:
             _, draft = build_and_load(directory, dtype, mtp=True)

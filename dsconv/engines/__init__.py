@@ -32,7 +32,7 @@ DEFAULT_BITS8: dict[str, dict[str, str]] = {
                     "shared_experts": "W8A8", "routed_experts": "W8A8_DYNAMIC"},
 }
 #: the slots of a linear attention's projections (families' tables): layer kind "linear_attention"
-LINEAR_ATTENTION_SLOTS = frozenset({"qkvz", "ba", "out"})
+LINEAR_ATTENTION_SLOTS = frozenset({"qkvz", "ba", "out", "in_qkv", "in_z", "in_b", "in_a"})
 
 
 # `--scheme w4a8_dynamic`: msModelSlim's W4A8 practice (lab_practice/deepseek_v3/deepseek_w4a8_per_channel.yaml):

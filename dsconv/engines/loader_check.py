@@ -53,6 +53,7 @@ def mindie_env(src: str | Path | None = None) -> tuple[str, str] | None:
 
 def _is_moe(d: Path) -> bool:
     cfg = json.loads((d / "config.json").read_text())
+    cfg = {**(cfg.get("text_config") or {}), **cfg}  # a vision-language config keeps them in text_config
     return any(cfg.get(k) for k in ("n_routed_experts", "num_experts", "num_local_experts"))
 
 

@@ -42,8 +42,6 @@ def families() -> list[Family]:
 
 #: model types the field ships that dsconv knows of but does not take yet, and what is missing
 NOT_YET = {
-    "qwen3_5_moe": "Qwen3.5-MoE's checkpoint is a vision-language one (model.language_model.* beside a vision tower "
-                   "model.visual.* and mtp.*); dsconv has no family for that packaging yet",
     "glm_moe_dsa": "GLM-5's DeepSeek-style sparse attention has no family here yet",
     "deepseek_v4": "DeepSeek-V4 has no family here yet",
     "minimax_m2": "MiniMax-M2 has no family here yet",

@@ -92,6 +92,7 @@ PRESENT: dict[str, Callable[[ModelFacts, int | None], bool]] = {
     "noaux_tc": lambda f, layer: layer in f.moe_layers and f.router == "sigmoid_group",
     "untied": lambda f, layer: not f.tie_word_embeddings,
     "mtp": lambda f, layer: layer is not None and layer >= f.num_layers,
+    "mtp_block": lambda f, layer: f.num_mtp_layers > 0,  # the tensors of an MTP block stored apart (mtp_prefixes)
     "mtp_own_head": lambda f, layer: layer is not None and layer >= f.num_layers and f.mtp_own_head,
     "qk_norm": lambda f, layer: f.qk_norm and f.attention_kind(layer) != "linear_attention",
     "full_attention": lambda f, layer: f.attention_kind(layer) != "linear_attention",
@@ -143,6 +144,19 @@ class Family:
     table: tuple[TensorRow, ...] = ()
     #: what the checkpoint puts before a layer's number: the table's `LAYER` rows become layer_prefix + "{L}." ...
     layer_prefix: str = "model.layers."
+    #: where the checkpoint keeps the text model's own modules: table rows written "model.*" (embed_tokens, norm)
+    #: become text_prefix + "*"; transformers' causal LM holds them as "model.*" (Materialiser.ck_name maps back).
+    #: A vision-language checkpoint (Qwen3.5-MoE) keeps its text model under "model.language_model."
+    text_prefix: str = "model."
+    #: the config.json key holding the text model's values in a vision-language config ("text_config"): read as if
+    #: they stood at the top level (`flat_config`)
+    config_section: str | None = None
+    #: name prefixes of a vision tower stored beside the text model: classified Role.TOWER / Category.VISION and
+    #: carried through every stage in float, as the engines load it
+    tower_prefixes: tuple[str, ...] = ()
+    #: the transformers auto class whose model the published checkpoint is saved from (tiny models, parameter counts);
+    #: the stages always run the causal LM it holds
+    checkpoint_class: str = "AutoModelForCausalLM"
     #: the parameter vocabulary of this family's tensors: what a table row's name may end with (weights and biases,
     #: other model parameters), and the quantization auxiliaries that follow a weight (families/roles.py)
     weight_params: tuple[str, ...] = WEIGHT_PARAMS
@@ -281,7 +295,9 @@ class Family:
         """A row of the table with `LAYER` replaced by the family's layer prefix."""
         if not isinstance(r, TensorRow):
             raise TableError(f"{cls.__name__}: its table holds {r!r}, not a TensorRow")
-        return replace(r, name=cls.layer_prefix + r.name) if r.name.startswith(LAYER) else r
+        if r.name.startswith(LAYER):
+            return replace(r, name=cls.layer_prefix + r.name)
+        return replace(r, name=cls.text_prefix + r.name[len("model."):]) if r.name.startswith("model.") else r
 
     @classmethod
     def _check(cls, r: TensorRow) -> None:
@@ -347,10 +363,15 @@ class Family:
         return ".".join(parts), param, layer, expert
 
     def classify(self, name: str, facts: ModelFacts) -> TensorRole:
+        if self.tower_prefixes and name.startswith(self.tower_prefixes):
+            module, _, param = name.rpartition(".")
+            if param in self._params:
+                return TensorRole(module, param, Role.TOWER, Category.VISION)
         if self.mtp_prefixes and name.startswith(self.mtp_prefixes):  # an MTP block stored apart from the layers,
             module, _, param = name.rpartition(".")  # carried as it is, in float
             if param in self._params:
-                return TensorRole(module, param, Role.MTP_PROJ, Category.MTP)
+                rule = self._modules.get(module)  # its own rows (fc, norms) by their role
+                return TensorRole(module, param, rule.role if rule else Role.MTP_PROJ, Category.MTP)
         module, param, layer, expert = self.template_of(name)
         rule = self._modules.get(module)
         if rule is None or not param:
@@ -366,7 +387,23 @@ class Family:
     def facts(self, config: Mapping[str, Any], where: str = "config.json") -> ModelFacts:
         """The facts of a config; the keys the family reads are checked first (UserError naming `where` and the
         key), so `_facts` computes with values of the declared kinds."""
-        return self._facts(ConfigValues(config_fields(config, where, self.config_keys), config))
+        return self._facts(ConfigValues(config_fields(self.flat_config(config), where, self.config_keys), config))
+
+    def flat_config(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
+        """config.json with the text model's section (`config_section`) read as top-level keys; a key the top level
+        also holds (model_type, tie_word_embeddings) keeps the top level's value, as transformers reads it."""
+        section = config.get(self.config_section) if self.config_section else None
+        if not isinstance(section, Mapping):
+            return config
+        return {**section, **config}
+
+    def nest_config(self, flat: dict[str, Any]) -> dict[str, Any]:
+        """The inverse of `flat_config` for a config written from flat keys (the tiny model's)."""
+        return flat
+
+    def tower_shapes(self, facts: ModelFacts) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, shape) of the vision tower's tensors, from config.json alone (none without a tower)."""
+        return []
 
     def _facts(self, c: ConfigValues) -> ModelFacts:
         heads = c["num_attention_heads"]
@@ -397,7 +434,14 @@ class Family:
             if r.when is None or PRESENT[r.when](f, None):
                 yield r, r.name, r.dims(f)
         for layer in range(f.num_layers, f.num_layers + f.num_mtp_layers):
-            yield from self._layer_shapes(f, layer, self.table[first:last + 1])
+            shapes = self._layer_shapes(f, layer, self.table[first:last + 1])
+            if not self.mtp_prefixes:
+                yield from shapes
+                continue
+            # an MTP block stored apart (Qwen3-Next, Qwen3.5): its decoder layers as mtp.layers.K.*, in float
+            old, new = f"{self.layer_prefix}{layer}.", f"{self.mtp_prefixes[0]}layers.{layer - f.num_layers}."
+            yield from ((replace(r, dtype=r.dtype or f.dtype), name.replace(old, new), shape)
+                        for r, name, shape in shapes)
 
     def _layer_shapes(self, f: ModelFacts, layer: int, rows: tuple[TensorRow, ...]) -> Iterator[tuple[TensorRow, str, tuple[int, ...]]]:
         i = 0
@@ -428,4 +472,4 @@ class Family:
                 out.append(TensorSpec(name + "_scale_inv", "F32", (math.ceil(shape[0] / br), math.ceil(shape[1] / bc))))
             else:
                 out.append(TensorSpec(name, f.dtype, shape))
-        return out
+        return out + [TensorSpec(name, f.dtype, shape) for name, shape in self.tower_shapes(f)]

@@ -323,13 +323,14 @@ TRANSFORMERS_MODEL_TYPE: dict[str, str] = {}
 def hf_config(config: dict[str, Any], where: str = "config.json"):
     """transformers' config object for config.json's dict (no model, no weights). FP8/int8 `quantization_config` is
     dropped: dsconv hands transformers plain float weights (dequantized by the reader)."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     cfg = {k: v for k, v in config.items() if k not in ("quantization_config", "auto_map")}
     model_type = cfg.pop("model_type", None)
     try:
         return AutoConfig.for_model(TRANSFORMERS_MODEL_TYPE.get(model_type, model_type), **cfg)
-    except (ValueError, TypeError, KeyError) as e:
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as e:  # transformers 5 validates its fields
         raise UserError(f"{where}: transformers cannot read it as a {model_type} config ({e})",
                         hint="compare it with the model's published config.json") from None
 

@@ -26,6 +26,13 @@ LINEAR_ATTENTION = (
     *linear(key="linear.out", module=LIN + "out_proj", role=Role.ATTN_OUT, category=ATTN,
             shape=("hidden_size", "linear_value_dim"), slot="out", when="linear_attention"),
 )
+#: an MTP block stored apart (`mtp_prefixes`): fc over [embedding; hidden], their two norms, its decoder layers
+#: (mtp.layers.K.*, from the layer rows: Family.iter_shapes) and its final norm (vLLM qwen3_next_mtp.py)
+MTP_BLOCK = (
+    *linear(key="mtp.fc", module="mtp.fc", role=Role.MTP_PROJ, category=Category.MTP,
+            shape=("hidden_size", "mtp_in_size"), when="mtp_block"),
+    *(norm(key=f"mtp.{n}", module=f"mtp.{n}", category=Category.MTP, when="mtp_block")[0]
+      for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")))
 #: the keys of the linear-attention geometry (Qwen3NextConfig's defaults)
 LINEAR_KEYS = {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
                "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "layer_types": None,
@@ -50,7 +57,7 @@ class Qwen3Next(Family):
     name = "qwen3_next"
     model_types = ("qwen3_next",)
     table = decoder(attention=(*LINEAR_ATTENTION, *gqa_attention(qkv_bias=False, when="full_attention"),
-                               *qk_norm(when="qk_norm")), mlp=QWEN_MOE_SHARED)
+                               *qk_norm(when="qk_norm")), mlp=QWEN_MOE_SHARED) + MTP_BLOCK
     other_params = (*OTHER_PARAMS, "A_log", "dt_bias")
     # the published checkpoint carries its MTP block as mtp.fc, mtp.pre_fc_norm_{embedding,hidden}, mtp.layers.0.* (a
     # full-attention MoE layer) and mtp.norm, which vLLM's Qwen3NextMTP loads as model.* (qwen3_next_mtp.py

@@ -20,6 +20,7 @@ class Role(str, Enum):
     MTP_PROJ = "mtp_proj"        # DeepSeek MTP eh_proj: replicated, kept in high precision
     INDEXER = "indexer"          # DeepSeek-V3.2's lightning indexer (wq_b, wk, weights_proj): replicated, float
     MIXER = "mixer"              # linear attention's per-channel parameters (conv1d, A_log, dt_bias): split by heads
+    TOWER = "tower"              # a vision-language checkpoint's vision tower: carried as it is, in float
 
     @property
     def tp_dim(self) -> int | None:
@@ -37,7 +38,8 @@ class Role(str, Enum):
 
 _TP_DIM = {Role.EMBED: 0, Role.LM_HEAD: 0, Role.NORM: None, Role.ATTN_IN: 0, Role.ATTN_LATENT: None,
            Role.ATTN_OUT: 1, Role.MLP_IN: 0, Role.MLP_OUT: 1, Role.EXPERT_IN: 0, Role.EXPERT_OUT: 1,
-           Role.ROUTER: None, Role.MTP_PROJ: None, Role.INDEXER: None, Role.MIXER: 0}
+           Role.ROUTER: None, Role.MTP_PROJ: None, Role.INDEXER: None, Role.MIXER: 0,
+           Role.TOWER: None}
 LINEAR_ROLES = frozenset({Role.ATTN_IN, Role.ATTN_LATENT, Role.ATTN_OUT, Role.MLP_IN, Role.MLP_OUT,
                           Role.EXPERT_IN, Role.EXPERT_OUT, Role.MTP_PROJ, Role.LM_HEAD, Role.INDEXER})
 QUANTIZED_BY_DEFAULT = frozenset({Role.ATTN_IN, Role.ATTN_LATENT, Role.ATTN_OUT, Role.MLP_IN, Role.MLP_OUT,
@@ -57,6 +59,7 @@ class Category(str, Enum):
     NORMS = "norms"
     INDEXER = "indexer"
     MTP = "mtp"
+    VISION = "vision"
 
 
 # Parameter names a module can carry; quantization auxiliaries follow the weight they belong to.

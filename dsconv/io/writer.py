@@ -24,7 +24,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from dsconv import __version__, schemas
-from dsconv.errors import UserError
+from dsconv.errors import UserError, raise_if_interrupted
 from dsconv.io.parts import DURABLE, BehindHash, Known, PartLayout, Slot, hash_ranges, put
 from dsconv.tensors import TensorSpec, is_within, safetensors_dtype
 
@@ -362,6 +362,7 @@ class OutputDir:
         return dst
 
     def commit(self) -> None:
+        raise_if_interrupted()  # a Ctrl-C that reached no `except` (swallowed in a callback) still discards
         for subdir, ts in self._sets:
             for rel, info in ts.close().items():
                 self._hashes[str(Path(subdir) / rel) if subdir else rel] = info

@@ -64,15 +64,20 @@ class Materialiser:
 
     # ---- names ------------------------------------------------------------------------------------------------
     def ck_name(self, mem_name: str) -> str:
-        """Checkpoint name of an in-memory parameter/buffer (the family's renames, as Checkpoint applies them)."""
+        """Checkpoint name of an in-memory parameter/buffer (the family's renames, as Checkpoint applies them; the
+        text model's "model." as the family's `text_prefix`, for a vision-language checkpoint)."""
+        prefix = self.family.text_prefix
+        if prefix != "model." and mem_name.startswith("model.") and not mem_name.startswith(prefix):
+            mem_name = prefix + mem_name[len("model."):]
         for old, new in self.family.fused_renames.items():
             if f".{old}." in mem_name and f".{new}." not in mem_name:
                 mem_name = mem_name.replace(f".{old}.", f".{new}.")
         return mem_name
 
     def expert_names(self, layer_prefix: str, e: int) -> dict[str, str]:
-        """Checkpoint names of expert e's gate/up/down weights in the layer at `layer_prefix` ("model.layers.3.")."""
-        return {slot: layer_prefix + self.family.expert_modules[slot].replace("{E}", str(e)) + ".weight"
+        """Checkpoint names of expert e's gate/up/down weights in the in-memory layer at `layer_prefix`
+        ("model.layers.3.")."""
+        return {slot: self.ck_name(layer_prefix) + self.family.expert_modules[slot].replace("{E}", str(e)) + ".weight"
                 for slot in SLOTS}
 
     # ---- data -------------------------------------------------------------------------------------------------
@@ -147,8 +152,10 @@ class Materialiser:
         self.model.tie_weights()
 
     def unused(self) -> list[str]:
-        """Checkpoint tensors the model did not consume (DeepSeek's MTP layers: transformers has no module)."""
-        return sorted(n for n in self.ck.tensors if n not in self.used)
+        """Checkpoint tensors the model did not consume (DeepSeek's MTP layers: transformers has no module); a
+        vision tower is not the causal LM's and is never counted."""
+        towers = self.family.tower_prefixes
+        return sorted(n for n in self.ck.tensors if n not in self.used and not (towers and n.startswith(towers)))
 
 
 def build(ck: Any, dtype: torch.dtype, attn: str = "eager", experts: str | None = None,

@@ -174,7 +174,7 @@ _INTS = {  # key -> (lo, hi): every integer a family reads, with bounds no publi
     "shared_expert_intermediate_size": (0, 2**22), "n_routed_experts": (0, 4096), "num_experts": (0, 4096),
     "num_local_experts": (0, 4096), "num_experts_per_tok": (0, 4096), "n_shared_experts": (0, 64),
     "first_k_dense_replace": (0, 1024), "moe_layer_freq": (1, 1024), "decoder_sparse_step": (1, 1024),
-    "num_nextn_predict_layers": (0, 16), "q_lora_rank": (1, DIM), "kv_lora_rank": (1, DIM),
+    "num_nextn_predict_layers": (0, 16), "mtp_num_hidden_layers": (0, 16), "q_lora_rank": (1, DIM), "kv_lora_rank": (1, DIM),
     "qk_rope_head_dim": (1, 8192), "qk_nope_head_dim": (1, 8192), "v_head_dim": (1, 8192),
     "max_position_embeddings": (1, 2**31), "n_group": (1, 4096), "topk_group": (1, 4096),
     "pad_token_id": (-1, 2**24), "bos_token_id": (-1, 2**24),
@@ -253,8 +253,11 @@ def config(data: Any, where: str = "config.json", supported: Collection[str] | N
     c = data
     heads, hidden, layers = c["num_attention_heads"], c["hidden_size"], c["num_hidden_layers"]
     mla = c.get("kv_lora_rank") is not None
+    all_moe = c.get("moe_intermediate_size") is not None and "intermediate_size" not in c and not c.get(
+        "mlp_only_layers")  # no dense MLP anywhere (Qwen3.5-MoE's text_config has no intermediate_size)
     if not mla:
-        f.int("intermediate_size", *_INTS["intermediate_size"])
+        if not all_moe:
+            f.int("intermediate_size", *_INTS["intermediate_size"])
         if c.get("head_dim") is None and hidden % heads:
             raise f.fail("num_attention_heads", f"a divisor of hidden_size {hidden} (or give head_dim)", heads)
         kv = c.get("num_key_value_heads")

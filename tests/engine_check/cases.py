@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "deepseek_v32",
-            "kimi_k2", "qwen3_next")
-MOE = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "deepseek_v32", "kimi_k2", "qwen3_next")
+            "kimi_k2", "qwen3_next", "qwen3_5_moe")
+MOE = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "deepseek_v32", "kimi_k2", "qwen3_next",
+       "qwen3_5_moe")
 # families whose checkpoints carry MTP layers, and the recipes their MTP layer differs in (FLOAT under --bits 8,
 # W8A8_DYNAMIC under W4A8): layout "mtp" is the per-expert checkpoint with one MTP layer appended (tiny.add_mtp_layer)
-MTP = ("deepseek_v3", "deepseek_v32", "glm4_moe", "qwen3_next")
+MTP = ("deepseek_v3", "deepseek_v32", "glm4_moe", "qwen3_next", "qwen3_5_moe")
 MTP_SCHEMES = ("bits8", "w4a8")
 # MindIE builds an MTP layer for DeepSeek's code only (num_speculative_tokens > 0; GLM-4.5's model never reads one)
 MINDIE_MTP = ("deepseek_v3",)

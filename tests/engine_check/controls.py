@@ -79,7 +79,12 @@ VLLM_CONTROLS: dict[str, tuple[str, str]] = {
     # indexer wk (a float matrix vLLM fuses with weights_proj: two rows exchanged)
     "qkvz-rows-in-head": ("qwen3_next-w8a8_dynamic", "source"),
     "indexer-wk-rows-swapped": ("deepseek_v32-bits8", "source"),
+    # Qwen3.5's VL checkpoint: its split in_proj_b / in_proj_a exchanged (same shape, one fused in_proj_ba in the
+    # engine), and two rows of a float vision-tower matrix exchanged
+    "in-proj-b-a-swapped": ("qwen3_5_moe-w8a8_dynamic", "source"),
+    "vision-qkv-rows-swapped": ("qwen3_5_moe-w8a8_dynamic", "source"),
 }
+VL0 = "model.language_model.layers.0"
 
 
 def _load(f: Path) -> dict[str, torch.Tensor]:
@@ -289,6 +294,13 @@ def make(name: str, base: Path, src: Path, root: Path) -> Path:
             n = t[f"{L0}.self_attn.indexer.wk.weight"].shape[0]
             _permute_rows(t, f"{L0}.self_attn.indexer.wk", np.r_[1, 0, np.arange(2, n)])
         _edit(d, wk)
+    elif name == "in-proj-b-a-swapped":
+        _edit(d, lambda t: _swap_groups(t, f"{VL0}.linear_attn.in_proj_b", f"{VL0}.linear_attn.in_proj_a"))
+    elif name == "vision-qkv-rows-swapped":
+        def vision(t: dict) -> None:
+            qkv = "model.visual.blocks.0.attn.qkv"
+            _permute_rows(t, qkv, np.r_[1, 0, np.arange(2, t[qkv + ".weight"].shape[0])])
+        _edit(d, vision)
     elif name == "drop-weight-scale":
         _edit(d, lambda t: t.pop(_first(t, "down_proj.weight_scale")))
     elif name == "w4a8-drop-scale-bias":

@@ -285,10 +285,11 @@ def check_pair(ck: Checkpoint, qck: Checkpoint, model_dir: Path, quant_dir: Path
     if ck.is_quantized:
         raise UserError(f"{model_dir} is itself quantized", hint="--model is the original float checkpoint")
     hint = "pass the original model the quantized output was made from"
+    a, b = ck.family.flat_config(ck.config), qck.family.flat_config(qck.config)  # a VL config's text_config too
     for key in ("model_type", "hidden_size", "vocab_size", "num_hidden_layers"):
-        if ck.config.get(key) != qck.config.get(key):
-            raise UserError(f"{quant_dir} is not a quantization of {model_dir} ({key}: {qck.config.get(key)} vs "
-                            f"{ck.config.get(key)})", hint=hint)
+        if a.get(key) != b.get(key):
+            raise UserError(f"{quant_dir} is not a quantization of {model_dir} ({key}: {b.get(key)} vs "
+                            f"{a.get(key)})", hint=hint)
     kv_cache = set(cache_tensors(qck.quant_description))
     for name in qck.names():
         r = qck.role(name)
@@ -323,8 +324,9 @@ def qa_items(ck: Checkpoint, qck: Checkpoint, qa: QAOptions, seq_len: int, progr
     for q in questions:
         ids, templated = prompt_ids(tokenizer, q.text)
         prompts.append(ids)
-    check_lengths(questions, prompts, qa.max_new_tokens, seq_len, ck.config.get("max_position_embeddings"))
-    stop = stop_ids(tokenizer, ck.config)
+    check_lengths(questions, prompts, qa.max_new_tokens, seq_len,
+                  ck.family.flat_config(ck.config).get("max_position_embeddings"))
+    stop = stop_ids(tokenizer, ck.family.flat_config(ck.config))
     if qa.generate and not fits_in_memory(ck, 2):
         raise UserError(f"--generate holds both models in memory, and {ck.root} does not fit",
                         hint="drop --generate: the teacher-forced comparison streams the models layer by layer")
