@@ -73,6 +73,14 @@ SCHEMES: dict[str, tuple[list[str], float | str | None]] = {
     "W8A8 static, uniform recipe": (["--bits", "8", "--recipe", "uniform"], 2.0),
     # not in the default table: W8A8_DYNAMIC's weights alone, without the SmoothQuant search's choices
     "W8A8_DYNAMIC without SmoothQuant": (["--scheme", "w8a8_dynamic", "--smooth-quant", "off"], 1.5),
+    # rotation (quant/rotate.py): every linear static with no fallback, and per-token dynamic, each with and
+    # without the residual rotated first (targets of issue 46: within 1%)
+    "W8A8 every linear static, no fallback": (["--bits", "8", "--recipe", "uniform", "--fallback", "0"], 1.0),
+    "W8A8 every linear static, no fallback, --rotate": (
+        ["--bits", "8", "--recipe", "uniform", "--fallback", "0", "--rotate"], 1.0),
+    "W8A8_DYNAMIC --rotate": (["--scheme", "w8a8_dynamic", "--rotate"], 1.0),
+    "W8A8 static (--bits 8 --engine vllm-ascend) --rotate": (["--bits", "8", "--engine", "vllm-ascend", "--rotate"],
+                                                            1.0),
 }
 KEYS = {"w8a16": "W8A16", "w8a8": "W8A8 static (--bits 8)", "w8a8_vllm": "W8A8 static (--bits 8 --engine vllm-ascend)",
         "w8a8_dynamic": "W8A8_DYNAMIC", "rtn": "W4A16 g64 RTN", "w4": "W4A16 g64 (default method)",
@@ -82,7 +90,11 @@ KEYS = {"w8a16": "W8A16", "w8a8": "W8A8 static (--bits 8)", "w8a8_vllm": "W8A8 s
         "w8a8_dynamic_nosmooth": "W8A8_DYNAMIC without SmoothQuant",
         "w4a8": "W4A8_DYNAMIC MoE recipe RTN", "w4a8_gptq": "W4A8_DYNAMIC MoE recipe GPTQ",
         "w4a8_mse": "W4A8_DYNAMIC MoE recipe MSE", "w8a8_c8": "W8A8 static + C8 KV cache (--bits 8 --kv-cache int8)",
-        "w8a8_mix": "W8A8_MIX decode path (static; --scheme w8a8_mix --engine vllm-ascend)"}
+        "w8a8_mix": "W8A8_MIX decode path (static; --scheme w8a8_mix --engine vllm-ascend)",
+        "w8a8_allstatic": "W8A8 every linear static, no fallback",
+        "w8a8_allstatic_rot": "W8A8 every linear static, no fallback, --rotate",
+        "w8a8_dynamic_rot": "W8A8_DYNAMIC --rotate",
+        "w8a8_vllm_rot": "W8A8 static (--bits 8 --engine vllm-ascend) --rotate"}
 MIX_PATH_LABELS = {"static": KEYS["w8a8_mix"], "dynamic": "W8A8_MIX prefill path (dynamic)"}
 DEFAULT_KEYS = ("w8a16", "w8a16_gptq", "w8a8", "w8a8_vllm", "w8a8_dynamic", "w8a8_mix", "w8a8_c8", "rtn", "mse", "gptq", "w4",
                 "w4a8", "w4a8_gptq", "w4a8_mse")

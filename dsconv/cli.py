@@ -16,7 +16,7 @@ from dsconv.commands.atc import atc
 from dsconv.commands.demo import demo
 from dsconv.commands.eval import eval_cmd
 from dsconv.commands.export import export
-from dsconv.commands.quantize import quantize
+from dsconv.commands.quantize import quantize, rotate
 from dsconv.commands.shard import shard
 from dsconv.commands.workspace_cmds import init, inspect, verify
 from dsconv.errors import DsconvError, install_interrupt_flag
@@ -41,7 +41,7 @@ def cli() -> None:
 
 
 # Every command, in pipeline order (`dsconv --help` lists them so).
-for _command in (init, inspect, export, quantize, eval_cmd, shard, atc, verify, demo):
+for _command in (init, inspect, export, rotate, quantize, eval_cmd, shard, atc, verify, demo):
     cli.add_command(_command)
 
 

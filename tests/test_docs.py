@@ -20,7 +20,7 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMANDS = ("inspect", "export", "quantize", "eval", "shard", "atc", "verify", "demo")
+COMMANDS = ("inspect", "export", "rotate", "quantize", "eval", "shard", "atc", "verify", "demo")
 HELP_BLOCK = re.compile(r"<!-- help -->\n(.*?)<!-- /help -->", re.S)
 README_MAX_LINES = 150
 

@@ -106,6 +106,11 @@ def parse_smooth(value: str | None) -> float | str | None:
                    "quant_model_weight_<type>.safetensors + quant_model_description_<type>.json.")
 @click.option("--max-shard-size", type=SIZE, default="4GB", show_default=True,
               help="Size cap of each weights part (a tensor larger than it is a part of its own, as HF writes).")
+@click.option("--rotate", "rotate_seed", type=int, default=None, is_flag=False, flag_value=0, metavar="[SEED]",
+              help="Rotate the residual stream first (QuaRot): norms folded, an orthogonal (randomised Hadamard) "
+                   "matrix folded into every linear that reads or writes it, so activation outliers spread over all "
+                   "channels; the same function, loaded as ordinary weights (dsconv rotate; docs/rotation.md). SEED "
+                   "picks the random signs (default 0).")
 @click.option("--dry-run", is_flag=True, help="Print the plan from headers (types, sizes) and write nothing.")
 @exec_options
 @force_option
@@ -116,8 +121,8 @@ def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: 
              fallback_threshold: float | None, fallback_to: str, recipe: str, ignore: tuple[str, ...],
              calib: Path | None,
              calib_samples: int | None, seq_len: int, min_expert_tokens: int, all_experts: bool, layout: str,
-             max_shard_size: int, dry_run: bool, workers: int | None, executor: str | None, ray_address: str | None,
-             force: bool, as_json: bool) -> None:
+             max_shard_size: int, rotate_seed: int | None, dry_run: bool, workers: int | None,
+             executor: str | None, ray_address: str | None, force: bool, as_json: bool) -> None:
     """Quantize a model to INT8/INT4 in the layout Ascend serving engines load, layer by layer."""
     from dsconv import engines
     from dsconv.quant.plan.options import QuantOptions
@@ -146,7 +151,7 @@ def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: 
                         fallback_to=fallback_to, ignore=tuple(ignore), calib=calib, calib_samples=calib_samples,
                         seq_len=seq_len, min_expert_tokens=min_expert_tokens, all_experts=all_experts, layout=layout,
                         engine=engine, bits_default=bits_default, moe_scheme=moe_scheme,
-                        max_shard_size=max_shard_size, kv_cache=kv_cache)
+                        max_shard_size=max_shard_size, kv_cache=kv_cache, rotate=rotate_seed)
     result = run(QuantRequest(model, output, opts, force=force, progress=not as_json, dry_run=dry_run, warn=warn,
                               execution=resolve_exec(workers, executor, ray_address)))
     if as_json:
@@ -159,3 +164,27 @@ def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: 
                 f"{k} " + ", ".join(f"{n} {t}" for t, n in v.items()) for k, v in s["layer_types"].items()))
         if s.get("config_keys"):
             click.echo("config.json: " + ", ".join(f'"{k}": "{v}"' for k, v in s["config_keys"].items()))
+
+
+@click.command()
+@model_option
+@output_option
+@click.option("--seed", type=int, default=0, show_default=True, help="The random signs of the Hadamard matrix.")
+@force_option
+@json_option
+def rotate(model: Path | None, output: Path | None, seed: int, force: bool, as_json: bool) -> None:
+    """Rotate the residual stream (QuaRot) into a float checkpoint that computes the same function.
+
+    Norm scales are folded into the linears that read them, and an orthogonal matrix (a randomised Hadamard where the
+    width has one) into the embedding and every linear that reads or writes the residual stream: activation outliers
+    are spread over all channels, which is what `dsconv quantize --rotate` quantizes. Engines load the result as any
+    float checkpoint (a tied LM head becomes untied)."""
+    from dsconv.quant.rotate import RotateRequest, run
+
+    model = workspace.resolve_model(model)
+    output = workspace.resolve_output("rotate", output)
+    result = run(RotateRequest(model, output, seed=seed, force=force, progress=not as_json))
+    if as_json:
+        emit_json(result.summary)
+    else:
+        click.echo(result.render())

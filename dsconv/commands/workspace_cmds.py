@@ -66,9 +66,18 @@ def verify(directory: Path, engine: str | None, source: Path | None, mindie_src:
     manifest, problems = run_verify(directory)
     loaded = None
     if engine and not problems:
-        from dsconv.engines.loader_check import check
+        import tempfile
 
-        loaded = check(directory, engine, source, str(mindie_src) if mindie_src else None)
+        from dsconv.engines.loader_check import check, origins, rotation_seed
+
+        seed = rotation_seed(directory.resolve()) if source is None else None
+        with tempfile.TemporaryDirectory(prefix="dsconv-verify-") as tmp:
+            if seed is not None:  # `quantize --rotate`: the float source is the rotated model, rebuilt (seeded)
+                from dsconv.quant.rotate import RotateRequest, run as rotate
+
+                source = Path(tmp) / "rotated-source"
+                rotate(RotateRequest(origins(directory.resolve())[0], source, seed=seed, progress=False))
+            loaded = check(directory, engine, source, str(mindie_src) if mindie_src else None)
         if loaded.get("load") != "ok":
             problems = [f"{engine}'s loader: {loaded.get('load')}: {x}" for x in
                         (loaded.get("problems") or [loaded.get("error") or "no result (see the log above)"])]

@@ -139,6 +139,9 @@ class Source:
         place = {}
         for module in ref.norm_modules:
             names = by_bytes.get(ref.norm(module).tobytes(), [])
+            if len(names) > 1:  # equal values (a rotated model's all-ones norms): the one at MindIE's module path,
+                names = [n for n in names if ("." + module).endswith("." + n[:-7])  # the source's, maybe prefixed
+                         or ("." + n[:-7]).endswith("." + module)]
             if len(names) == 1:
                 place.setdefault(names[0], module)
         out = []

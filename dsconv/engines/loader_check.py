@@ -198,6 +198,14 @@ def origins(directory: Path, source: Path | None = None) -> tuple[Path, Path]:
     return src, plain
 
 
+def rotation_seed(directory: Path) -> int | None:
+    """The seed of `quantize --rotate` that made this output (or the one it was sharded from), else None: its float
+    source is then the rotated model, rebuilt from the one the manifest names (the CLI's verify does)."""
+    plain = origins(directory)[1]
+    seed = _manifest(plain).get("options", {}).get("rotate")
+    return None if seed is None else int(seed)
+
+
 def check(directory: Path, engine: str, source: Path | None = None, mindie_src: str | None = None) -> dict:
     """One output through `engine`'s loader, compared with its float source: the merged result (load "ok" or not,
     counts, the first problems)."""

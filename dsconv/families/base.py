@@ -198,6 +198,8 @@ class Family:
     tiny_saved: dict[str, Any] = {}
     #: why a stage cannot take this family (None: it can): engines' loaders, the MindSpore builder
     quantize_refused: str | None = None
+    #: why the residual stream cannot be rotated offline (`dsconv rotate`, `quantize --rotate`), or None
+    rotation_refused: str | None = None
     mindir_refused: str | None = None
     onnx_refused: str | None = None
 

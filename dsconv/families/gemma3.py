@@ -21,6 +21,11 @@ class Gemma3(Family):
     tiny = {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 4, "final_logit_softcapping": 30.0,
             "layer_types": ["sliding_attention", "full_attention"]}
     norm_offset = 1.0
+    # post_attention_layernorm and post_feedforward_layernorm normalise each block's output before the residual add:
+    # a norm's scale acts after its RMS, so it neither folds into o_proj / down_proj nor commutes with a rotation
+    rotation_refused = ("its post_attention_layernorm and post_feedforward_layernorm normalise each block's output "
+                        "before the residual add, so the residual stream passes through norms whose scale cannot "
+                        "be folded into a linear, and an orthogonal rotation of it does not survive them")
     config_keys = {**Family.config_keys, "head_dim": 256, "tie_word_embeddings": True,  # Gemma3TextConfig's defaults
                    "hidden_activation": "gelu_pytorch_tanh"}
 

@@ -40,6 +40,7 @@ class QuantRequest:
     dry_run: bool = False                                    # plan from headers only; nothing written
     warn: Callable[[str], None] = lambda message: None       # non-fatal notices (e.g. little calibration text)
     execution: ExecOptions | None = None                     # how independent jobs run (default: inline)
+    origin: Path | None = None                               # the model the user named, when `model` is its rotation
 
 
 @dataclass
@@ -105,8 +106,38 @@ def _load_calibration(ck: Any, plan: Any, opts: QuantOptions, warn: Callable[[st
     return calib
 
 
+def _run_rotated(req: QuantRequest) -> QuantResult:
+    """`quantize --rotate`: the model rotated (dsconv/quant/rotate.py) into a scratch checkpoint beside the output,
+    quantized from there, the scratch removed. The manifest names the model the user gave and the rotation's seed,
+    from which `dsconv verify` rebuilds the rotated float source."""
+    import shutil
+    from dataclasses import replace
+
+    from dsconv.quant.rotate import RotateRequest, refusal
+    from dsconv.quant.rotate import run as rotate
+
+    ck = Checkpoint.open(req.model)
+    why = refusal(ck)
+    if why:
+        raise UserError(f"{req.model}: {ck.family.name} cannot be rotated: {why}", hint="quantize it without --rotate")
+    if req.dry_run:
+        return run(replace(req, options=replace(req.options, rotate=None)))
+    scratch = req.output.absolute().parent / f".{req.output.name}.dsconv-rotated"
+    shutil.rmtree(scratch, ignore_errors=True)
+    try:
+        rotated = rotate(RotateRequest(req.model, scratch, seed=req.options.rotate, progress=req.progress))
+        result = run(replace(req, model=scratch, origin=req.model))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    result.summary["rotation"] = {k: rotated.summary[k] for k in ("rotation", "seed", "hidden_size", "untied",
+                                                                   "read", "written", "folded", "seconds")}
+    return result
+
+
 def run(req: QuantRequest) -> QuantResult:
     """Run `dsconv quantize`."""
+    if req.options.rotate is not None and req.origin is None:
+        return _run_rotated(req)
     t0 = time.perf_counter()
     opts, model_dir, output = req.options, req.model, req.output
     if opts.scheme not in SCHEMES:
@@ -157,7 +188,7 @@ def run(req: QuantRequest) -> QuantResult:
             plan.linears.values(), plan.ignored, {ck.role(n).module: ck.role(n) for n in ck.names()}))
         return QuantResult(dry, dry_run=True)
     calib = _load_calibration(ck, plan, opts, req.warn) if calibrate else None
-    with OutputDir(output, stage="quantize", inputs=[model_dir], force=req.force, options=opts.as_dict(),
+    with OutputDir(output, stage="quantize", inputs=[req.origin or model_dir], force=req.force, options=opts.as_dict(),
                    input_identity=ck.identity()) as out:
         qw = QuantWriter(out, ck, plan, opts.layout, opts.max_shard_size, staged=policy is not None,
                          name_type=cfg_keys.get("quantize"))

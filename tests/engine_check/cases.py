@@ -21,6 +21,12 @@ MTP_SCHEMES = ("bits8", "w4a8")
 # MindIE builds an MTP layer for DeepSeek's code only (num_speculative_tokens > 0; GLM-4.5's model never reads one)
 MINDIE_MTP = ("deepseek_v3",)
 ENGINES = ("mindie", "vllm-ascend")
+# layout "rotated": the tiny checkpoint through `dsconv rotate` (norms folded to ones, the residual stream rotated,
+# the head untied), then quantized as any checkpoint: the engines load rotation's outputs as ordinary weights, and the
+# source comparison holds them to the rotated float model (whose equivalence with the original tests/test_rotate.py
+# proves)
+ROTATED = ("llama", "qwen2", "qwen3_moe", "deepseek_v3")
+ROTATED_SCHEMES = ("bits8", "w8a8_dynamic")
 # scheme label (a README row) -> `dsconv quantize` options. 4-bit rows round to nearest (--method rtn): the check
 # then holds every weight to half a quantization step (GPTQ's integers move further, through the same layout).
 # Groups of 64: MindIE runs W4A16 with group sizes 0, 64 and 128 only (docs/engine_rules.md).
@@ -91,6 +97,12 @@ def build_source(root: Path, family: str, dtype: str, layout: str, tok: Any, sch
     if not (d / "config.json").exists():
         ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
         shape = WIDE.get(family, {}) if scheme is not None and wide(family, scheme) else {}
+        if layout == "rotated":
+            from dsconv.quant.rotate import RotateRequest, run
+
+            plain = build_source(root, family, dtype, "per-expert", tok, scheme, seed)
+            run(RotateRequest(plain, d, seed=seed, progress=False))
+            return d
         make_tiny(family, d, dtype=dtype, tokenizer=tok, fused=layout == "fused", seed=seed, **{**ids, **shape})
         if layout == "mtp":
             add_mtp_layer(d, seed=seed)

@@ -30,8 +30,8 @@ from pathlib import Path
 
 from dsconv.engines.loader_check import (merge_ranks, mindie_env, mindie_load, vllm_load, vllm_python,
                                          vllm_summary)
-from tests.engine_check.cases import (ENGINES, FAMILIES, MINDIE_MTP, MOE, MTP, MTP_SCHEMES, SCHEMES, build_source,
-                                      quantize, source_name, tokenizer)
+from tests.engine_check.cases import (ENGINES, FAMILIES, MINDIE_MTP, MOE, MTP, MTP_SCHEMES, ROTATED, ROTATED_SCHEMES,
+                                      SCHEMES, build_source, quantize, source_name, tokenizer)
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results.json"
@@ -50,9 +50,12 @@ def cases(engine: str) -> list[dict]:
             if engine == "vllm-ascend":
                 out.append(dict(engine=engine, family=f, scheme=s, dtype="bf16", layout="per-expert"))
                 continue
-            for dtype, layout in (("bf16", "per-expert"), ("fp16", "per-expert"), ("bf16", "fused"), ("bf16", "mtp")):
+            for dtype, layout in (("bf16", "per-expert"), ("fp16", "per-expert"), ("bf16", "fused"), ("bf16", "mtp"),
+                                  ("bf16", "rotated")):
                 if layout == "fused" and f not in MOE or layout == "mtp" and (f not in MINDIE_MTP or
                                                                              s not in MTP_SCHEMES):
+                    continue
+                if layout == "rotated" and (f not in ROTATED or s not in ROTATED_SCHEMES):
                     continue
                 for tp in (1, 2):
                     out.append(dict(engine=engine, family=f, scheme=s, dtype=dtype, layout=layout, tp=tp))
@@ -62,6 +65,9 @@ def cases(engine: str) -> list[dict]:
                 out.append(dict(engine=engine, family=f, scheme="bits8", dtype="bf16", layout="fused"))
             if f in MTP:  # the MTP layer through the engine's own MTP drafter (vllm_loader.mtp_names)
                 out += [dict(engine=engine, family=f, scheme=s, dtype="bf16", layout="mtp") for s in MTP_SCHEMES]
+            if f in ROTATED:
+                out += [dict(engine=engine, family=f, scheme=s, dtype="bf16", layout="rotated")
+                        for s in ROTATED_SCHEMES]
     return out
 
 
@@ -153,7 +159,19 @@ def run_vllm(root: Path, only: str | None) -> tuple[list[dict], list[str]]:
             print(f"control {name}: {'caught' if expect != 'ok' else 'passed'} ({expect}): {what}"[:300])
     bad += verify_cli("vllm-ascend", written.get("vllm-ascend/llama-bits8-bf16-per-expert"),
                       controls.get("gate-up-swapped"))
+    if not only or "rotated" in only:  # `quantize --rotate` as a user runs it: verify rebuilds its rotated source
+        rotated = rotated_by_quantize(root, "llama")
+        bad += verify_cli("vllm-ascend", rotated, None) if rotated else ["quantize --rotate of llama failed"]
     return todo, bad
+
+
+def rotated_by_quantize(root: Path, family: str) -> Path | None:
+    """`dsconv quantize --bits 8 --rotate` of the tiny `family`: its manifest names the unrotated model and the seed."""
+    src = build_source(root / "src", family, "bf16", "per-expert", tokenizer())
+    out = root / "out" / f"vllm-ascend/{family}-bits8-rotate-flag"
+    code, last = quantize(src, out, "vllm-ascend", ["--bits", "8", "--rotate", "5"])
+    print(f"quantize --rotate {family}: exit {code} {last}"[:200])
+    return out if code == 0 else None
 
 
 # ------------------------------------------------------------------------------------------------ MindIE
@@ -236,7 +254,7 @@ def run_mindie(root: Path, only: str | None, env: tuple[str, str]) -> tuple[list
     t1 = time.perf_counter()
     def load_case(cid: str, d: Path, c: dict) -> dict:
         # a sharded layout's source: the per-expert one (the mtp one for sharded-mtp)
-        layout = c["layout"] if c["layout"] in ("fused", "mtp") else "mtp" if c["layout"].endswith("mtp") \
+        layout = c["layout"] if c["layout"] in ("fused", "mtp", "rotated") else "mtp" if c["layout"].endswith("mtp") \
             else "per-expert"
         return {"id": cid, "dir": str(d), "source": str(root / "src" / source_name(c["family"], c["dtype"], layout,
                                                                                     c["scheme"])),

@@ -46,9 +46,12 @@ class QuantOptions:
     damp: float = 0.1
     batch_tokens: int = 4096   # padded tokens per forward batch
     sample_tokens: int = 128   # calibration rows kept per linear input to measure output error (fallbacks, report)
+    rotate: int | None = None  # --rotate: the seed of the residual rotation quantize runs on (dsconv/quant/rotate.py)
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        if self.rotate is None:  # manifests of runs without rotation stay as they were
+            d.pop("rotate")
         d["calib"] = str(self.calib) if self.calib else None
         d["ignore"] = list(self.ignore)
         return d
