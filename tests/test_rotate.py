@@ -101,8 +101,9 @@ def test_quantize_rotate_end_to_end(tiny_model, run_cli, tmp_path):
 
 
 def test_rotate_refusals_before_any_work(tiny_model, run_cli, tmp_path):
-    """An MTP layer (two streams into eh_proj) is refused before anything is written; a refusal after the rotation
-    (a scheme the engine does not load) leaves no scratch behind."""
+    """An MTP layer (two streams into eh_proj) is refused before anything is written; so is what the engine would not
+    load (the plan's refusals run on the user's model first, naming it, and leave no scratch behind); 4-bit weights
+    get the measured warning."""
     from dsconv.tiny import add_mtp_layer
     from conftest import copy_model
 
@@ -114,3 +115,8 @@ def test_rotate_refusals_before_any_work(tiny_model, run_cli, tmp_path):
                  "vllm-ascend", "--rotate"])
     assert r.code == 2 and "W8A8" in r.err
     assert not list(tmp_path.glob(".q2*")) and not (tmp_path / "q2").exists()
+    r = run_cli(["quantize", "-m", tiny_model("llama"), "-o", tmp_path / "q3", "--bits", "8", "--rotate"])
+    assert r.code == 2 and "is fp32" in r.err and str(tiny_model("llama")) in r.err and ".dsconv-rotated" not in r.err
+    r = run_cli(["quantize", "-m", tiny_model("llama", dtype="bf16"), "-o", tmp_path / "q4", "--scheme", "w4a16",
+                 "--group-size", "64", "--method", "rtn", "--rotate"])
+    assert r.code == 0 and "made W4A16 and W4A8 worse" in r.err, r.err
