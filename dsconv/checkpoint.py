@@ -63,8 +63,9 @@ class Checkpoint:
         f = self.facts
         present = {r.layer for r in self.roles.values() if r.layer is not None and r.layer >= f.num_layers}
         for prefix in self.family.mtp_prefixes:  # an MTP block stored apart: its decoder layers mtp.layers.K.*
-            present |= {f.num_layers + int(n[len(prefix) + 7:].split(".", 1)[0]) for n in self.tensors
-                        if n.startswith(prefix + "layers.") and n[len(prefix) + 7:].split(".", 1)[0].isdigit()}
+            layers = prefix + "layers."
+            numbers = {n[len(layers):].split(".", 1)[0] for n in self.tensors if n.startswith(layers)}
+            present |= {f.num_layers + int(k) for k in numbers if k.isdigit()}
         f.num_mtp_layers = len(present)
         if self.family.mtp_prefixes and f.num_layers - 1 in f.moe_layers:  # a stored-apart MTP layer has the MLP of
             f.moe_layers = tuple(sorted({*f.moe_layers, *present}))  # the last decoder layer (vLLM qwen3_next_mtp.py)

@@ -68,15 +68,15 @@ def verify(directory: Path, engine: str | None, source: Path | None, mindie_src:
     if engine and not problems:
         import tempfile
 
-        from dsconv.engines.loader_check import check, origins, rotation_seed
+        from dsconv.engines.loader_check import check, rotation_origin
 
-        seed = rotation_seed(directory.resolve()) if source is None else None
+        rotated = rotation_origin(directory.resolve()) if source is None else None
         with tempfile.TemporaryDirectory(prefix="dsconv-verify-") as tmp:
-            if seed is not None:  # `quantize --rotate`: the float source is the rotated model, rebuilt (seeded)
+            if rotated is not None:  # `quantize --rotate`: the float source is the rotated model, rebuilt (seeded)
                 from dsconv.quant.rotate import RotateRequest, run as rotate
 
                 source = Path(tmp) / "rotated-source"
-                rotate(RotateRequest(origins(directory.resolve())[0], source, seed=seed, progress=False))
+                rotate(RotateRequest(rotated[0], source, seed=rotated[1], progress=False))
             loaded = check(directory, engine, source, str(mindie_src) if mindie_src else None)
         if loaded.get("load") != "ok":
             problems = [f"{engine}'s loader: {loaded.get('load')}: {x}" for x in

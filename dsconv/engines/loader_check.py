@@ -52,8 +52,10 @@ def mindie_env(src: str | Path | None = None) -> tuple[str, str] | None:
 
 
 def _is_moe(d: Path) -> bool:
+    from dsconv.families import family_for
+
     cfg = json.loads((d / "config.json").read_text())
-    cfg = {**(cfg.get("text_config") or {}), **cfg}  # a vision-language config keeps them in text_config
+    cfg = family_for(cfg).flat_config(cfg)  # a vision-language config keeps them in text_config
     return any(cfg.get(k) for k in ("n_routed_experts", "num_experts", "num_local_experts"))
 
 
@@ -198,12 +200,12 @@ def origins(directory: Path, source: Path | None = None) -> tuple[Path, Path]:
     return src, plain
 
 
-def rotation_seed(directory: Path) -> int | None:
-    """The seed of `quantize --rotate` that made this output (or the one it was sharded from), else None: its float
-    source is then the rotated model, rebuilt from the one the manifest names (the CLI's verify does)."""
-    plain = origins(directory)[1]
+def rotation_origin(directory: Path) -> tuple[Path, int] | None:
+    """(the model the manifest names, the seed) where `quantize --rotate` made this output (or the one it was
+    sharded from), else None: its float source is then that model rotated again (the CLI's verify does)."""
+    src, plain = origins(directory)
     seed = _manifest(plain).get("options", {}).get("rotate")
-    return None if seed is None else int(seed)
+    return None if seed is None else (src, int(seed))
 
 
 def check(directory: Path, engine: str, source: Path | None = None, mindie_src: str | None = None) -> dict:

@@ -30,6 +30,7 @@ import torch
 
 from dsconv.checkpoint import Checkpoint
 from dsconv.errors import UserError
+from dsconv.families.roles import Category
 from dsconv.io.writer import OutputDir
 from dsconv.quant.algorithms.hadamard import Rotation
 from dsconv.tensors import TensorSpec, torch_dtype
@@ -61,7 +62,7 @@ def refusal(ck: Any) -> str | None:
         return fam.rotation_refused
     if fam.quantize_refused:  # rotation serves quantization; its output is written per expert as quantize writes
         return f"it is not quantized for an engine ({fam.quantize_refused})"
-    if ck.facts.num_mtp_layers or any(r.category.value == "mtp" for r in ck.roles.values()):
+    if ck.facts.num_mtp_layers or any(r.category is Category.MTP for r in ck.roles.values()):
         return ("its MTP layers read two streams through eh_proj / fc (the embedding's and the hidden state's, each "
                 "behind its own norm); dsconv does not rotate MTP layers yet")
     known = FOLDED | set(READER_NORM) | WRITES | INSIDE | {"embed"}
@@ -103,6 +104,7 @@ class Rotator:
         self.offset = float(self.family.norm_offset)
         self.counts = {"read": 0, "written": 0, "folded": 0, "heads": 0}
         self.rows = {(r.module, r.param): r.key for r in self.family.table}
+        self._scales: dict[str, torch.Tensor] = {}
         f = self.facts
         # per head between v_proj and o_proj (o_proj's input is a weighted sum of v rows per head, so a rotation of
         # each head's v rows comes out of the attention unchanged and folds into o_proj's columns): where v and o are
@@ -117,7 +119,14 @@ class Rotator:
         return self.rows.get((module, param)) or self.family._modules[module].key
 
     def norm_scale(self, name: str) -> torch.Tensor:
-        return self.ck.load(name, dequantize=True).float() + self.offset
+        """A norm's effective scale, read once: every reader of that norm (all of a layer's experts) folds it."""
+        if name not in self._scales:
+            self._scales[name] = self.ck.load(name, dequantize=True).float() + self.offset
+        return self._scales[name]
+
+    def norm_names(self, names: list[str]) -> dict[str, str]:
+        """norm key -> tensor name, for the folded norms among `names` (one layer's, or the final one)."""
+        return {key: n for n in names if (key := self.key(n)) in FOLDED}
 
     def transform(self, name: str, norms: dict[str, str]) -> torch.Tensor:
         """The rotated tensor `name` (its dtype kept); `norms`: norm key -> tensor name in the same layer."""
@@ -156,17 +165,6 @@ class Rotator:
         return self.head.right(w.reshape(rows * (cols // d), d)).reshape(rows, cols)
 
 
-def _norm_names(ck: Any, names: list[str]) -> dict[str, str]:
-    fam = ck.family
-    out = {}
-    for n in names:
-        module = fam.template_of(n)[0]
-        row = fam._modules.get(module)
-        if row is not None and row.key in FOLDED:
-            out[row.key] = n
-    return out
-
-
 def run(req: RotateRequest) -> RotateResult:
     """Run `dsconv rotate`: every tensor of the model, rotated, into a float checkpoint."""
     from tqdm import tqdm
@@ -196,7 +194,7 @@ def run(req: RotateRequest) -> RotateResult:
         layers = ck.layers()
         bar = tqdm(total=len(specs), desc="rotate", unit="tensor", disable=not req.progress)
         for layer, layer_names in layers.items():
-            norms = _norm_names(ck, layer_names) if layer is not None else {"norm.final": final_norm}
+            norms = rot.norm_names(layer_names) if layer is not None else {"norm.final": final_norm}
             for n in layer_names:
                 if n in shapes:
                     ts.write(n, rot.transform(n, norms))
@@ -218,6 +216,6 @@ def run(req: RotateRequest) -> RotateResult:
             if f.name != "config.json":
                 out.copy_in(f)
     summary = {"family": ck.family.name, "output": str(req.output), "hidden_size": ck.facts.hidden_size,
-               "rotation": rot.q.kind, "seed": req.seed, "head_rotation": rot.head.kind if rot.head else None, "untied": untie, "tensors": len(specs), **rot.counts,
-               "seconds": round(time.perf_counter() - t0, 2)}
+               "rotation": rot.q.kind, "seed": req.seed, "head_rotation": rot.head.kind if rot.head else None,
+               "untied": untie, "tensors": len(specs), **rot.counts, "seconds": round(time.perf_counter() - t0, 2)}
     return RotateResult(summary)

@@ -66,6 +66,13 @@ def hadamard(n: int) -> torch.Tensor | None:
     return h
 
 
+def _checked_base(m: int) -> torch.Tensor:
+    """The small factor H_m (1 or a Paley matrix), checked (H H^T = m I): Sylvester's factor is one by construction,
+    and the Kronecker product of two Hadamard matrices is one, so Q never has to be formed to be trusted."""
+    h = torch.ones(1, 1, dtype=torch.float64) if m == 1 else _paley(m)
+    if h is None or not torch.equal(h @ h.T, m * torch.eye(m, dtype=torch.float64)):
+        raise AssertionError(f"Hadamard construction of order {m} is not orthogonal")
+    return h
 
 
 class Rotation:
@@ -75,13 +82,15 @@ class Rotation:
 
     def __init__(self, n: int, seed: int = 0) -> None:
         self.n, self.seed = n, seed
-        h = hadamard(n)
         g = torch.Generator().manual_seed(seed)
-        self.kind = "hadamard" if h is not None else "random orthogonal"
-        if h is not None:
-            self.signs = (torch.randint(0, 2, (n,), generator=g, dtype=torch.float64) * 2 - 1).float()
+        try:  # the factors alone: the dense n x n Hadamard (7168^2 in float64, an n^3 check) is never built here
             self.pow2, self.base = _split(n)
-            self.base_matrix = (torch.ones(1, 1, dtype=torch.float64) if self.base == 1 else _paley(self.base)).float()
+        except ValueError:
+            self.pow2 = self.base = 0
+        self.kind = "hadamard" if self.base else "random orthogonal"
+        if self.base:
+            self.signs = (torch.randint(0, 2, (n,), generator=g, dtype=torch.float64) * 2 - 1).float()
+            self.base_matrix = _checked_base(self.base).float()
             self.dense = None
         else:
             q, r = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
