@@ -12,7 +12,7 @@ from collections import defaultdict
 from typing import Any
 
 from dsconv.families.roles import Category
-from dsconv.qformat import FA_QUANT, FA_QUANT_WHERE, cache_form, cache_tensors, int8_cache, scale_bias_chunks
+from dsconv.qformat import FA_QUANT, FA_QUANT_WHERE, cache_form, cache_tensors, int8_cache, PACKED_INT4, scale_bias_chunks
 from dsconv.soc import soc_facts
 from dsconv.tensors import human_bytes
 
@@ -122,7 +122,7 @@ def _recipe_bytes(r: Any, shape: tuple[int, ...], numel: int, recipe: str) -> in
 
 def _packed_int4(ck: Any, name: str) -> bool:
     desc = ck.quant_description or {}
-    return str(desc.get(name, "")).startswith("W4")
+    return str(desc.get(name, "")) in PACKED_INT4
 
 
 def weight_bytes(quantizable: int, other: int, precision: str) -> int:

@@ -159,6 +159,10 @@ def dequant_weight(
 # W8A8_MIX, whose decode path is static W8A8 over the same int8 weight (docs/formats/w8a8_mix.md)
 W8A8_MIX = "W8A8_MIX"
 STATIC_TYPES = ("W8A8", W8A8_MIX)
+# vLLM-Ascend's W4A4_DYNAMIC (docs/formats/w4a4.md): int4 values stored one per int8, unpacked (its loader packs them)
+W4A4 = "W4A4_DYNAMIC"
+# the types whose int4 values are stored two per byte (W4A4_DYNAMIC's are not)
+PACKED_INT4 = ("W4A16", "W4A8_DYNAMIC")
 # the types whose activations are quantized (static or per token): smoothing helps them
 ACT_QUANT = (*STATIC_TYPES, "W8A8_DYNAMIC")
 

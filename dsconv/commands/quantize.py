@@ -12,7 +12,7 @@ from dsconv.errors import UserError
 from dsconv.quant.algorithms.methods import DEFAULT_METHOD, METHODS, SCHEME_DEFAULT_METHOD, default_method
 
 
-SCHEME_NAMES = ["w8a8", "w8a8_dynamic", "w8a8_mix", "w8a16", "w4a16", "w4a8_dynamic"]  # quant.plan.SCHEMES (kept light)
+SCHEME_NAMES = ["w8a8", "w8a8_dynamic", "w8a8_mix", "w8a16", "w4a16", "w4a8_dynamic", "w4a4_dynamic"]  # quant.plan.SCHEMES (kept light)
 
 
 def parse_smooth(value: str | None) -> float | str | None:
@@ -43,7 +43,9 @@ def parse_smooth(value: str | None) -> float | str | None:
                    "checkpoint, static on a decode instance, dynamic on prefill, routed experts w8a8_dynamic; "
                    "w8a16 / w4a16: weight-only; "
                    "w4a8_dynamic (MoE): routed experts int4 per channel with per-token int8 activations, every "
-                   "other linear w8a8_dynamic (Ascend's W4A8 recipe).")
+                   "other linear w8a8_dynamic (Ascend's W4A8 recipe); w4a4_dynamic (vLLM-Ascend, with --rotate): int4 "
+                   "weights and per-token int4 activations where the rotation reaches the input (q/k/v, gate/up), "
+                   "w8a8_dynamic elsewhere.")
 @click.option("--moe-scheme", type=click.Choice(SCHEME_NAMES), default=None,
               help="Routed experts' scheme when it differs from the rest (default: --scheme, or the engine's "
                    "recipe with --bits).")

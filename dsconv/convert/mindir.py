@@ -158,7 +158,7 @@ def reference_loader(ck):
     weights dequantized with their scales (auxiliaries are then simply not asked for)."""
     import torch
 
-    from dsconv.qformat import dequant_weight, unpack_int4_by_shape
+    from dsconv.qformat import PACKED_INT4, dequant_weight, unpack_int4_by_shape
 
     desc = ck.quant_description or {}
 
@@ -169,7 +169,7 @@ def reference_loader(ck):
         prefix = name[: -len(".weight")]
         scale = ck.load(prefix + ".weight_scale").float().numpy()
         q = ck.load(name).numpy()
-        if str(desc.get(name, desc.get("model_quant_type", ""))).startswith("W4"):  # two int4 per byte
+        if str(desc.get(name, desc.get("model_quant_type", ""))) in PACKED_INT4:  # two int4 per byte
             rows, cols = q.shape
             n = scale.shape[0]
             q = unpack_int4_by_shape(q, (n, cols) if rows * 2 == n else (rows, cols * 2), name)

@@ -53,7 +53,7 @@ DOWN_RE = re.compile(r"\.(down_proj|w2)\.weight$")
 # a description type -> the linear_desc MindIE builds for it (its router reads W8A8_MIX as the older w8a8_pdmix:
 # atb/models/base/router.py::BaseRouter.config)
 DESCRIBED_AS = {"W8A8_MIX": "W8A8_PDMIX"}
-QMAX = {"W8A8": 127, "W8A8_DYNAMIC": 127, "W8A16": 127, "W4A16": 7, "W4A8_DYNAMIC": 7, "W8A8_PDMIX": 127}
+QMAX = {"W8A8": 127, "W8A8_DYNAMIC": 127, "W8A16": 127, "W4A16": 7, "W4A8_DYNAMIC": 7, "W4A4_DYNAMIC": 7}
 EPS = {torch.bfloat16: 2.0 ** -9, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}  # half an ulp, relative
 TINY = {torch.bfloat16: 2.0 ** -134, torch.float16: 2.0 ** -25, torch.float32: 2.0 ** -150}  # half the least subnormal
 ROUTING_BIAS = "e_score_correction_bias"

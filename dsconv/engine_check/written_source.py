@@ -24,7 +24,10 @@ import mindie_held as mh
 import mindie_match as mm
 import mindie_reference as mr
 
-QUANTIZED = ("W8A8", "W8A8_MIX", "W8A8_DYNAMIC", "W8A16", "W4A16", "W4A8_DYNAMIC")
+QUANTIZED = ("W8A8", "W8A8_MIX", "W8A8_DYNAMIC", "W8A16", "W4A16", "W4A8_DYNAMIC", "W4A4_DYNAMIC")
+# vLLM-Ascend's W4A4_DYNAMIC linear packs its int8 weight to int4 at load (npu_convert_weight_to_int4pack,
+# quantization/methods/w4a4_laos_dynamic.py): a value outside int4 would not survive that
+INT4_IN_INT8 = ("W4A4_DYNAMIC",)
 
 
 def _unpack_rows(packed: np.ndarray) -> np.ndarray:
@@ -65,6 +68,9 @@ def written_held(ck: dict[str, torch.Tensor], desc: dict[str, str], model_dtype:
             else:  # written offsets are subtracted (w = (q - offset) * scale): Held adds them, as the kernels do
                 neg = {**buf, **({"weight_offset": -buf["weight_offset"]} if "weight_offset" in buf else {})}
                 h = mh._antiquant(base, w, neg, False, kind)
+                if kind in INT4_IN_INT8 and bool(((w < -8) | (w > 7)).any()):
+                    h.problems.append(f"{int(((w < -8) | (w > 7)).sum())} values outside int4 [-8, 7] in an int8 "
+                                      "weight the engine packs to int4 at load")
         except (ValueError, KeyError) as e:
             problems.append(f"{name} ({kind}): does not decode: {e}")
             continue

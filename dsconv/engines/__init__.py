@@ -12,7 +12,8 @@ from typing import Any, Callable, Iterable
 
 from dsconv.engines.profiles import DEFAULT_ENGINE, ENGINES, FLOAT, KINDS, VLLM_ASCEND, EngineProfile
 from dsconv.errors import UserError
-from dsconv.qformat import W8A8_MIX
+from dsconv.qformat import W4A4, W8A8_MIX
+from dsconv.families.residual import reads_residual
 from dsconv.families.roles import Category, Role
 from dsconv.tensors import PRECISIONS
 
@@ -44,6 +45,14 @@ W4A8_RECIPE = {"attention": "W8A8_DYNAMIC", "linear_attention": "W8A8_DYNAMIC", 
 # ... and the MTP layer's linears (its experts included) W8A8_DYNAMIC, its kv_b_proj float: MindIE reads an MTP layer
 # with `quantize`'s type once config.json has `mtp_quantize` (profiles: MINDIE.rules["mtp"])
 W4A8_MTP = "W8A8_DYNAMIC"
+
+
+# `--scheme w4a4_dynamic` (vLLM-Ascend's linear-only W4A4_DYNAMIC; docs/formats/w4a4.md): int4 activations where the
+# offline rotation reaches the input (families/residual.py: q/k/v, q_a/kv_a, gate/up), W8A8_DYNAMIC elsewhere, for
+# routed experts and for a linear attention's projections (its recurrence carries the error)
+W4A4_OTHER = "W8A8_DYNAMIC"
+W4A4_RECIPE = {"attention": W4A4, "linear_attention": W4A4_OTHER, "dense_mlp": W4A4, "shared_experts": W4A4,
+               "routed_experts": W4A4_OTHER}
 
 
 # `--scheme w8a8_mix` (PD-mix): every linear W8A8_MIX but routed experts, which get W8A8_DYNAMIC - what both engines
@@ -110,6 +119,8 @@ def kind_types(prof: EngineProfile, family: Any, qtype: str, bits_default: bool,
         out = dict(_family(family).bits8_recipe or DEFAULT_BITS8[prof.name])
     elif qtype == W4A8:
         out = dict(W4A8_RECIPE)
+    elif qtype == W4A4:
+        out = dict(W4A4_RECIPE)
     elif qtype == W8A8_MIX:
         out = dict(W8A8_MIX_RECIPE)
     else:
@@ -151,6 +162,8 @@ def assigner(prof: EngineProfile, family: Any, types: dict[str, str]) -> Callabl
         if kind is None:
             return None, None
         t = types.get(kind)
+        if t == W4A4 and not reads_residual(_family(family).row_key(f"{r.module}.weight")):
+            t = W4A4_OTHER  # its input is a block's inner activation, which no offline rotation reaches
         if t == FLOAT:
             rule = floats.get(kind)
             return FLOAT, f"{prof.label}: {rule.text} ({rule.source})" if rule else f"{kind} kept in float"

@@ -108,6 +108,14 @@ MINDIE = EngineProfile(
         "PD-mix models give experts W8A8_DYNAMIC",
         "MindIE-LLM atb/utils/layers/linear/__init__.py::TensorParallelColumnLinear.load_moe; mindie_llm/runtime/"
         "layers/quantization/ms_model_slim/quantization_config.py (FusedMoE dispatch)"),
+             ("W4A4_DYNAMIC", "linear"): Rule(
+        "it has no W4A4 type (neither QuantType enum names one; no loader branch takes 4-bit activations)",
+        "MindIE-LLM atb_llm/utils/quantize/quant_type.py::QuantType; mindie_llm/runtime/layers/quantization/"
+        "ms_model_slim/quant_type.py::QuantType"),
+             ("W4A4_DYNAMIC", "moe"): Rule(
+        "it has no W4A4 type (neither QuantType enum names one; no loader branch takes 4-bit activations)",
+        "MindIE-LLM atb_llm/utils/quantize/quant_type.py::QuantType; mindie_llm/runtime/layers/quantization/"
+        "ms_model_slim/quant_type.py::QuantType"),
              ("W4A8_DYNAMIC", "linear"): Rule(
         "a W4A8 linear is read only in the per-group form (weight_scale_second); group_size 0 means per channel, "
         "which only its MoE path takes",
@@ -213,7 +221,7 @@ MINDIE = EngineProfile(
 VLLM_ASCEND = EngineProfile(
     name="vllm-ascend",
     label="vLLM-Ascend",
-    schemes={"linear": frozenset({"W8A8", "W8A8_DYNAMIC", "W8A8_MIX", "W8A16"}),
+    schemes={"linear": frozenset({"W8A8", "W8A8_DYNAMIC", "W8A8_MIX", "W8A16", "W4A4_DYNAMIC"}),
              "moe": frozenset({"W8A8_DYNAMIC", "W4A8_DYNAMIC"})},
     why_not={
         ("W8A8_MIX", "moe"): Rule(
@@ -227,6 +235,9 @@ VLLM_ASCEND = EngineProfile(
         ("W4A16", "moe"): Rule("its W4A16 MoE scheme reads only the LLM-Compressor int32 layout (weight_packed), "
                                "not msModelSlim's int8-packed one",
                                "vllm-ascend vllm_ascend/quantization/methods/w4a16.py::AscendW4A16FusedMoEMethod"),
+        ("W4A4_DYNAMIC", "moe"): Rule("W4A4_DYNAMIC is registered for linear layers only",
+                                      "vllm-ascend vllm_ascend/quantization/methods/w4a4_laos_dynamic.py "
+                                      "(@register_scheme(\"W4A4_DYNAMIC\", \"linear\"))"),
         ("W8A16", "moe"): Rule("no W8A16 MoE scheme is registered",
                                "vllm-ascend vllm_ascend/quantization/methods/registry.py::get_scheme_class"),
         ("W8A8", "moe"): Rule("no static W8A8 MoE scheme since 2025-12-19 (NotImplementedError)",
@@ -277,6 +288,12 @@ VLLM_ASCEND = EngineProfile(
                      "quantized shared experts must be W8A8_DYNAMIC (their int8 path reads weight_scale_fp32)",
                      "vllm-ascend vllm_ascend/quantization/methods/w4a8.py::AscendW4A8DynamicFusedMoEMethod; "
                      "vllm_ascend/ops/fused_moe/fused_moe.py (shared experts)"),
+        "w4a4": Rule("W4A4_DYNAMIC linear: weight int8 [n, k] holding int4 values, weight_scale and weight_offset "
+                     "float32 [n, 1] (the offset is loaded, never used: symmetric); activations quantized to int4 per "
+                     "token (npu_dynamic_quant to quint4x2), int4 x int4 matmul scaled by weight_scale x the token's "
+                     "scale, output float16 then the model dtype",
+                     "vllm-ascend vllm_ascend/quantization/methods/w4a4_laos_dynamic.py::"
+                     "AscendW4A4LaosDynamicLinearMethod"),
         "moe_key": Rule("a fused MoE layer's type is looked up as `<prefix>.experts.weight` unless the model type's "
                         "packed_modules_model_mapping lists its experts (qwen2_moe and mixtral are not listed: "
                         "KeyError without the key)",

@@ -285,6 +285,7 @@ class Family:
         for r in cls.table:
             modules.setdefault(r.module, r)
         cls._modules = modules
+        cls._row_of = {(r.module, r.param): r for r in cls.table}
         layer = cls.layer_prefix + LAYER
         #: per-expert module templates relative to the layer, by slot (the on-disk "original" layout)
         cls.expert_modules = {r.slot: r.module[len(layer):] for r in cls.table if r.per_expert and r.param == "weight"}
@@ -363,6 +364,13 @@ class Family:
                     expert = int(p)
                     parts[i] = "{E}"
         return ".".join(parts), param, layer, expert
+
+    def row_key(self, name: str) -> str | None:
+        """The table row of a tensor name, by its module and its parameter (a bias is a row of its own), else the
+        row of its module (an auxiliary such as weight_scale follows its weight); None outside the table."""
+        module, param, _, _ = self.template_of(name)
+        row = self._row_of.get((module, param)) or self._modules.get(module)
+        return row.key if row is not None else None
 
     def classify(self, name: str, facts: ModelFacts) -> TensorRole:
         if self.tower_prefixes and name.startswith(self.tower_prefixes):

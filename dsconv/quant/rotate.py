@@ -14,8 +14,8 @@ at 1/sqrt(n) over every channel), and the model computes the same function:
 - everything else inside a block (q/k biases, per-head norms, latent projections, the DeltaNet mixer) is unchanged.
 The engines load the result as any float checkpoint; a tied LM head becomes untied (E Q vs E diag(g_final) Q).
 
-The rules are one table (READS, WRITES, INSIDE) keyed by the family tables' row keys: a family with a row the table
-does not name is refused, as are families whose blocks normalise their output before the residual add (Gemma 3:
+The rules are one table (families/residual.py: READS, WRITES, INSIDE) keyed by the family tables' row keys: a
+family with a row the table does not name is refused, as are families whose blocks normalise their output before the residual add (Gemma 3:
 `Family.rotation_refused`) and MTP layers (not yet). The output streams one tensor at a time through the one writer;
 its manifest records the rotation.
 """
@@ -30,29 +30,12 @@ import torch
 
 from dsconv.checkpoint import Checkpoint
 from dsconv.errors import UserError
+from dsconv.families.residual import FOLDED, INSIDE, KNOWN, READER_NORM, WRITES
 from dsconv.families.roles import Category
 from dsconv.io.writer import OutputDir
 from dsconv.quant.algorithms.hadamard import Rotation
 from dsconv.tensors import TensorSpec, torch_dtype
 
-#: the norm whose output each residual-reading row takes (its scale is folded into the row's input columns)
-READS = {
-    "norm.input": ("attn.q", "attn.k", "attn.v", "attn.q_a", "attn.kv_a", "linear.qkvz", "linear.ba",
-                   "linear.in_qkv", "linear.in_z", "linear.in_b", "linear.in_a", "indexer.wk",
-                   "indexer.weights_proj"),
-    "norm.post": ("mlp.gate", "mlp.up", "expert.gate", "expert.up", "shared.gate", "shared.up", "router",
-                  "shared_gate"),
-    "norm.final": ("lm_head",),
-}
-READER_NORM = {key: norm for norm, keys in READS.items() for key in keys}
-#: rows that write the residual stream: Q^T on their output rows
-WRITES = frozenset({"attn.o", "linear.out", "mlp.down", "expert.down", "shared.down"})
-#: rows inside a block, which neither read nor write the residual stream: unchanged
-INSIDE = frozenset({"attn.q_b", "attn.kv_b", "attn.q_bias", "attn.k_bias", "attn.v_bias", "attn.q_norm",
-                    "attn.k_norm", "attn.q_a_norm", "attn.kv_a_norm", "router.bias", "linear.conv1d",
-                    "linear.dt_bias", "linear.A_log", "linear.norm", "indexer.wq_b", "indexer.k_norm",
-                    "indexer.k_norm_bias"})
-FOLDED = frozenset(READS)  # the norms folded away (all-ones afterwards)
 
 
 def refusal(ck: Any) -> str | None:
@@ -65,11 +48,10 @@ def refusal(ck: Any) -> str | None:
     if ck.facts.num_mtp_layers or any(r.category is Category.MTP for r in ck.roles.values()):
         return ("its MTP layers read two streams through eh_proj / fc (the embedding's and the hidden state's, each "
                 "behind its own norm); dsconv does not rotate MTP layers yet")
-    known = FOLDED | set(READER_NORM) | WRITES | INSIDE | {"embed"}
     rows = {fam.template_of(n)[0] for n, r in ck.roles.items() if not r.is_aux}
     for row in fam.table:
-        if row.module in rows and row.key not in known:
-            return f"its {row.key} tensors ({row.name}) have no rotation rule (dsconv/quant/rotate.py READS/WRITES/INSIDE)"
+        if row.module in rows and row.key not in KNOWN:
+            return f"its {row.key} tensors ({row.name}) have no rotation rule (dsconv/families/residual.py)"
     if fam.tower_prefixes and any(n.startswith(fam.tower_prefixes) for n in ck.tensors):
         return "its vision tower writes into the text model's embedding stream; dsconv does not rotate it yet"
     return None
@@ -103,7 +85,6 @@ class Rotator:
         self.q = Rotation(self.facts.hidden_size, seed)
         self.offset = float(self.family.norm_offset)
         self.counts = {"read": 0, "written": 0, "folded": 0, "heads": 0}
-        self.rows = {(r.module, r.param): r.key for r in self.family.table}
         self._scales: dict[str, torch.Tensor] = {}
         f = self.facts
         # per head between v_proj and o_proj (o_proj's input is a weighted sum of v rows per head, so a rotation of
@@ -115,8 +96,7 @@ class Rotator:
 
     def key(self, name: str) -> str:
         """The table row of `name`, by its module and its parameter (a bias is a row of its own)."""
-        module, param, _, _ = self.family.template_of(name)
-        return self.rows.get((module, param)) or self.family._modules[module].key
+        return self.family.row_key(name)
 
     def norm_scale(self, name: str) -> torch.Tensor:
         """A norm's effective scale, read once: every reader of that norm (all of a layer's experts) folds it."""

@@ -22,7 +22,7 @@ from dsconv.quant.formats.msmodelslim import C8, FA_QUANT
 from dsconv.quant.formats.output import QuantWriter, description, final_specs
 from dsconv.quant.plan import report as rep
 from dsconv.quant.plan.options import QuantOptions, check_options, fallback_policy, needs_calibration
-from dsconv.qformat import STATIC_TYPES
+from dsconv.qformat import STATIC_TYPES, W4A4
 from dsconv.quant.plan.plan import SCHEMES, make_plan
 from dsconv.quant.streaming import weight_only
 from dsconv.schemas.core import decode_utf8, read_bytes
@@ -106,6 +106,16 @@ def _load_calibration(ck: Any, plan: Any, opts: QuantOptions, warn: Callable[[st
     return calib
 
 
+def _rotated(model_dir: Path) -> bool:
+    """Whether `model_dir` is a `dsconv rotate` output (its manifest's stage)."""
+    from dsconv.io.writer import MANIFEST
+
+    try:
+        return json.loads((Path(model_dir) / MANIFEST).read_text()).get("stage") == "rotate"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _run_rotated(req: QuantRequest) -> QuantResult:
     """`quantize --rotate`: the model rotated (dsconv/quant/rotate.py) into a scratch checkpoint beside the output,
     quantized from there, the scratch removed. The manifest names the model the user gave and the rotation's seed,
@@ -181,12 +191,20 @@ def run(req: QuantRequest) -> QuantResult:
     engines.check_kv_cache(prof, family, ck.config.get("model_type", ""), plan)
     engines.check_packing(prof, ck.family, plan.linears.values(), plan.group_size)
     check_options(opts, plan)
+    if req.origin is None and not req.dry_run and any(lp.qtype == W4A4 for lp in plan.linears.values()) and \
+            not _rotated(model_dir):
+        req.warn("W4A4_DYNAMIC without --rotate: int4 activations per token leave every channel but the largest "
+                 "few on a handful of levels; add --rotate (docs/rotation.md)")
     policy = fallback_policy(opts, plan) if engines.check_fallback(prof, opts.fallback, opts.fallback_threshold) \
         else None
     calibrate = needs_calibration(opts, plan)
     kinds = {m: engines.layer_kind(lp) for m, lp in plan.linears.items()}
     mtp = mtp_type if any(lp.category == Category.MTP for lp in plan.linears.values()) else None
     cfg_keys = engines.config_updates(prof, family, {m: lp.qtype for m, lp in plan.linears.items()}, kinds, mtp)
+    if calibrate and req.origin is None:
+        from dsconv.quant.calibrate.data import require_tokenizer_files
+
+        require_tokenizer_files(model_dir)
     if req.dry_run:
         dry = rep.plan_summary(ck, plan, opts, policy, calibrate)
         dry.update(engine=prof.name, config_keys=cfg_keys, layer_types=engines.kind_table(

@@ -26,7 +26,7 @@ ENGINES = ("mindie", "vllm-ascend")
 # source comparison holds them to the rotated float model (whose equivalence with the original tests/test_rotate.py
 # proves)
 ROTATED = ("llama", "qwen2", "qwen3_moe", "deepseek_v3")
-ROTATED_SCHEMES = ("bits8", "w8a8_dynamic")
+ROTATED_SCHEMES = ("bits8", "w8a8_dynamic", "w4a4")
 # scheme label (a README row) -> `dsconv quantize` options. 4-bit rows round to nearest (--method rtn): the check
 # then holds every weight to half a quantization step (GPTQ's integers move further, through the same layout).
 # Groups of 64: MindIE runs W4A16 with group sizes 0, 64 and 128 only (docs/engine_rules.md).
@@ -42,11 +42,13 @@ SCHEMES = {
     "bits8_c8": ["--bits", "8", "--kv-cache", "int8"],
     "w8a8_dynamic_c8": ["--scheme", "w8a8_dynamic", "--kv-cache", "int8"],
     "w4a8_c8": ["--bits", "4", "--scheme", "w4a8_dynamic", "--method", "rtn", "--kv-cache", "int8"],
+    "w4a4": ["--bits", "4", "--scheme", "w4a4_dynamic", "--method", "rtn"],
 }
 LABELS = {"bits8": "`--bits 8` (engine recipe)", "w4a16": "w4a16 `--group-size 64`",
           "w4a16_pc": "w4a16 `--group-size 0`", "w4a8": "w4a8_dynamic (MoE recipe)",
           "bits8_c8": "`--bits 8 --kv-cache int8`", "w8a8_dynamic_c8": "w8a8_dynamic `--kv-cache int8`",
-          "w4a8_c8": "w4a8_dynamic `--kv-cache int8`", "w8a8_mix": "w8a8_mix (PD-mix)"}
+          "w4a8_c8": "w4a8_dynamic `--kv-cache int8`", "w8a8_mix": "w8a8_mix (PD-mix)",
+          "w4a4": "w4a4_dynamic (vLLM-Ascend recipe)"}
 FAST = ["--calib-samples", "4", "--seq-len", "32"]
 # Wider models for the rows where width matters (the rest stay at the tiny defaults: 64 wide, 16-wide heads,
 # 32- to 128-wide MLPs, half the quantization time):

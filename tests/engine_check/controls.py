@@ -83,6 +83,9 @@ VLLM_CONTROLS: dict[str, tuple[str, str]] = {
     # engine), and two rows of a float vision-tower matrix exchanged
     "in-proj-b-a-swapped": ("qwen3_5_moe-w8a8_dynamic", "source"),
     "vision-qkv-rows-swapped": ("qwen3_5_moe-w8a8_dynamic", "source"),
+    # W4A4_DYNAMIC's int4 values stored in int8: a row's values doubled and its scale halved dequantizes to the same
+    # weight, but the engine packs the int8 to int4 at load, which cannot hold them
+    "w4a4-beyond-int4": ("llama-w4a4", "source"),
 }
 VL0 = "model.language_model.layers.0"
 
@@ -301,6 +304,13 @@ def make(name: str, base: Path, src: Path, root: Path) -> Path:
             qkv = "model.visual.blocks.0.attn.qkv"
             _permute_rows(t, qkv, np.r_[1, 0, np.arange(2, t[qkv + ".weight"].shape[0])])
         _edit(d, vision)
+    elif name == "w4a4-beyond-int4":
+        def beyond(t: dict) -> None:
+            q = _first(t, "q_proj.weight")
+            w, s = t[q].clone(), t[q + "_scale"].clone()
+            w[0], s[0] = w[0] * 2, s[0] / 2
+            t[q], t[q + "_scale"] = w, s
+        _edit(d, beyond)
     elif name == "drop-weight-scale":
         _edit(d, lambda t: t.pop(_first(t, "down_proj.weight_scale")))
     elif name == "w4a8-drop-scale-bias":

@@ -115,6 +115,10 @@ def layer_tensors(route: dict, module: str, qtype: str, n: int, k: int, model_dt
     elif qtype in ("W8A8_DYNAMIC", "W8A16"):
         want = {"weight": (("I8",), (n, k)), "weight_scale": (FLOAT_DTYPES, (n, 1)),
                 "weight_offset": (FLOAT_DTYPES, (n, 1))}
+    elif qtype == "W4A4_DYNAMIC":
+        # methods/w4a4_laos_dynamic.py::AscendW4A4LaosDynamicLinearMethod: int8 [n, k] (int4 values, packed at load),
+        # float32 weight_scale / weight_offset [n, 1]
+        want = {"weight": (("I8",), (n, k)), "weight_scale": (("F32",), (n, 1)), "weight_offset": (("F32",), (n, 1))}
     elif qtype == "W4A8_DYNAMIC":
         # methods/w4a8.py::AscendW4A8DynamicFusedMoEMethod, per-channel 1.0.0 path (get_weight_modelslim,
         # get_dynamic_quant_param_modelslim): w13 [E, I, H] / w2 [E, H/2, I] int8 (packed along n), fp32 scales and

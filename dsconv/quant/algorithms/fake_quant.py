@@ -14,13 +14,15 @@ from dsconv.quant.algorithms.scale_grid import choose_scales
 from dsconv.quant.algorithms.schemes import activation_qparams, qrange
 
 
-def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row of the last dimension: (integer values in x's float dtype, in [-128, 127]; scale per
-    row = max|row| / 127, 1 for an all-zero row). Per token for activations (W8A8_DYNAMIC, W4A8_DYNAMIC's a8), per
-    output channel for a weight [n, k]."""
-    s = x.abs().amax(dim=-1, keepdim=True) / 127.0
+def int8_rows(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 (or int4) per row of the last dimension: (integer values in x's float dtype, in [-128, 127]
+    or [-8, 7]; scale per row = max|row| / 127 or / 7, 1 for an all-zero row). Per token for activations
+    (W8A8_DYNAMIC, W4A8_DYNAMIC's a8; W4A4_DYNAMIC's a4, as npu_dynamic_quant to quint4x2 scales them), per output
+    channel for a weight [n, k]."""
+    lo, hi = (-128, 127) if bits == 8 else (-8, 7)  # ints: the INT8 ONNX export traces these constants as written
+    s = x.abs().amax(dim=-1, keepdim=True) / float(hi)
     s = torch.where(s > 0, s, torch.ones_like(s))
-    return torch.round(x / s).clamp_(-128, 127), s
+    return torch.round(x / s).clamp_(lo, hi), s
 
 
 def fake_quant_int8_rows(x: torch.Tensor) -> torch.Tensor:

@@ -100,12 +100,19 @@ def read_texts(path: Path, tokenizer: Any = None) -> list[str]:
     return texts
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def require_tokenizer_files(model_dir: Path) -> None:
+    """UserError when the directory holds none of a tokenizer's files (checked before any work)."""
+    if not any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
+        raise UserError(f"{model_dir} has no tokenizer files ({', '.join(TOKENIZER_FILES)})",
+                        hint="copy the model's tokenizer into the directory: calibration and evaluation need it")
+
+
 def load_tokenizer(model_dir: Path):
     """The model's own tokenizer (calibration tokens must be the ones the model was trained on)."""
-    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not any((Path(model_dir) / f).is_file() for f in files):
-        raise UserError(f"{model_dir} has no tokenizer files ({', '.join(files)})",
-                        hint="copy the model's tokenizer into the directory: calibration and evaluation need it")
+    require_tokenizer_files(model_dir)
     try:
         from transformers import AutoTokenizer
 

@@ -3,7 +3,8 @@
 W8A8 static layers compute `(x_q @ w_q^T + quant_bias) * deq_scale` from the stored input_scale/input_offset/
 deq_scale/quant_bias (so a wrong auxiliary shows up in eval), W8A8_DYNAMIC layers quantize each token to int8,
 W8A8_MIX layers compute one of the two as asked (`path`: "static" as a decode instance does, "dynamic" as prefill),
-W4A8_DYNAMIC layers run the A8W4 kernel's arithmetic with the stored scale_bias, weight-only types multiply by the
+W4A8_DYNAMIC layers run the A8W4 kernel's arithmetic with the stored scale_bias, W4A4_DYNAMIC layers quantize each
+token to int4 (vLLM-Ascend's w4a4_laos_dynamic.py), weight-only types multiply by the
 dequantized weight. The activation step is per token, so it is done once and every block of output rows reuses it:
 a linear is never widened to float32 whole (DeepSeek-V3's o_proj is 470 MB in float32, its dense MLP 1.6 GB).
 """
@@ -14,7 +15,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from dsconv.qformat import W8A8_MIX, dequant_weight
+from dsconv.qformat import W4A4, W8A8_MIX, dequant_weight
 from dsconv.quant.algorithms.fake_quant import fake_quant_int8_rows, int8_rows
 from dsconv.quant.algorithms.schemes import quantize_activation
 from dsconv.quant.formats.msmodelslim import QuantLinear
@@ -32,6 +33,11 @@ def row_blocks(n: int, k: int, budget: int | None = None) -> Iterator[tuple[int,
 # a W8A8_MIX linear's two paths, as the type whose arithmetic each one is (docs/formats/w8a8_mix.md)
 MIX_PATHS = {"static": "W8A8", "dynamic": "W8A8_DYNAMIC"}
 DEFAULT_MIX_PATH = "dynamic"  # what an instance without a KV-transfer role (prefill, or PD colocated) runs
+
+
+#: the stored types whose activations the engine quantizes (per tensor or per token): EngineLinear replaces the
+#: float forward of these; weight-only types compute with their dequantized weight
+ACT_TYPES = ("W8A8", "W8A8_DYNAMIC", "W4A8_DYNAMIC", W4A4)
 
 
 class EngineLinear:
@@ -77,6 +83,9 @@ class EngineLinear:
             return quantize_activation(x, self.ql.input_scale, self.ql.input_offset).float()
         if self.qtype == "W8A8_DYNAMIC":
             return fake_quant_int8_rows(x.float())
+        if self.qtype == W4A4:  # npu_dynamic_quant to int4 per token, then the int4 x int4 matmul
+            q, s = int8_rows(x.float(), bits=4)
+            return q * s
         if self.qtype == "W4A8_DYNAMIC":
             # the A8W4 kernel (grouped_matmul a8w4 "MSD"): per-token int8 x split as 16*hi + lo + 8 (hi, lo int4)
             xq, a = int8_rows(x.float())

@@ -26,7 +26,7 @@ from dsconv.errors import UserError
 from dsconv.quant.calibrate.data import load_tokenizer, read_texts, read_utf8
 from dsconv.quant.calibrate.layers import ExpertLoop, install_forward, load_full_model
 from dsconv.quant.evaluate import int8_cache as int8_cache_sim
-from dsconv.quant.evaluate.engine_linear import MIX_PATHS, EngineLinear
+from dsconv.quant.evaluate.engine_linear import ACT_TYPES, MIX_PATHS, EngineLinear
 from dsconv.qformat import W8A8_MIX, cache_tensors
 from dsconv.quant.evaluate.qa import (DEFAULT_MAX_NEW_TOKENS, QAItem, check_lengths, greedy, prompt_ids,
                                       read_questions, stop_ids)
@@ -99,7 +99,7 @@ def load_quantized_model(qck: Checkpoint, int8_cache: bool = True) -> tuple[nn.M
         if isinstance(mod, nn.Linear):
             P = sk.ck_name(sk.module_names.get(mod, ""))
             el = linears.get(P)
-            if el is not None and el.qtype in ("W8A8", "W8A8_DYNAMIC", "W4A8_DYNAMIC"):
+            if el is not None and el.qtype in ACT_TYPES:
                 install_forward(mod, el)
     for i in range(sk.num_layers):
         experts = sk.experts_module(i)

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from dsconv.errors import UserError
-from dsconv.qformat import C8, FA_QUANT, STATIC_TYPES, W8A8_MIX, cache_tensors, scale_bias, scale_bias_sums
+from dsconv.qformat import C8, FA_QUANT, PACKED_INT4, STATIC_TYPES, W8A8_MIX, cache_tensors, scale_bias, scale_bias_sums
 from dsconv.quant.algorithms.schemes import (deq_scale_as_int64, deq_scale_from_int64, dequant_weight, pack_int4,
                                              pack_int4_along_k, unpack_int4_by_shape)
 
@@ -48,6 +48,8 @@ LAYOUT: dict[str, tuple[Component, ...]] = {
                  ("input_offset", "F32", (1,)), ("deq_scale", DEQ, ("n",)), ("weight_scale", "F32", ("n", 1)),
                  ("weight_offset", "F32", ("n", 1))),
     "W4A16": _W4,
+    # vLLM-Ascend's W4A4_DYNAMIC (docs/formats/w4a4.md): W8A8_DYNAMIC's tensors, the int8 weight holding int4 values
+    "W4A4_DYNAMIC": _W8_WEIGHT_ONLY,
     # msModelSlim's current per-channel form (docs/formats/w4a8.md): int4 always packed along the output dim, and
     # scale_bias, 8 * scale * sum of the int4 values (per row, or per 16 k-chunks of a row layer)
     "W4A8_DYNAMIC": (("weight", "I8", ("n/2", "k")), ("weight_scale", "F32", ("n", 1)),
@@ -228,7 +230,7 @@ def read_linear(ck: Any, module: str, qtype: str) -> QuantLinear:
         raise UserError(f"{P}.weight is {raw.dtype}, expected int8 for {qtype}")
     scale = _np(ck, P + ".weight_scale").astype(np.float32) if have(".weight_scale") else None
     offset = _np(ck, P + ".weight_offset").astype(np.float32) if have(".weight_offset") else None
-    if qtype.startswith("W4"):
+    if qtype in PACKED_INT4:
         if scale is None:
             raise UserError(f"{P}: {qtype} needs weight_scale")
         n = scale.shape[0]
@@ -323,7 +325,7 @@ def check_description(desc: dict[str, Any], tensors: dict[str, tuple[str, tuple[
             n = w[1][0]
             if tensors[P + ".deq_scale"][1] != (n,) or tensors.get(P + ".quant_bias", ("", ()))[1] != (n,):
                 problems.append(f"{P}: deq_scale/quant_bias shapes do not match {n} output channels")
-        if t.startswith("W4") and P + ".weight_scale" in tensors:
+        if t in PACKED_INT4 and P + ".weight_scale" in tensors:
             n, groups = tensors[P + ".weight_scale"][1]
             rows, cols = w[1]
             k = cols * 2 if rows == n else cols

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 from dsconv.errors import UserError
 from dsconv.families.roles import Category, Role
 from dsconv.engines import W4A8
-from dsconv.qformat import ACT_QUANT, STATIC_TYPES, scale_bias_chunks  # noqa: F401  (ACT_QUANT: read from here)
+from dsconv.qformat import ACT_QUANT, STATIC_TYPES, W4A4, scale_bias_chunks  # noqa: F401  (ACT_QUANT: read from here)
 from dsconv.quant.algorithms.schemes import check_group_size
 from dsconv.quant.formats.msmodelslim import FLOAT, linear_layout
 from dsconv.quant.plan.kv_cache import KVLayer, plan_kv_cache
@@ -24,13 +24,14 @@ from dsconv.tensors import TensorSpec
 
 # scheme option -> description type
 SCHEMES = {"w8a8": "W8A8", "w8a8_dynamic": "W8A8_DYNAMIC", "w8a8_mix": "W8A8_MIX", "w8a16": "W8A16",
-           "w4a16": "W4A16", "w4a8_dynamic": "W4A8_DYNAMIC"}
+           "w4a16": "W4A16", "w4a8_dynamic": "W4A8_DYNAMIC", "w4a4_dynamic": W4A4}
 DEFAULT_SCHEME = {8: "w8a8", 4: "w4a16"}
-BITS = {"W8A8": 8, "W8A8_DYNAMIC": 8, "W8A8_MIX": 8, "W8A16": 8, "W4A16": 4, "W4A8_DYNAMIC": 4}
+BITS = {"W8A8": 8, "W8A8_DYNAMIC": 8, "W8A8_MIX": 8, "W8A16": 8, "W4A16": 4, "W4A8_DYNAMIC": 4, W4A4: 4}
 # the description's model_quant_type: most aggressive first (fewer weight bits, then static activations, then
-# dynamic, then weight-only). W4A8_DYNAMIC is not in msModelSlim's list (a mixed DeepSeek file says W8A8_DYNAMIC;
-# ascendv1.py QUANT_TYPE_PRIORITY), and engines read it that way.
-AGGRESSIVENESS = ("W4A16", "W8A8", "W8A8_MIX", "W8A8_DYNAMIC", "W8A16", FLOAT)
+# dynamic, then weight-only; W4A4_DYNAMIC outranks every 8-bit type in msModelSlim's list too). W4A8_DYNAMIC is not
+# in msModelSlim's list (a mixed DeepSeek file says W8A8_DYNAMIC; ascendv1.py QUANT_TYPE_PRIORITY), and engines read
+# it that way.
+AGGRESSIVENESS = (W4A4, "W4A16", "W8A8", "W8A8_MIX", "W8A8_DYNAMIC", "W8A16", FLOAT)
 FALLBACK_TARGETS = ("w8a8_dynamic", "w8a16")
 
 
@@ -153,7 +154,7 @@ def make_plan(ck: Any, scheme: str, group_size: int | None = None, method: str =
                             hint="8-bit weights are quantized per output channel; drop --group-size")
         group_size = 0
     elif group_size is None:
-        group_size = 0 if qtype == W4A8 else 128
+        group_size = 0 if qtype in (W4A8, W4A4) else 128
     patterns = []
     for p in ignore:
         try:
@@ -205,6 +206,10 @@ def make_plan(ck: Any, scheme: str, group_size: int | None = None, method: str =
                 n, k = info.shape
                 if layer_type == W4A8:
                     _check_w4a8(r.module, r.role, (n, k), group_size)
+                elif layer_type == W4A4 and group_size:
+                    raise UserError(f"layer {r.module}: W4A4_DYNAMIC is per channel (vLLM-Ascend reads weight_scale "
+                                    f"[n, 1]), so it cannot share a model with --group-size {group_size}",
+                                    hint="drop --group-size")
                 elif BITS[layer_type] == 4:
                     check_group_size(k, group_size, r.module)
                     if (k % 2 if group_size in (0, k) else n % 2):  # per channel packs along k, per group along n
