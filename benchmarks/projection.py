@@ -40,10 +40,10 @@ over an equal share of the samples (parts of batches, forward_cuts); its input r
 storage, its output rows back through the driver's link, and each job reads the layer's non-expert weights; the
 searches run in the driver, on its node's threads; a layer's linear jobs spread over at most its linears' count of
 workers, its experts over every worker (whole experts, in rounds); routed activations and expert outputs go through
-the driver's link. A MoE layer's expert jobs start right after its forward (steps.experts_first: auto smoothing never
-folds a scale into them) and every one may run ahead on Ray, so the driver's searches run while they do: the layer
-takes the longer of the two, and the experts' term grows by the search's CPU seconds shared over the workers (the
-driver's threads take its node's cores). On one node (local processes, 2 x workers ahead) nothing is hidden.
+the driver's link. A MoE layer's expert jobs start right after its forward (SmoothQuant.folds_into_experts: auto
+smoothing never folds a scale into them) and every one may run ahead on Ray, so the driver's searches run while they
+do: the layer takes the longer of the two, and the experts' term grows by the search's CPU seconds shared over the
+workers (the driver's threads take its node's cores). On one node (local processes, 2 x workers ahead) nothing is hidden.
 """
 from __future__ import annotations
 
@@ -393,7 +393,7 @@ def _hours(rate: dict[str, float], w: dict[str, float], tokens: int, nb: int, n:
         (moe * E)
     exp = moe * math.ceil(E / workers) * expert_s * WORKERS_PER_NODE / gain
     hidden = 0.0
-    if n > 1 and exp:  # steps.experts_first: a MoE layer's searches run while its experts do; the driver's search
+    if n > 1 and exp:  # SmoothQuant.folds_into_experts: a MoE layer's searches run while its experts do; the driver's search
         # threads take their CPU seconds from the workers (its node's two), spread over all by Ray's scheduling
         per_layer = searches / layers
         exp += moe * search_cpu / layers / workers

@@ -143,7 +143,8 @@ def test_a_merge_that_would_misplace_samples_fails_loudly():
     import torch
 
     from dsconv.quant.algorithms.smoothing import SiteSample
-    from dsconv.quant.calibrate.forward_jobs import _merge_site, _merge_stats
+    from dsconv.quant.calibrate.forward_jobs import _merge_stats
+    from dsconv.quant.calibrate.smooth_layer import merge_site as _merge_site
     from dsconv.quant.calibrate.stats import InputStats
 
     a = InputStats(4, "x", "minmax", hessian=False, sample_tokens=8, stride=3)
@@ -168,7 +169,8 @@ def test_merged_statistics_equal_one_stream():
     import torch
 
     from dsconv.quant.algorithms.smoothing import SiteSample
-    from dsconv.quant.calibrate.forward_jobs import _merge_site, _merge_stats
+    from dsconv.quant.calibrate.forward_jobs import _merge_stats
+    from dsconv.quant.calibrate.smooth_layer import merge_site as _merge_site
     from dsconv.quant.calibrate.stats import InputStats
 
     torch.manual_seed(0)

@@ -16,7 +16,7 @@ import dsconv.quant.calibrate.forward_jobs as fj
 from dsconv.quant.algorithms import smoothing as sm
 from dsconv.quant.algorithms.error_metrics import relative_error
 from dsconv.quant.algorithms.fake_quant import fake_quant_int8_rows, fake_quant_static
-from dsconv.quant.calibrate import steps
+from dsconv.quant.calibrate import clip_search, smooth_layer
 from dsconv.quant.calibrate.stats import InputStats
 from dsconv.qformat import dequant_weight
 from dsconv.quant.algorithms.schemes import quantize_weight_per_channel
@@ -164,8 +164,8 @@ def test_routed_experts_start_before_the_searches_unless_a_scale_folds_into_them
 
     spy(Calibrator, "start_experts", "start")
     spy(Calibrator, "run_experts", "take")
-    spy(steps, "fold", "fold")
-    spy(steps.clipping, "choose_clips", "clip")
+    spy(smooth_layer, "fold", "fold")
+    spy(clip_search.clipping, "choose_clips", "clip")
     spy(Dispatch, "linears", "linears")
     _quantize(run_cli, moe, tmp_path / "q", monkeypatch, *(["--smooth-quant", alpha] if alpha else []))
     layers = [e for e in "|".join(events).split("|take") if e.strip("|")]
@@ -190,7 +190,7 @@ def test_one_forward_writes_what_two_did(run_cli, llama, tmp_path, monkeypatch):
     """The same output as with the smoothing probe's forward of its own, up to the float rounding of the
     rescaled statistics: the same types and folds, int8 weights and scales equal or next to each other."""
     _quantize(run_cli, llama, tmp_path / "one", monkeypatch)
-    monkeypatch.setattr(steps, "one_forward", lambda *a: False)
+    monkeypatch.setattr(smooth_layer, "one_forward", lambda *a: False)
     _quantize(run_cli, llama, tmp_path / "two", monkeypatch)
     desc = [json.loads((tmp_path / d / "quant_model_description.json").read_text()) for d in ("one", "two")]
     assert desc[0] == desc[1]

@@ -38,6 +38,7 @@ from dsconv.quant.algorithms import smoothing as sm
 from dsconv.quant.algorithms.error_metrics import output_error
 from dsconv.quant.algorithms.fake_quant import fake_quant_groups, groups_of
 from dsconv.quant.algorithms.schemes import qrange
+from dsconv.quant.calibrate.algorithm import Algorithm, LayerState
 from dsconv.quant.calibrate.context import CalibContext, LayerActivations
 from dsconv.quant.calibrate.hooks import FlowProbe, LinearHooks
 from dsconv.quant.calibrate.layers import install_forward
@@ -343,3 +344,31 @@ def _site(run: CalibContext, i: int, dense: dict[nn.Module, LinearPlan], own: di
             bias = m.bias.detach().to(torch_dtype(ck.info(dense[m].bias).dtype))
         out.choices[name(m)] = WeightChoice(None if res is None else res[:2], how, info, bias)
     out.log.append(entry)
+
+
+class Awq(Algorithm):
+    """--method awq as a calibration plug-in (algorithm.py): before the statistics forward, its own probe of the
+    layer searches, folds and chooses the weight-only dense linears' weights (`run_layer`); a dense layer's outputs
+    come from that probe, so no statistics forward follows (`st.written`)."""
+
+    name = "awq"
+    step = "awq"
+    holds_out = True
+
+    @classmethod
+    def active(cls, run: CalibContext) -> bool:
+        return run.plan.method == "awq"
+
+    def before(self, st: LayerState) -> None:
+        cal = self.cal
+        with cal.clock(self.step):
+            if st.observed and st.experts is None:  # the probe replaces the input rows with the outputs; the
+                st.layer_input = cal.acts.h.clone()  # observers must see the input (steps.calibrate_layer)
+            chosen = run_layer(self.run, cal.acts, cal.fwd.serial_batch, st.i, st.layer, st.targets, st.lps,
+                               st.experts)
+            st.modified.update(chosen.modified)
+            st.choices, st.written = chosen.choices, chosen.written
+            if chosen.log is not None:
+                cal.decisions.setdefault("awq", []).extend(chosen.log)
+            if not st.written:
+                st.layer_input = None

@@ -17,9 +17,10 @@ layer; MoE layers still pass on float outputs).
 
 The Calibrator only sequences a layer's steps and owns what the run produces (records, decisions, expert counts,
 the smoothing log, timings). Every step takes what it reads explicitly: the run's inputs (`context.CalibContext`),
-the activations (`context.LayerActivations`), and returns its results as values - smoothing (smooth_layer.py), AWQ's
-weight choices (awq.py), one linear's tensors and record (linear.py), the jobs' results (calib_jobs.py, merged here
-in job order).
+the activations (`context.LayerActivations`), and returns its results as values - one linear's tensors and record
+(linear.py), the jobs' results (calib_jobs.py, merged here in job order). The calibration algorithms (smoothing, the
+KV-cache scales, AWQ, the clip search, GPTQ) are plug-ins (algorithm.py, registry.py) that each layer runs through
+the same phases.
 """
 from __future__ import annotations
 
@@ -33,12 +34,12 @@ from dsconv.checkpoint import Checkpoint
 from dsconv.errors import UserError
 from dsconv.executor import Executor
 from dsconv.quant.algorithms.schemes import activation_qparams
+from dsconv.quant.calibrate import registry
 from dsconv.quant.calibrate.calib_jobs import Dispatch, JobResult, StartedExperts
 from dsconv.quant.calibrate.context import CalibContext, LayerActivations
 from dsconv.quant.calibrate.data import CalibSet
 from dsconv.quant.calibrate.forward_jobs import Forward
 from dsconv.quant.calibrate.hooks import ExpertRecorder
-from dsconv.quant.calibrate.kv_cache import CacheStats
 from dsconv.quant.calibrate.layers import Skeleton, install_forward
 from dsconv.quant.calibrate.linear import QuantizedLinear, finish_linear, load_bias, quantize_linear
 from dsconv.quant.calibrate.stats import InputStats
@@ -57,9 +58,10 @@ class Calibrator:
         self.qw, self.progress = qw, progress
         self.ctx = CalibContext(ck, Skeleton(ck), plan, opts, workspace=qw.out.path if qw is not None else None,
                                 staged=qw.staged if qw is not None else False, executor=executor)
+        self.algorithms = registry.active(self.ctx)  # in the order each layer runs them
         self.acts = LayerActivations.embedded(self.ctx.sk, calib, ck.facts.vocab_size, opts.batch_tokens,
-                                              hold_out=plan.method in ("gptq", "awq"))
-        self.stats = self.acts.stats_spec(plan, opts)
+                                              hold_out=any(a.holds_out for a in self.algorithms))
+        self.stats = self.acts.stats_spec(plan, opts, hessian=any(a.needs_hessian for a in self.algorithms))
         self.by_layer = plan.by_layer()
         self.decisions: dict[str, Any] = {}  # searches and choices, for quant_report.json (clipping, W4 choice)
         self.records: dict[str, LinearRecord] = {}
@@ -126,14 +128,6 @@ class Calibrator:
 
     def layer(self, i: int) -> None:
         calibrate_layer(self, i)
-
-    def kv_pass(self, layer: nn.Module, experts: nn.Module | None, cache: CacheStats) -> None:
-        """The layer's forward over every batch for its cache statistics alone (--method awq, whose probe
-        replaces the statistics pass; the attention runs before the MLP, so the experts return zeros here)."""
-        if experts is not None:
-            install_forward(experts, lambda h, idx, wts: torch.zeros_like(h))
-        for samples in self.acts.batches:
-            self.fwd.serial_batch(layer, samples, write=False, cache=cache.cache)
 
     # ---- experts --------------------------------------------------------------------------------------------
     def start_experts(self, i: int, experts: nn.Module, recorder: ExpertRecorder, lps: dict[str, LinearPlan],

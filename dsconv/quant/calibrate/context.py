@@ -105,9 +105,11 @@ class LayerActivations:
         """The samples as one zero-padded batch: (x, token index with -1 on padding, mask)."""
         return padded_batch(self.h, samples, self.lengths, self.starts)
 
-    def stats_spec(self, plan: QuantPlan, opts: QuantOptions) -> StatsSpec:
+    def stats_spec(self, plan: QuantPlan, opts: QuantOptions, hessian: bool) -> StatsSpec:
+        """What each linear input's statistics keep; `hessian`: X^T X, which an algorithm asked for
+        (Algorithm.needs_hessian)."""
         observer = clipping.observer_method(opts.act_method) if plan.scheme in STATIC_TYPES else None
-        return StatsSpec(observer, plan.method == "gptq", opts.sample_tokens,
+        return StatsSpec(observer, hessian, opts.sample_tokens,
                          self.tokens // max(1, opts.sample_tokens), self.held_tokens is not None)
 
 

@@ -4,11 +4,12 @@ Why this cut: the calibrated path propagates float activations layer by layer, s
 the driver (`LayerActivations.h`), its batches are independent - each job pushes a contiguous run of batches through
 a copy of layer i and returns what the driver's hooks would have gathered, per pass:
 
-* smoothing probe (`smooth_layer.py`): each norm's per-channel max |output| (`FlowProbe`), which modules read it
-  (from the job holding batch 0, as the serial probe records it), and the row samples of every smoothing site
-  (`SiteSample`);
+* observation (an algorithm's probe forward of its own: SmoothQuant's where its statistics cannot follow its folds):
+  the observers it asks for (algorithm.Observer: each rebuilt in the job from its `spec()`, its `partial()` merged
+  by the driver's `merge()`), the routed experts returning zeros;
 * statistics (`Calibrator.layer`): each distinct linear input's `InputStats` (min/max observer, row sample, GPTQ's
-  Hessian and held-out rows), the MoE layer's routed tokens (`ExpertRecorder`) and the layer's output rows;
+  Hessian and held-out rows), the MoE layer's routed tokens (`ExpertRecorder`), the layer's output rows, and the
+  algorithms' observers riding on it (smoothing probes, KV-cache statistics);
 * GPTQ's propagation: the layer with its quantized weights over every batch, output rows only.
 
 Exactness: the batches are the driver's (`LayerActivations.batches`) whatever the worker count, and the driver
@@ -55,12 +56,11 @@ from torch import nn
 import dsconv.executor as dexec
 from dsconv.quant.algorithms.gptq import HessianAccumulator
 from dsconv.quant.algorithms.observers import MinMaxObserver
-from dsconv.quant.algorithms.smoothing import SiteProbe, SiteSample
 from dsconv.quant.calibrate.calib_jobs import JOB_THREADS, Context, Dispatch, job_threads, open_job_checkpoint
 from dsconv.quant.calibrate.context import CalibContext, LayerActivations, forward_batch, padded_batch
 from dsconv.quant.calibrate.forward_cuts import Job, cut_jobs, whole_batches
-from dsconv.quant.calibrate.hooks import ExpertRecorder, FlowProbe, LinearHooks, RowMask
-from dsconv.quant.calibrate.kv_cache import CacheStats, cache_stats
+from dsconv.quant.calibrate.algorithm import JobEnv, Observer, observer_class
+from dsconv.quant.calibrate.hooks import ExpertRecorder, LinearHooks, RowMask
 from dsconv.quant.calibrate.layers import Skeleton, install_forward
 from dsconv.quant.calibrate.stats import InputStats
 from dsconv.quant.plan.plan import LinearPlan
@@ -73,7 +73,7 @@ HESSIAN_PARTS_MAX = 4 * 2**30  # bytes of GPTQ's per-batch X^T X parts one forwa
 class ForwardJob:
     ctx: Context
     layer: int
-    kind: str                        # "smooth" (smoothing probe) | "stats" (statistics, outputs) | "plain" (outputs)
+    kind: str                        # "observe" (observers alone) | "stats" (statistics, outputs) | "plain" (outputs)
     first: int                       # 0 for the job holding the first calibration tokens (it records which modules
                                      # read each norm)
     batches: list[list[int]]         # calibration sample indices per batch (or part of a batch), in calibration order
@@ -85,7 +85,7 @@ class ForwardJob:
     offset: int                      # real tokens in the batches before this job's
     held: np.ndarray | None          # per token: from a held-out prompt (GPTQ's choice), else None
     held_offset: int                 # held-out tokens in the batches before this job's
-    names: dict[str, Any]            # the modules hooked, by in-memory name (Forward.smooth_pass / stats_pass)
+    names: dict[str, Any]            # what is hooked: "targets" (statistics) by in-memory name, "observers" by key
     write: bool                      # return the layer's output rows
     threads: int = JOB_THREADS       # torch threads: the CPUs the executor gave it (Executor.cpus_per_job)
 
@@ -94,13 +94,10 @@ class ForwardJob:
 class ForwardResult:
     pos: torch.Tensor | None = None  # token rows of the layer input that `y` replaces
     y: torch.Tensor | None = None
-    absmax: dict[str, torch.Tensor] = field(default_factory=dict)
-    consumers: dict[str, list[str]] = field(default_factory=dict)
-    sites: dict[str, SiteSample] = field(default_factory=dict)
+    parts: dict[str, Any] = field(default_factory=dict)  # each observer's partial(), by its key
     stats: list[InputStats] = field(default_factory=list)
     group: dict[str, int] = field(default_factory=dict)  # linear -> index in `stats` (shared inputs share one)
     recorded: tuple | None = None    # ExpertRecorder's (hidden, index, weights, pos) of its batches
-    kv: tuple | None = None          # the cache statistics' partial() of its batches (--kv-cache int8)
     forward_s: float = 0.0
     cpu_s: float = 0.0               # the job's CPU seconds (all its threads': its compute, whatever the load)
     threads: int = 1                 # torch's threads as the job ran
@@ -176,15 +173,11 @@ def _run(job: ForwardJob, sk: Any, layer: nn.Module) -> ForwardResult:
     rows = RowMask()
     n = job.names
     res = ForwardResult()
-    probe = sites = hooks = recorder = cache = None
-    if "norms" in n:  # the smoothing probes: alone ("smooth") or beside the statistics hooks ("stats")
-        probe = FlowProbe([mods[m] for m in n["norms"]], [mods[m] for m in n["consumers"]], rows)
-        probe.record = job.first == 0
-        sites = SiteProbe([mods[m] for m in n["site_out"]], [mods[m] for m in n["site_in"]], job.ctx.tokens,
-                          rows.channel_range)
-        for s in sites.sites.values():
-            s.sampler.start_at(job.offset)
-    if job.kind == "smooth":
+    hooks = recorder = None
+    env = JobEnv(sk, layer, mods, rows, job.first, job.offset, job.ctx.tokens)
+    observers = {key: observer_class(key).install(spec, env) for key, spec in n.get("observers", {}).items()}
+    cache = next((o.cache for o in observers.values() if o.cache is not None), None)
+    if job.kind == "observe":
         if experts is not None:
             install_forward(experts, lambda h, idx, wts: torch.zeros_like(h))
     elif job.kind == "stats":
@@ -203,8 +196,6 @@ def _run(job: ForwardJob, sk: Any, layer: nn.Module) -> ForwardResult:
         if experts is not None:
             recorder = ExpertRecorder(rows)
             install_forward(experts, recorder)
-        if n.get("kv") is not None:
-            cache = cache_stats(n["kv"], sk, layer, rows)
     h = np.load(job.hidden, mmap_mode="r")
     held = None if job.held is None else torch.from_numpy(job.held)
     pos, ys = [], []
@@ -214,25 +205,22 @@ def _run(job: ForwardJob, sk: Any, layer: nn.Module) -> ForwardResult:
         rows.held = None if held is None else held[idx[mask]]
         if recorder is not None:
             recorder.flat_index = idx.reshape(-1)
-        y = layer(x, **sk.layer_inputs(x, layer, cache.cache if cache is not None else None))
+        y = layer(x, **sk.layer_inputs(x, layer, cache))
         y = y[0] if isinstance(y, tuple) else y
         if job.write:
             pos.append(idx[mask])
             ys.append(y[mask])
-        for hk in (probe, hooks):
-            if hk is not None:
-                hk.end_batch()
+        if hooks is not None:
+            hooks.end_batch()
+        for o in observers.values():
+            o.end_batch()
     del h
     if job.write:
         res.pos, res.y = torch.cat(pos), torch.cat(ys)
     names = sk.module_names
-    if probe is not None:
-        probe.remove()
-        sites.remove()
-        res.absmax = {names[m]: a for m, a in probe.absmax.items()}
-        if job.first == 0:
-            res.consumers = {names[m]: [names[c] for c in cs] for m, cs in probe.consumers.items()}
-        res.sites = {names[m]: s for m, s in sites.sites.items()}
+    for key, o in observers.items():
+        o.remove()
+        res.parts[key] = o.partial(names)
     if hooks is not None:
         hooks.remove()
         index: dict[int, int] = {}
@@ -243,9 +231,6 @@ def _run(job: ForwardJob, sk: Any, layer: nn.Module) -> ForwardResult:
             res.group[names[mod]] = index[id(st)]
         if recorder is not None and recorder.parts:
             res.recorded = recorder.take()
-        if cache is not None:
-            cache.remove()
-            res.kv = cache.partial()
     res.forward_s, res.cpu_s = time.perf_counter() - t, time.process_time() - c
     res.threads = torch.get_num_threads()
     return res
@@ -366,52 +351,48 @@ class Forward:
         if write:
             self._drop_input()
 
-    def smooth_pass(self, i: int, layer: nn.Module, probe: FlowProbe, sites: SiteProbe, norms: list[nn.Module],
-                    consumers: list[nn.Module]) -> None:
-        """The smoothing probe alone over every batch (the runs that smooth before their statistics forward: see
-        calibrate/steps.py); fills `probe` (absmax, consumers) and `sites` as the serial loop."""
+    def observe_pass(self, i: int, layer: nn.Module, observers: list[Observer]) -> None:
+        """An observation pass over every batch, for `observers` alone (an algorithm's probe forward, or the
+        observers of a layer whose outputs an algorithm propagated itself); the caller has the routed experts return
+        zeros; nothing is written."""
+        cache = next((o.cache for o in observers if o.cache is not None), None)
         with self._pass():
             if len(self.runs) == 1:
                 for samples in self.acts.batches:
-                    self.serial_batch(layer, samples, write=False)
-                    probe.end_batch()
+                    self.serial_batch(layer, samples, write=False, cache=cache)
+                    for o in observers:
+                        o.end_batch()
                 return
-            by_name = {n: m for m, n in self.run.sk.module_names.items()}
-            for job, r in self._submit(i, layer, "smooth", self._smooth_names(norms, consumers, sites), write=False):
-                _merge_probes(probe, sites, r, job.offset, by_name)
-
-    def _smooth_names(self, norms: list[nn.Module], consumers: list[nn.Module], sites: SiteProbe) -> dict[str, Any]:
-        names = self.run.sk.module_names
-        return {"norms": [names[m] for m in norms], "consumers": [names[c] for c in consumers],
-                "site_out": [names[m] for m in sites.sites if m in set(norms)],
-                "site_in": [names[m] for m in sites.sites if m not in set(norms)]}
+            names = self.run.sk.module_names
+            by_name = {n: m for m, n in names.items()}
+            hooked = {"observers": {o.key: o.spec(names) for o in observers}}
+            for job, r in self._submit(i, layer, "observe", hooked, write=False):
+                for o in observers:
+                    o.merge(r.parts[o.key], job.offset, by_name)
 
     def stats_pass(self, i: int, layer: nn.Module, hooks: LinearHooks, recorder: ExpertRecorder | None,
-                   write: bool, cache: CacheStats | None = None, kv: Any = None, probes: Any = None) -> None:
-        """The statistics pass over every batch; fills `hooks.group`, `recorder`, `cache` (the KV-cache statistics
-        of the layer's `kv` plan), `probes` (smooth_layer.SmoothProbes: the smoothing searches' inputs, gathered in
-        the same forward) and (with `write`) `acts.h`."""
+                   write: bool, observers: list[Observer] = ()) -> None:
+        """The statistics pass over every batch; fills `hooks.group`, `recorder`, the algorithms' `observers`
+        (algorithm.Observer, gathered in the same forward) and (with `write`) `acts.h`."""
+        cache = next((o.cache for o in observers if o.cache is not None), None)
         with self._pass():
             if len(self.runs) == 1:
                 for samples in self.acts.batches:
-                    self.serial_batch(layer, samples, write=write, recorder=recorder,
-                                      cache=cache.cache if cache is not None else None)
+                    self.serial_batch(layer, samples, write=write, recorder=recorder, cache=cache)
                     hooks.end_batch()
-                    if probes is not None:
-                        probes.probe.end_batch()
+                    for o in observers:
+                        o.end_batch()
                 return
             names = self.run.sk.module_names
             by_name = {names[m]: m for m in hooks.targets}
             targets = {names[m]: lp for m, lp in hooks.targets.items()}
             base: list[InputStats] = []
             group: dict[str, int] = {}
-            hooked = {"targets": targets, "kv": kv if cache is not None else None}
-            if probes is not None:
-                hooked.update(self._smooth_names(probes.norms, probes.consumers, probes.sites))
-                every = {n: m for m, n in names.items()}
+            hooked = {"targets": targets, "observers": {o.key: o.spec(names) for o in observers}}
+            every = {n: m for m, n in names.items()}
             for job, r in self._submit(i, layer, "stats", hooked, write):
-                if probes is not None:
-                    _merge_probes(probes.probe, probes.sites, r, job.offset, every)
+                for o in observers:
+                    o.merge(r.parts[o.key], job.offset, every)
                 if not job.first:
                     base, group = r.stats, r.group
                     for st in base:
@@ -424,8 +405,6 @@ class Forward:
                         _merge_stats(a, b, job.offset, job.held_offset)
                 if recorder is not None and r.recorded is not None:
                     recorder.parts.append(r.recorded)
-                if cache is not None:
-                    cache.merge(r.kv)
                 r.stats = []
             hooks.group.update({by_name[n]: base[k] for n, k in group.items()})
 
@@ -453,27 +432,6 @@ class Forward:
             driver = time.process_time() - c
             self.cpu += driver + sum(self._job_cpu)
             self.cpu_critical += driver + max(self._job_cpu, default=0.0)
-
-
-def _merge_probes(probe: FlowProbe, sites: SiteProbe, r: ForwardResult, offset: int,
-                  by_name: dict[str, nn.Module]) -> None:
-    """Fold a job's smoothing probes (norm maxima, consumers from batch 0, site samples) into the driver's."""
-    for n, a in r.absmax.items():
-        prev = probe.absmax.get(by_name[n])
-        probe.absmax[by_name[n]] = a if prev is None else torch.maximum(prev, a)
-    for n, cs in r.consumers.items():
-        probe.consumers[by_name[n]] = [by_name[c] for c in cs]
-    for n, part in r.sites.items():
-        _merge_site(sites.sites[by_name[n]], part, offset)
-
-
-def _merge_site(a: SiteSample, b: SiteSample, offset: int) -> None:
-    """Fold a job's SiteSample (started at token `offset`) into the driver's, in batch order."""
-    if b.cmin is None:
-        return
-    a.sampler.extend(b.sampler, offset, "a smoothing site")
-    a.cmin = b.cmin if a.cmin is None else torch.minimum(a.cmin, b.cmin)
-    a.cmax = b.cmax if a.cmax is None else torch.maximum(a.cmax, b.cmax)
 
 
 def _merge_stats(a: InputStats, b: InputStats, offset: int, held_offset: int = 0) -> None:

@@ -39,6 +39,7 @@ from torch import nn
 
 from dsconv.errors import UserError
 from dsconv.quant.algorithms.schemes import symmetric_scale
+from dsconv.quant.calibrate.algorithm import Algorithm, JobEnv, LayerState, Observer
 from dsconv.quant.calibrate.hooks import RowMask
 from dsconv.quant.formats.msmodelslim import C8, FA_LAYOUT
 from dsconv.quant.plan.kv_cache import OFFSET, SCALE, KVLayer
@@ -236,3 +237,55 @@ def cache_stats(kv: KVLayer, sk: Any, layer: nn.Module, rows: RowMask) -> CacheS
              if m in sk.module_names and "weight" in dict(m.named_parameters(recurse=False))}
     facts = sk.ck.facts
     return FAStats(kv, by_ck, rows, facts.num_heads, facts.qk_nope_head_dim)
+
+
+class KvCacheObserver(Observer):
+    """The KV-cache statistics of one layer as an observer (algorithm.py): the stand-in cache its attention writes
+    to, or FA quant's hooks; rebuilt in a forward job from the layer's cache plan."""
+
+    key = "kv_cache"
+
+    def __init__(self, kv: KVLayer, stats: CacheStats) -> None:
+        self.kv, self.stats = kv, stats
+        self.cache = stats.cache
+
+    def spec(self, names: dict[nn.Module, str]) -> KVLayer:
+        return self.kv
+
+    @classmethod
+    def install(cls, spec: KVLayer, env: JobEnv) -> "KvCacheObserver":
+        return cls(spec, cache_stats(spec, env.sk, env.layer, env.rows))
+
+    def remove(self) -> None:
+        self.stats.remove()
+
+    def partial(self, names: dict[nn.Module, str]) -> Any:
+        return self.stats.partial()
+
+    def merge(self, part: Any, offset: int, by_name: dict[str, nn.Module]) -> None:
+        self.stats.merge(part)
+
+
+class KvCacheScales(Algorithm):
+    """--kv-cache int8: what each attention caches, measured during the statistics forward, written as the cache's
+    scales (algorithm.py's plug-in)."""
+
+    name = "kv_cache"
+    step = "write"
+
+    @classmethod
+    def active(cls, run: Any) -> bool:
+        return bool(run.plan.kv)
+
+    def observers(self, st: LayerState) -> list[Observer]:
+        kv = self.run.plan.kv.get(st.i)
+        if kv is None:
+            self.obs = None
+            return []
+        self.obs = KvCacheObserver(kv, cache_stats(kv, self.run.sk, st.layer, self.cal.acts.rows))
+        return [self.obs]
+
+    def after(self, st: LayerState) -> None:
+        if self.obs is not None:
+            with self.cal.clock(self.step):
+                self.cal.qw.kv_cache(self.obs.stats.tensors(self.obs.kv))

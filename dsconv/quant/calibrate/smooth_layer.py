@@ -15,29 +15,160 @@ from torch import nn
 from dsconv.families.roles import Role
 from dsconv.quant.algorithms import smoothing as sm
 from dsconv.quant.algorithms.schemes import smooth_scales
+from dsconv.quant.algorithms.observers import MinMaxObserver
+from dsconv.quant.calibrate.algorithm import Algorithm, JobEnv, LayerState, Observer
 from dsconv.quant.calibrate.context import CalibContext, LayerActivations
 from dsconv.quant.calibrate.hooks import FlowProbe
+from dsconv.quant.calibrate.layers import install_forward
+from dsconv.quant.calibrate.stats import InputStats
+from dsconv.quant.formats.msmodelslim import FA_QUANT
+from dsconv.quant.plan.options import smoothing_of
 from dsconv.qformat import STATIC_TYPES
 from dsconv.quant.plan.plan import ACT_QUANT, LinearPlan
 from dsconv.tensors import torch_dtype
 
 
-@dataclass
-class SmoothProbes:
-    """What the smoothing searches read from a layer's forward: which modules read each norm's output and its
-    per-channel max |output| (`FlowProbe`), and a row sample with per-channel min/max of every searched site
-    (`SiteProbe`: norm outputs, down_proj inputs). Installed beside the statistics hooks, so one forward feeds both."""
+class SmoothQuant(Algorithm):
+    """SmoothQuant as a calibration plug-in (algorithm.py): observes the norms' outputs and their readers (riding on
+    the statistics forward where its statistics can follow its folds, else a probe forward of its own first), then
+    per norm folds the strength searched (or the fixed --smooth-quant alpha) into the norm and its readers."""
 
-    probe: FlowProbe
-    sites: sm.SiteProbe
-    norms: list[nn.Module]
-    consumers: list[nn.Module]
-    pairs: list[tuple[nn.Module, nn.Module]]  # (up_proj, down_proj) searched for the up -> down fold
-    own: dict[nn.Module, tuple[str, Role]]
+    name = "smoothquant"
+    step = "smooth_search"
+
+    @classmethod
+    def active(cls, run: CalibContext) -> bool:
+        return smoothing_of(run.opts, run.plan) is not None
+
+    def folds_into_experts(self) -> bool:
+        """A fixed alpha folds a scale into the routed experts' gate/up columns; auto never smooths a norm the
+        experts read (fold), so their jobs may start right after the forward."""
+        return self.run.opts.smooth_alpha != "auto"
+
+    def before(self, st: LayerState) -> None:
+        cal = self.cal
+        self.obs = None
+        if one_forward(self.run, st.i, st.lps):  # the searches' probes ride on the statistics forward
+            self.obs = smoothing_probes(self.run, cal.acts, st.layer, st.targets, st.experts, st.lps)
+            return
+        if st.experts is not None:  # a probe forward of its own first (the attention runs before the MLP)
+            install_forward(st.experts, lambda h, idx, wts: torch.zeros_like(h))
+        first = smoothing_probes(self.run, cal.acts, st.layer, st.targets, st.experts, st.lps)
+        with cal.clock("forward"):
+            cal.fwd.observe_pass(st.i, st.layer, [first])
+        first.remove()
+        with cal.clock(self.step):
+            self._keep(st, fold(self.run, st.i, first, st.targets, st.experts, st.lps))
+
+    def observers(self, st: LayerState) -> list[Observer]:
+        return [self.obs] if self.obs is not None else []
+
+    def after(self, st: LayerState) -> None:
+        if self.obs is None:
+            return
+        with self.cal.clock(self.step):
+            smoothed = fold(self.run, st.i, self.obs, st.targets, st.experts, st.lps)
+            rescale_inputs(st.hooks.group, smoothed.inputs)
+            if smoothed.col_scale is not None and st.recorder is not None:
+                st.recorder.rescale(smoothed.col_scale)
+            self._keep(st, smoothed)
+
+    def _keep(self, st: LayerState, smoothed: "Smoothed") -> None:
+        st.modified.update(smoothed.modified)
+        st.col_scale = smoothed.col_scale
+        self.cal.smoothing += smoothed.log
+
+
+def one_forward(run: CalibContext, i: int, lps: dict[str, LinearPlan]) -> bool:
+    """Whether layer i's smoothing searches share its statistics forward (steps.py, step 3): not with a histogram
+    observer, nor where FA quant's latent norm feeds an activation-quantized kv_b_proj (a norm that could be
+    smoothed, which would change the latent FA quant measures per tensor)."""
+    if run.static and run.observer_method != MinMaxObserver.method:
+        return False
+    kv = run.plan.kv.get(i)
+    if kv is not None and kv.form == FA_QUANT:
+        lp = lps.get(kv.measured[1])
+        if lp is not None and lp.qtype in ACT_QUANT:
+            return False
+    return True
+
+
+def rescale_inputs(group: dict[nn.Module, InputStats], inputs: dict[nn.Module, torch.Tensor]) -> None:
+    """Each distinct input's statistics divided by the s its fold divided it by (shared inputs: once)."""
+    done: set[int] = set()
+    for mod, s in inputs.items():
+        st = group.get(mod)
+        if st is not None and id(st) not in done:
+            done.add(id(st))
+            st.rescale(s)
+
+
+class SmoothObserver(Observer):
+    """What the smoothing searches read from a layer's forward: which modules read each norm's output and its
+    per-channel max |output| (`FlowProbe`, readers recorded from batch 0), and a row sample with per-channel min/max
+    of every searched site (`SiteProbe`: norm outputs, down_proj inputs). Rides on the statistics forward, or on a
+    probe forward of its own (`one_forward`); rebuilt by name in a forward job (algorithm.py)."""
+
+    key = "smoothing"
+
+    def __init__(self, probe: FlowProbe, sites: sm.SiteProbe, norms: list[nn.Module], consumers: list[nn.Module],
+                 pairs: list[tuple[nn.Module, nn.Module]] = (), own: dict | None = None, first: int = 0) -> None:
+        self.probe, self.sites, self.norms, self.consumers = probe, sites, norms, consumers
+        self.pairs = list(pairs)  # (up_proj, down_proj) searched for the up -> down fold
+        self.own = own or {}
+        self.first = first
+
+    def spec(self, names: dict[nn.Module, str]) -> dict[str, list[str]]:
+        norms = set(self.norms)
+        return {"norms": [names[m] for m in self.norms], "consumers": [names[c] for c in self.consumers],
+                "site_out": [names[m] for m in self.sites.sites if m in norms],
+                "site_in": [names[m] for m in self.sites.sites if m not in norms]}
+
+    @classmethod
+    def install(cls, spec: dict[str, list[str]], env: JobEnv) -> "SmoothObserver":
+        mods = env.modules
+        norms, consumers = [mods[m] for m in spec["norms"]], [mods[m] for m in spec["consumers"]]
+        probe = FlowProbe(norms, consumers, env.rows)
+        probe.record = env.first == 0
+        sites = sm.SiteProbe([mods[m] for m in spec["site_out"]], [mods[m] for m in spec["site_in"]], env.tokens,
+                             env.rows.channel_range)
+        for s in sites.sites.values():
+            s.sampler.start_at(env.offset)
+        return cls(probe, sites, norms, consumers, first=env.first)
+
+    def end_batch(self) -> None:
+        self.probe.end_batch()
 
     def remove(self) -> None:
         self.probe.remove()
         self.sites.remove()
+
+    def partial(self, names: dict[nn.Module, str]) -> dict[str, Any]:
+        p = self.probe
+        return {"absmax": {names[m]: a for m, a in p.absmax.items()},
+                "consumers": {names[m]: [names[c] for c in cs] for m, cs in p.consumers.items()}
+                if self.first == 0 else {},
+                "sites": {names[m]: s for m, s in self.sites.sites.items()}}
+
+    def merge(self, part: dict[str, Any], offset: int, by_name: dict[str, nn.Module]) -> None:
+        """A job's norm maxima, readers (from the job holding batch 0) and site samples, in batch order."""
+        probe = self.probe
+        for n, a in part["absmax"].items():
+            prev = probe.absmax.get(by_name[n])
+            probe.absmax[by_name[n]] = a if prev is None else torch.maximum(prev, a)
+        for n, cs in part["consumers"].items():
+            probe.consumers[by_name[n]] = [by_name[c] for c in cs]
+        for n, b in part["sites"].items():
+            merge_site(self.sites.sites[by_name[n]], b, offset)
+
+
+def merge_site(a: sm.SiteSample, b: sm.SiteSample, offset: int) -> None:
+    """Fold a job's SiteSample (started at token `offset`) into the driver's, in batch order."""
+    if b.cmin is None:
+        return
+    a.sampler.extend(b.sampler, offset, "a smoothing site")
+    a.cmin = b.cmin if a.cmin is None else torch.minimum(a.cmin, b.cmin)
+    a.cmax = b.cmax if a.cmax is None else torch.maximum(a.cmax, b.cmax)
 
 
 @dataclass
@@ -53,7 +184,7 @@ class Smoothed:
 
 
 def smoothing_probes(run: CalibContext, acts: LayerActivations, layer: nn.Module, targets: dict[nn.Module, LinearPlan],
-                     experts: nn.Module | None, lps: dict[str, LinearPlan]) -> SmoothProbes:
+                     experts: nn.Module | None, lps: dict[str, LinearPlan]) -> SmoothObserver:
     """The hooks of the smoothing searches on `layer` (remove them after the forward)."""
     sk = run.sk
     own = sk.own_weights(layer)  # module -> (ck param name, role) of its direct weight
@@ -68,10 +199,10 @@ def smoothing_probes(run: CalibContext, acts: LayerActivations, layer: nn.Module
     pairs = [(by_name[u], by_name[d]) for u, d in sm.up_down_pairs(lps) if u in by_name and d in by_name
              and lps[u].bias is None] if auto else []
     sites = sm.SiteProbe(norms if auto else [], [d for _, d in pairs], acts.tokens, acts.rows.channel_range)
-    return SmoothProbes(probe, sites, norms, consumers, pairs, own)
+    return SmoothObserver(probe, sites, norms, consumers, pairs, own)
 
 
-def fold(run: CalibContext, i: int, probes: SmoothProbes, targets: dict[nn.Module, LinearPlan],
+def fold(run: CalibContext, i: int, probes: SmoothObserver, targets: dict[nn.Module, LinearPlan],
          experts: nn.Module | None, lps: dict[str, LinearPlan]) -> Smoothed:
     """SmoothQuant folded into the norms that feed quantized linears: s = act^a / w^(1-a) per input channel;
     norm weight / s (rounded to its dtype, then s re-derived from the rounded value so norm x weight is exact),
