@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 
-ONLY_WHEN_NAMED = ("fidelity", "engine_check", "calib_cost", "kv_positions")
+ONLY_WHEN_NAMED = ("fidelity", "engine_check", "calib_cost", "kv_positions", "w8a16_scales")
 
 
 def main(argv: list[str]) -> int:

@@ -107,8 +107,21 @@ KEYS = {"w8a16": "W8A16", "w8a8": "W8A8 static (--bits 8)", "w8a8_vllm": "W8A8 s
         "w4a4_rot": "W4A4_DYNAMIC recipe (vLLM-Ascend) --rotate", "w4a4": "W4A4_DYNAMIC recipe (vLLM-Ascend), no rotation"}
 MIX_PATH_LABELS = {"static": KEYS["w8a8_mix"], "dynamic": "W8A8_MIX prefill path (dynamic)"}
 DEFAULT_KEYS = ("w8a16", "w8a16_gptq", "w8a8", "w8a8_vllm", "w8a8_dynamic", "w8a8_mix", "w8a8_c8", "rtn", "mse", "gptq", "w4",
-                "w4a8", "w4a8_gptq", "w4a8_mse")
+                "w4a8", "w4a8_gptq", "w4a8_mse",
+                # rotation (docs/rotation.md): each beside its row without it
+                "w8a8_allstatic", "w8a8_allstatic_rot", "w8a8_dynamic_rot", "w8a8_vllm_rot", "rtn_rot", "w4a8_rot",
+                "w4a4", "w4a4_rot")
 MOE_FIXTURES = ("qwen-moe",)  # run only the W4A8 rows (the others are the dense model's own figures)
+# fixtures whose family rotation refuses (Gemma 3 normalises a block's output before the residual add): no rotation
+# rows, nor W4A4, whose 4-bit activations rely on it
+UNROTATABLE = ("gemma",)
+
+
+def runs_on(key: str, label: str) -> bool:
+    """Whether the row `key` is measured on fixture `label`."""
+    if key.startswith("w4a8") != (label in MOE_FIXTURES):
+        return False
+    return label not in UNROTATABLE or not (key.endswith("_rot") or key.startswith("w4a4"))
 RESULT_NAME = "fidelity"
 
 
@@ -502,7 +515,7 @@ def main(argv: list[str] | None = None) -> None:
         for name in [m.strip() for m in a.model.split(",") if m.strip()]:
             model_dir = fixture_dir(name) if name in FIXTURES else Path(name)
             label = name if name in FIXTURES else model_dir.name
-            mine = [k for k in keys if k.startswith("w4a8") == (label in MOE_FIXTURES)]
+            mine = [k for k in keys if runs_on(k, label)]
             res = run_model(label, model_dir, mine, a)
             if res is None:
                 continue
