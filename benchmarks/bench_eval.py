@@ -76,10 +76,10 @@ REAL_CHILD = """
 import sys, json, time
 from pathlib import Path
 from dsconv.checkpoint import Checkpoint
-from dsconv.quant.evaluate.fidelity import _eval_chunks, compare, load_original_model, load_quantized_model
+from dsconv.quant.evaluate.fidelity import eval_chunks, compare, load_original_model, load_quantized_model
 from dsconv.quant.evaluate.streamed import StreamedModel, batch_tokens, run_pass, text_metrics
 ck, qck = Checkpoint.open(sys.argv[1]), Checkpoint.open(sys.argv[2])
-chunks, _ = _eval_chunks(ck, Path(sys.argv[3]), 512, 4)
+chunks, _ = eval_chunks(ck, Path(sys.argv[3]), 512, 4)
 t = time.perf_counter()
 mem = compare(load_original_model(ck), load_quantized_model(qck)[0], chunks, progress=False)
 t_mem = time.perf_counter() - t

@@ -12,7 +12,7 @@ import torch
 from dsconv.checkpoint import Checkpoint
 from dsconv.quant import stage
 from dsconv.quant.evaluate import engine_linear
-from dsconv.quant.evaluate.fidelity import _eval_chunks, compare, load_original_model, load_quantized_model
+from dsconv.quant.evaluate.fidelity import eval_chunks, compare, load_original_model, load_quantized_model
 from dsconv.quant.evaluate.qa import divergence, exact_match
 from dsconv.quant.evaluate.streamed import HeadStats, StreamedModel, run_pass, text_metrics
 from dsconv.quant.plan.options import QuantOptions
@@ -64,7 +64,7 @@ def test_streamed_pass_equals_in_memory_path(outputs, case, monkeypatch):
     """Every metric equal to float rounding; 8 KiB blocks cut every linear and the vocabulary into many pieces."""
     models, outs = outputs
     ck, qck = Checkpoint.open(models[case[0]]), Checkpoint.open(outs[case])
-    chunks, _ = _eval_chunks(ck, None, 64, 5)
+    chunks, _ = eval_chunks(ck, None, 64, 5)
     want = compare(load_original_model(ck), load_quantized_model(qck)[0], chunks, progress=False)
     monkeypatch.setattr(engine_linear, "BLOCK_BYTES", 8 * 1024)
     got = text_metrics(run_pass(StreamedModel(ck, False), StreamedModel(qck, True), chunks, 4096, progress=False))

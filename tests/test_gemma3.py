@@ -89,7 +89,7 @@ def test_mindir_bf16_and_weight_only_quantized(gemma, tmp_path, run_cli):
     assert r.code == 0, r.err
     check = json.loads(r.out)["check"]
     assert check["passed"] and check["max_abs_err"] < 1e-3
-    r = run_cli(["quantize", "-m", gemma, "-o", tmp_path / "q", "--scheme", "w8a16"])
+    r = run_cli(["quantize", "-m", gemma, "-o", tmp_path / "q", "--scheme", "w8a16", "--engine", "vllm-ascend"])
     assert r.code == 0, r.err
     r = run_cli(["export", "-m", tmp_path / "q", "-o", tmp_path / "qm", "--format", "mindir", "--json"])
     assert r.code == 0, r.err
@@ -100,7 +100,7 @@ def test_mindir_bf16_and_weight_only_quantized(gemma, tmp_path, run_cli):
 @pytest.mark.parametrize("scheme,ppl_pct,top1", [("w8a16", 0.5, 0.9), ("w8a8", 3.0, 0.8)])
 def test_quantize_and_eval_round_trip(gemma, tmp_path, run_cli, scheme, ppl_pct, top1):
     args = ["--scheme", scheme] + (["--calib-samples", "8"] if scheme == "w8a8" else [])
-    r = run_cli(["quantize", "-m", gemma, "-o", tmp_path / "q", *args])
+    r = run_cli(["quantize", "-m", gemma, "-o", tmp_path / "q", *args, "--engine", "vllm-ascend"])
     assert r.code == 0, r.err
     desc = json.loads((tmp_path / "q" / "quant_model_description.json").read_text())
     assert desc["model_quant_type"] == scheme.upper()
@@ -110,9 +110,9 @@ def test_quantize_and_eval_round_trip(gemma, tmp_path, run_cli, scheme, ppl_pct,
     r = run_cli(["eval", "-m", gemma, "-q", tmp_path / "q", "--samples", "6", "--seq-len", "48", "--json"])
     assert r.code == 0, r.err
     res = json.loads(r.out)
-    # static W8A8's mixed recipe under MindIE (the default engine): the 2 down_proj stay float
+    # static W8A8's mixed recipe under vLLM-Ascend (MindIE has no Gemma model): the 2 down_proj per-token dynamic
     # (dsconv/quant/plan/recipe.py)
-    assert res["linears"] == ({"W8A8": 12} if scheme == "w8a8" else {scheme.upper(): 14})
+    assert res["linears"] == ({"W8A8": 12, "W8A8_DYNAMIC": 2} if scheme == "w8a8" else {scheme.upper(): 14})
     assert abs(res["ppl_change_pct"]) < ppl_pct and res["top1_agreement"] > top1, res
     assert 0 < res["logits_mean_abs_error"]
 
@@ -120,10 +120,12 @@ def test_quantize_and_eval_round_trip(gemma, tmp_path, run_cli, scheme, ppl_pct,
 def test_shard_dry_run_and_write(gemma, tmp_path, run_cli):
     from safetensors import safe_open
 
-    r = run_cli(["shard", "-m", gemma, "-o", tmp_path / "plan", "--tp", "2", "--dry-run", "--json"])
+    r = run_cli(["shard", "-m", gemma, "-o", tmp_path / "plan", "--tp", "2", "--dry-run", "--json", "--engine",
+                 "vllm-ascend"])
     assert r.code == 0, r.err
     assert not (tmp_path / "plan").exists()
-    r = run_cli(["shard", "-m", gemma, "-o", tmp_path / "s", "--tp", "2", "--format", "ranks"])
+    r = run_cli(["shard", "-m", gemma, "-o", tmp_path / "s", "--tp", "2", "--format", "ranks", "--engine",
+                 "vllm-ascend"])
     assert r.code == 0, r.err
     ck = Checkpoint.open(gemma)
     ranks = [safe_open(str(tmp_path / "s" / f"rank_0{i}" / "model.safetensors"), "pt") for i in range(2)]

@@ -116,7 +116,7 @@ def test_rotate_refusals_before_any_work(tiny_model, run_cli, tmp_path):
     assert r.code == 2 and "W8A8" in r.err
     assert not list(tmp_path.glob(".q2*")) and not (tmp_path / "q2").exists()
     r = run_cli(["quantize", "-m", tiny_model("llama"), "-o", tmp_path / "q3", "--bits", "8", "--rotate"])
-    assert r.code == 2 and "is fp32" in r.err and str(tiny_model("llama")) in r.err and ".dsconv-rotated" not in r.err
+    assert r.code == 2 and "model dtype fp32" in r.err and str(tiny_model("llama")) in r.err and ".dsconv-rotated" not in r.err
     r = run_cli(["quantize", "-m", tiny_model("llama", dtype="bf16"), "-o", tmp_path / "q4", "--scheme", "w4a16",
                  "--group-size", "64", "--method", "rtn", "--rotate"])
     assert r.code == 0 and "made W4A16 and W4A8 worse" in r.err, r.err

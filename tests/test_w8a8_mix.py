@@ -185,12 +185,12 @@ def test_eval_reports_both_paths_and_gates_on_each(mix_out, run_cli):
 def test_both_paths_share_one_float_pass_and_equal_a_pass_each(mix_out, monkeypatch):
     """eval of a W8A8_MIX output runs the float model's layers once for both paths (`run_passes`), and each path's
     per-position results equal a pass of its own to the last bit."""
-    from dsconv.quant.evaluate.fidelity import _eval_chunks
+    from dsconv.quant.evaluate.fidelity import eval_chunks
     from dsconv.quant.evaluate.streamed import StreamedModel, run_pass, run_passes
 
     src, out = mix_out
     ck, qck = Checkpoint.open(src), Checkpoint.open(out)
-    chunks, _ = _eval_chunks(ck, None, 64, 3)
+    chunks, _ = eval_chunks(ck, None, 64, 3)
     orig = StreamedModel(ck, False)
     opened: list[int] = []
     layer = orig.layer

@@ -16,8 +16,9 @@ from dsconv.errors import UserError
 @click.option("--quantized", "-q", type=PATH, default=None,
               help="Output of `dsconv quantize` (default: the workspace's quantize output).")
 @click.option("--text", type=PATH, default=None,
-              help="Evaluation text: plain text (paragraphs), or .jsonl/.json as for --calib. Default: the answers "
-                   "of the bundled calibration set.")
+              help="Evaluation text: plain text (paragraphs), or .jsonl/.json as for --calib. Default: the bundled "
+                   "evaluation text (English and Chinese, about 9k tokens), which no calibration default uses; eval "
+                   "notes it when the text is the calibration set the output was fitted on.")
 @click.option("--seq-len", type=click.IntRange(min=2), default=512, show_default=True, help="Tokens per evaluated chunk.")
 @click.option("--samples", type=click.IntRange(min=1), default=None, help="Evaluate the first N chunks only.")
 @click.option("--max-ppl-increase", type=click.FloatRange(min=0), default=None, metavar="PCT",
@@ -31,14 +32,17 @@ from dsconv.errors import UserError
                                                "a KV cache (both models in memory).")
 @click.option("--max-answer-change", type=click.FloatRange(min=0), default=None, metavar="PCT",
               help="Fail (exit 3) when more than PCT percent of the answers change (--qa).")
+@click.option("--dry-run", is_flag=True, help="Print the plan (windows, tokens, passes, questions, a compute estimate "
+                                              "at this host's measured matmul rate) and evaluate nothing.")
 @click.option("--output", "-o", type=PATH, default=None,
               help="Write eval_report.json into this directory (default in a workspace: <root>/eval).")
 @force_option
-@exec_options
+@exec_options(default_workers="1, one process (each job streams every weight itself, so on one host threads "
+                              "beat processes)")
 @json_option
 def eval_cmd(model: Path | None, quantized: Path | None, text: Path | None, seq_len: int, samples: int | None,
              max_ppl_increase: float | None, qa: Path | None, max_new_tokens: int, generate: bool,
-             max_answer_change: float | None, output: Path | None, force: bool, workers: int | None,
+             max_answer_change: float | None, dry_run: bool, output: Path | None, force: bool, workers: int | None,
              executor: str | None, ray_address: str | None, as_json: bool) -> None:
     """Compare a quantized output with its original: perplexity, logits error, top-1 agreement, and answers.
 
@@ -69,7 +73,9 @@ def eval_cmd(model: Path | None, quantized: Path | None, text: Path | None, seq_
         output = workspace.resolve_output("eval", None)
     result = run(EvalRequest(model, quantized, text=text, seq_len=seq_len, samples=samples,
                              max_ppl_increase=max_ppl_increase, qa=qa_opts,
-                             max_answer_change=max_answer_change, output=output, execution=execution, force=force, progress=not as_json))
+                             max_answer_change=max_answer_change, output=None if dry_run else output,
+                             execution=execution, force=force, progress=not as_json, dry_run=dry_run,
+                             note=None if as_json else (lambda line: click.echo(line, err=True))))
     if as_json:
         emit_json(result.summary)
     else:

@@ -58,8 +58,11 @@ def force_option(f):
     return click.option("--force", is_flag=True, help="Replace a previous dsconv output at --output.")(f)
 
 
-def exec_options(f):
-    """--workers, --executor, --ray-address: how a stage runs its independent jobs (dsconv.executor)."""
+def exec_options(f=None, *, default_workers: str = "the CPU count"):
+    """--workers, --executor, --ray-address: how a stage runs its independent jobs (dsconv.executor);
+    `default_workers` says what the command runs without --workers."""
+    if f is None:
+        return lambda g: exec_options(g, default_workers=default_workers)
     f = click.option("--ray-address", default=None, metavar="ADDR",
                      help="Ray cluster to run on (e.g. auto after `ray start --head`); without it --executor ray "
                           "starts a local Ray instance.")(f)
@@ -69,7 +72,7 @@ def exec_options(f):
     from dsconv.executor import MAX_WORKERS
 
     f = click.option("--workers", type=click.IntRange(1, MAX_WORKERS), default=None, metavar="N",
-                     help="Parallel jobs (output parts, ranks): 1 runs inline; default: the CPU count "
+                     help=f"Parallel jobs (output parts, ranks): 1 runs inline; default: {default_workers} "
                           "(`workers` under [defaults] in dsconv.toml).")(f)
     return f
 

@@ -113,6 +113,9 @@ def parse_smooth(value: str | None) -> float | str | None:
                    "matrix folded into every linear that reads or writes it, so activation outliers spread over all "
                    "channels; the same function, loaded as ordinary weights (dsconv rotate; docs/rotation.md). SEED "
                    "picks the random signs (default 0).")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default=None,
+              help="Write the float tensors (norms, embeddings, biases) in this dtype and make it the model's: a "
+                   "float32 checkpoint in one step for MindIE, which runs bf16 and fp16 only (default: as stored).")
 @click.option("--dry-run", is_flag=True, help="Print the plan from headers (types, sizes) and write nothing.")
 @exec_options
 @force_option
@@ -123,7 +126,7 @@ def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: 
              fallback_threshold: float | None, fallback_to: str, recipe: str, ignore: tuple[str, ...],
              calib: Path | None,
              calib_samples: int | None, seq_len: int, min_expert_tokens: int, all_experts: bool, layout: str,
-             max_shard_size: int, rotate_seed: int | None, dry_run: bool, workers: int | None,
+             max_shard_size: int, rotate_seed: int | None, dtype: str | None, dry_run: bool, workers: int | None,
              executor: str | None, ray_address: str | None, force: bool, as_json: bool) -> None:
     """Quantize a model to INT8/INT4 in the layout Ascend serving engines load, layer by layer."""
     from dsconv import engines
@@ -153,7 +156,7 @@ def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: 
                         fallback_to=fallback_to, ignore=tuple(ignore), calib=calib, calib_samples=calib_samples,
                         seq_len=seq_len, min_expert_tokens=min_expert_tokens, all_experts=all_experts, layout=layout,
                         engine=engine, bits_default=bits_default, moe_scheme=moe_scheme,
-                        max_shard_size=max_shard_size, kv_cache=kv_cache, rotate=rotate_seed)
+                        max_shard_size=max_shard_size, kv_cache=kv_cache, rotate=rotate_seed, dtype=dtype)
     result = run(QuantRequest(model, output, opts, force=force, progress=not as_json, dry_run=dry_run, warn=warn,
                               execution=resolve_exec(workers, executor, ray_address)))
     if as_json:

@@ -68,15 +68,20 @@ def verify(directory: Path, engine: str | None, source: Path | None, mindie_src:
     if engine and not problems:
         import tempfile
 
-        from dsconv.engines.loader_check import check, rotation_origin
+        from dsconv.engines.loader_check import cast_origin, check, rotation_origin
 
         rotated = rotation_origin(directory.resolve()) if source is None else None
+        cast = cast_origin(directory.resolve()) if source is None else None
         with tempfile.TemporaryDirectory(prefix="dsconv-verify-") as tmp:
             if rotated is not None:  # `quantize --rotate`: the float source is the rotated model, rebuilt (seeded)
                 from dsconv.quant.rotate import RotateRequest, run as rotate
 
                 source = Path(tmp) / "rotated-source"
                 rotate(RotateRequest(rotated[0], source, seed=rotated[1], progress=False))
+            elif cast is not None:  # `quantize --dtype`: the source as quantize read it, cast again
+                from dsconv.quant.cast import cast_checkpoint
+
+                source = cast_checkpoint(cast[0], Path(tmp) / "cast-source", cast[1], progress=False)
             loaded = check(directory, engine, source, str(mindie_src) if mindie_src else None)
         if loaded.get("load") != "ok":
             problems = [f"{engine}'s loader: {loaded.get('load')}: {x}" for x in

@@ -150,7 +150,9 @@ def source_problems(directory: Path, ck: dict[str, torch.Tensor], desc: dict[str
             out.update(load_file(str(p)))
         return out
 
-    weights = {n: t.to(torch.float64).numpy() for n, t in
+    # the source as a float load in the model dtype holds it (a float32 source of `quantize --dtype bf16` is read
+    # cast, as that quantize read it): norms and SmoothQuant's factors included, not only the weights compared
+    weights = {n: (t.to(model_dtype) if model_dtype is not None else t).to(torch.float64).numpy() for n, t in
                mr.source_tensors(sorted(source.glob("*.safetensors")), read, ck).items() if t.is_floating_point()}
     cfg = json.loads((directory / "config.json").read_text())
     src = mm.Source(weights, ck, desc, dtype=model_dtype,

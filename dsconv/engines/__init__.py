@@ -1,8 +1,7 @@
 """Which engine the output is for, and what that engine's loader accepts (profiles in profiles.py, as data).
 
-`dsconv quantize` and `dsconv shard` take `--engine mindie|vllm-ascend` (default mindie, or `engine = "..."` in
-dsconv.toml). Before any work, the plan is checked against the profile: a layer kind given a type the engine has no
-scheme for is a UserError naming the kind, an example layer, the rule's source and the alternative.
+`quantize` and `shard` take `--engine mindie|vllm-ascend` (default mindie, or `engine = "..."` in dsconv.toml). Before
+any work the plan is checked against the profile: a kind given a type the engine has no scheme for is a UserError.
 """
 from __future__ import annotations
 
@@ -133,8 +132,7 @@ def kind_types(prof: EngineProfile, family: Any, qtype: str, bits_default: bool,
 
 
 def float_only(prof: EngineProfile, family: Any) -> dict[str, Any]:
-    """kind -> Rule: the layer kinds the engine must get in float, for every family (profile) or this one
-    (Family.engine_float_kinds)."""
+    """kind -> Rule: the layer kinds the engine must get in float (the profile's; Family.engine_float_kinds)."""
     from dsconv.engines.profiles import Rule
 
     own = {k: Rule(*v) for k, v in _family(family).engine_float_kinds.get(prof.name, {}).items()}
@@ -143,9 +141,8 @@ def float_only(prof: EngineProfile, family: Any) -> dict[str, Any]:
 
 def kv_recipe(prof: EngineProfile, types: dict[str, str], form: str | None) -> dict[str, str]:
     """The W4A8 recipe beside an int8 KV cache whose engine needs another attention type: msModelSlim's W4A8C8
-    practice (lab_practice/deepseek_v3/deepseekr1_w4a8c8_per_channel.yaml) makes the MLA attention static W8A8,
-    which MindIE's FA3 path needs (profiles: kv_int8). Any other recipe is left as asked (a mismatch is refused by
-    check_kv_cache)."""
+    practice (deepseekr1_w4a8c8_per_channel.yaml) makes the MLA attention static W8A8, which MindIE's FA3 path needs
+    (profiles: kv_int8). Any other recipe is left as asked (check_kv_cache refuses a mismatch)."""
     need = prof.kv_int8.get(form) if form else None
     allowed = need.attention_types if need else None
     if not allowed or types.get("routed_experts") != W4A8 or types.get("attention") in allowed:
@@ -317,8 +314,7 @@ def check_kv_cache(prof: EngineProfile, family: Any, model_type: str, plan: Any)
         wanted = " or ".join(names[d] for d in sorted(need.dtypes))
         have = names.get(plan.model_dtype, plan.model_dtype)
         raise UserError(f"--engine {prof.name}: --kv-cache int8 needs {wanted} weights, the model is {have}: {why}",
-                        hint=f"convert it first: dsconv export --format safetensors --dtype "
-                             f"{names[sorted(need.dtypes)[-1]]}")
+                        hint=f"add --dtype {names[sorted(need.dtypes)[-1]]}")
     for what, allowed, linears in (
             ("linears", need.linear_types, plan.linears.values()),
             ("attention linears", need.attention_types, [lp for lp in plan.linears.values()
@@ -348,15 +344,18 @@ def check_engine(prof: EngineProfile, family: Any, root: Any) -> None:
                         hint=f"use --engine {' or '.join(others)}" if others else "no engine dsconv knows loads it")
 
 
-def check_dtype(prof: EngineProfile, dtype: str, root: Any) -> None:
-    """UserError (exit 2) for a model dtype the engine does not run (profiles: rules["dtype"])."""
-    if prof.dtypes is None or dtype in prof.dtypes:
-        return
+def check_dtype(prof: EngineProfile, dtype: str, root: Any, family: Any = None) -> None:
+    """UserError (exit 2) for a model dtype the engine does not run (rules["dtype"], Family.engine_refused_dtypes)."""
     names = {st: cli for cli, st in PRECISIONS.items()}  # BF16 -> bf16, as --dtype spells them
-    rule = prof.rules["dtype"]
-    raise UserError(f"--engine {prof.name}: {root} is {names.get(dtype, dtype)}: {prof.label}: {rule.text} "
-                    f"({rule.source})", hint=f"convert it first: dsconv export --format safetensors --dtype "
-                                             f"{' or '.join(names[d] for d in sorted(prof.dtypes))}")
+    own = _family(family).engine_refused_dtypes.get(prof.name) if family is not None else None
+    ok = sorted(prof.dtypes - (own[0] if own else frozenset())) if prof.dtypes else ["BF16"]
+    rule = (own[1], own[2]) if own is not None and dtype in own[0] else None
+    if rule is None and prof.dtypes is not None and dtype not in prof.dtypes:
+        rule = (prof.rules["dtype"].text, prof.rules["dtype"].source)
+    if rule is not None:
+        raise UserError(f"--engine {prof.name}: model dtype {names.get(dtype, dtype)} ({root}): {prof.label}: "
+                        f"{rule[0]} ({rule[1]})", hint=f"add --dtype {' or '.join(names[d] for d in ok)} (quantize "
+                                                       "writes the float tensors in it)")
 
 
 def engine_dtype(prof: EngineProfile, family: Any, model_dtype: str) -> str:
@@ -465,19 +464,19 @@ def kind_table(linears: Iterable[Any], ignored: dict[str, str] | None = None,
 ALL_CONFIG_KEYS = tuple(sorted({k for p in ENGINES.values() for k in p.config_keys}))
 
 
+def _present(ck: Any) -> set[str | None]:
+    return {layer_kind(r) for n in ck.names() if (r := ck.role(n)).param == "weight" and r.role.quantized_by_default}
+
+
 def w4a8_recipe(ck: Any) -> dict[str, str]:
     """layer kind -> type `quantize --scheme w4a8_dynamic` gives it (both engines), for the kinds the model has."""
-    present = {layer_kind(ck.role(n)) for n in ck.names()
-               if ck.role(n).param == "weight" and ck.role(n).role.quantized_by_default}
-    t = kind_types(VLLM_ASCEND, ck.family, W4A8, bits_default=False)
+    t, present = kind_types(VLLM_ASCEND, ck.family, W4A8, bits_default=False), _present(ck)
     return {k: t[k] for k in KINDS if k in present}
 
 
 def recipes(ck: Any) -> dict[str, dict[str, str]]:
     """engine -> layer kind -> type `quantize --bits 8` gives it (for `dsconv inspect`), for the kinds the model has."""
-    present = {layer_kind(ck.role(n)) for n in ck.names()
-               if ck.role(n).param == "weight" and ck.role(n).role.quantized_by_default}
-    out = {}
+    present, out = _present(ck), {}
     for name, prof in ENGINES.items():
         if refusal(prof, ck.family) is not None:
             continue
@@ -487,8 +486,7 @@ def recipes(ck: Any) -> dict[str, dict[str, str]]:
 
 
 def mix_engines(ck: Any) -> dict[str, str]:
-    """engine -> whether `quantize --scheme w8a8_mix` is loaded for this model (for `dsconv inspect`): "loads", or
-    the rule it is refused by."""
+    """engine -> "loads", or the rule refusing `quantize --scheme w8a8_mix` of this model (`dsconv inspect`)."""
     out = {}
     model_type = ck.config.get("model_type", "")
     for name, prof in ENGINES.items():

@@ -208,6 +208,14 @@ def rotation_origin(directory: Path) -> tuple[Path, int] | None:
     return None if seed is None else (src, int(seed))
 
 
+def cast_origin(directory: Path) -> tuple[Path, str] | None:
+    """(the model the manifest names, the dtype) where `quantize --dtype` made this output, else None: its float
+    source is that model cast again (MindIE's float load runs bf16 and fp16 only; the CLI's verify rebuilds it)."""
+    src, plain = origins(directory)
+    dtype = _manifest(plain).get("options", {}).get("dtype")
+    return None if dtype is None else (src, str(dtype))
+
+
 def check(directory: Path, engine: str, source: Path | None = None, mindie_src: str | None = None) -> dict:
     """One output through `engine`'s loader, compared with its float source: the merged result (load "ok" or not,
     counts, the first problems)."""

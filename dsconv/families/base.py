@@ -229,6 +229,8 @@ class Family:
     #: engine -> (the dtype it computes this family in whatever config.json says, rule, source): scales are
     #: written in the form that dtype's kernels read (an fp16 run reads deq_scale as int64)
     engine_dtypes: dict[str, tuple[str, str, str]] = {}
+    #: engine -> (the model dtypes it refuses for this family, rule, source)
+    engine_refused_dtypes: dict[str, tuple[frozenset[str], str, str]] = {}
     #: keys transformers 5 derives and saves that the engines' own config classes reject (left out of config.json as
     #: the published checkpoint leaves them out; transformers derives them again)
     engine_config_derived: tuple[str, ...] = ()

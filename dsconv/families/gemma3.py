@@ -21,6 +21,14 @@ class Gemma3(Family):
     tiny = {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 4, "final_logit_softcapping": 30.0,
             "layer_types": ["sliding_attention", "full_attention"]}
     norm_offset = 1.0
+    engine_refused = {"mindie": (
+        "its model router takes a model_type only where atb_llm/models/ has a folder of that name, and it has no "
+        "gemma3_text (nor any gemma) folder (NotImplementedError 'unsupported model type: gemma3_text')",
+        "MindIE-LLM atb_llm/models/__init__.py::get_model")}
+    engine_refused_dtypes = {"vllm-ascend": (frozenset({"F16"}), "vLLM refuses gemma3_text in float16 ('Numerical "
+                                             "instability. Please use bfloat16 or float32 instead.')",
+                                             "vllm-ascend 0.23.0.post1 on vLLM 0.23.0: vllm/config/model.py::"
+                                             "_FLOAT16_NOT_SUPPORTED_MODELS")}
     # post_attention_layernorm and post_feedforward_layernorm normalise each block's output before the residual add:
     # a norm's scale acts after its RMS, so it neither folds into o_proj / down_proj nor commutes with a rotation
     rotation_refused = ("its post_attention_layernorm and post_feedforward_layernorm normalise each block's output "

@@ -26,6 +26,7 @@ from dsconv.qformat import STATIC_TYPES, W4A4
 from dsconv.quant.plan.plan import SCHEMES, make_plan
 from dsconv.quant.streaming import weight_only
 from dsconv.schemas.core import decode_utf8, read_bytes
+from dsconv.tensors import PRECISIONS
 
 
 @dataclass
@@ -106,6 +107,28 @@ def _load_calibration(ck: Any, plan: Any, opts: QuantOptions, warn: Callable[[st
     return calib
 
 
+def _run_cast(req: QuantRequest) -> QuantResult:
+    """`quantize --dtype`: the model's float tensors cast (quant/cast.py) into a scratch checkpoint beside the
+    output, quantized from there, the scratch removed: the two-step way's output. The manifest names the model the
+    user gave and the dtype, from which `dsconv verify` rebuilds the cast source."""
+    import shutil
+    from dataclasses import replace
+
+    from dsconv.quant.cast import cast_checkpoint
+
+    if req.options.rotate is not None:
+        raise UserError("--dtype and --rotate together: rotation keeps the model's dtype",
+                        hint="run `dsconv rotate` first, then quantize its output with --dtype")
+    run(replace(req, dry_run=True))  # every refusal from headers, naming the user's model, before the cast
+    scratch = req.output.absolute().parent / f".{req.output.name}.dsconv-cast"
+    shutil.rmtree(scratch, ignore_errors=True)
+    try:
+        cast_checkpoint(req.model, scratch, req.options.dtype, progress=req.progress)
+        return run(replace(req, model=scratch, origin=req.model))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def _rotated(model_dir: Path) -> bool:
     """Whether `model_dir` is a `dsconv rotate` output (its manifest's stage)."""
     from dsconv.io.writer import MANIFEST
@@ -151,6 +174,8 @@ def _run_rotated(req: QuantRequest) -> QuantResult:
 
 def run(req: QuantRequest) -> QuantResult:
     """Run `dsconv quantize`."""
+    if req.options.dtype is not None and req.origin is None and not req.dry_run:
+        return _run_cast(req)
     if req.options.rotate is not None and req.origin is None:
         return _run_rotated(req)
     t0 = time.perf_counter()
@@ -165,7 +190,7 @@ def run(req: QuantRequest) -> QuantResult:
     prof = engines.get(opts.engine)
     engines.check_engine(prof, ck.family, model_dir)
     engines.check_layout(prof, opts.layout)
-    engines.check_dtype(prof, ck.facts.dtype, model_dir)
+    engines.check_dtype(prof, PRECISIONS[opts.dtype] if opts.dtype else ck.facts.dtype, model_dir, ck.family)
     if opts.moe_scheme is not None and opts.moe_scheme not in SCHEMES:
         raise UserError(f"unknown --moe-scheme {opts.moe_scheme}", hint=f"choose one of {', '.join(SCHEMES)}")
     family = ck.family

@@ -10,8 +10,8 @@ import io
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "deepseek_v32",
-            "kimi_k2", "qwen3_next", "qwen3_5_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe",
+            "deepseek_v32", "kimi_k2", "qwen3_next", "qwen3_5_moe")
 MOE = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "deepseek_v32", "kimi_k2", "qwen3_next",
        "qwen3_5_moe")
 # families whose checkpoints carry MTP layers, and the recipes their MTP layer differs in (FLOAT under --bits 8,
@@ -27,6 +27,11 @@ ENGINES = ("mindie", "vllm-ascend")
 # proves)
 ROTATED = ("llama", "qwen2", "qwen3_moe", "deepseek_v3")
 ROTATED_SCHEMES = ("bits8", "w8a8_dynamic", "w4a4")
+# dtype "fp32": the tiny checkpoint saved in float32 and quantized with `--dtype bf16` (MindIE runs bf16 and fp16 only:
+# the one-step way), compared with its float32 source
+CAST = ("llama", "qwen2", "qwen3_moe", "deepseek_v3")
+CAST_SCHEMES = ("bits8",)
+CAST_OPTIONS = ["--dtype", "bf16"]
 # scheme label (a README row) -> `dsconv quantize` options. 4-bit rows round to nearest (--method rtn): the check
 # then holds every weight to half a quantization step (GPTQ's integers move further, through the same layout).
 # Groups of 64: MindIE runs W4A16 with group sizes 0, 64 and 128 only (docs/engine_rules.md).

@@ -30,8 +30,9 @@ from pathlib import Path
 
 from dsconv.engines.loader_check import (merge_ranks, mindie_env, mindie_load, vllm_load, vllm_python,
                                          vllm_summary)
-from tests.engine_check.cases import (ENGINES, FAMILIES, MINDIE_MTP, MOE, MTP, MTP_SCHEMES, ROTATED, ROTATED_SCHEMES,
-                                      SCHEMES, build_source, quantize, source_name, tokenizer)
+from tests.engine_check.cases import (CAST, CAST_OPTIONS, CAST_SCHEMES, ENGINES, FAMILIES, MINDIE_MTP, MOE, MTP,
+                                      MTP_SCHEMES, ROTATED, ROTATED_SCHEMES, SCHEMES, build_source, quantize,
+                                      source_name, tokenizer)
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results.json"
@@ -51,11 +52,13 @@ def cases(engine: str) -> list[dict]:
                 out.append(dict(engine=engine, family=f, scheme=s, dtype="bf16", layout="per-expert"))
                 continue
             for dtype, layout in (("bf16", "per-expert"), ("fp16", "per-expert"), ("bf16", "fused"), ("bf16", "mtp"),
-                                  ("bf16", "rotated")):
+                                  ("bf16", "rotated"), ("fp32", "per-expert")):
                 if layout == "fused" and f not in MOE or layout == "mtp" and (f not in MINDIE_MTP or
                                                                              s not in MTP_SCHEMES):
                     continue
                 if layout == "rotated" and (f not in ROTATED or s not in ROTATED_SCHEMES):
+                    continue
+                if dtype == "fp32" and (f not in CAST or s not in CAST_SCHEMES):
                     continue
                 for tp in (1, 2):
                     out.append(dict(engine=engine, family=f, scheme=s, dtype=dtype, layout=layout, tp=tp))
@@ -68,6 +71,9 @@ def cases(engine: str) -> list[dict]:
             if f in ROTATED:
                 out += [dict(engine=engine, family=f, scheme=s, dtype="bf16", layout="rotated")
                         for s in ROTATED_SCHEMES]
+            if f in CAST:
+                out += [dict(engine=engine, family=f, scheme=s, dtype="fp32", layout="per-expert")
+                        for s in CAST_SCHEMES]
     return out
 
 
@@ -92,7 +98,10 @@ def quantize_all(root: Path, todo: list[dict]) -> dict[str, Path]:
         oid = output_id(c)
         if oid not in jobs:
             src = build_source(root / "src", c["family"], c["dtype"], c["layout"], tok, c["scheme"])
-            jobs[oid] = (str(src), str(root / "out" / oid), c["engine"], SCHEMES[c["scheme"]])
+            if c["dtype"] == "fp32":  # the bf16 twin MindIE's load_case compares with (the same values, cast)
+                build_source(root / "src", c["family"], "bf16", c["layout"], tok, c["scheme"])
+            jobs[oid] = (str(src), str(root / "out" / oid), c["engine"],
+                         SCHEMES[c["scheme"]] + (CAST_OPTIONS if c["dtype"] == "fp32" else []))
     with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork"), initializer=_one_thread) as ex:
         done = dict(zip(jobs, ex.map(_quantize_job, jobs.values())))
     written: dict[str, Path] = {}
@@ -256,7 +265,9 @@ def run_mindie(root: Path, only: str | None, env: tuple[str, str]) -> tuple[list
         # a sharded layout's source: the per-expert one (the mtp one for sharded-mtp)
         layout = c["layout"] if c["layout"] in ("fused", "mtp", "rotated") else "mtp" if c["layout"].endswith("mtp") \
             else "per-expert"
-        return {"id": cid, "dir": str(d), "source": str(root / "src" / source_name(c["family"], c["dtype"], layout,
+        # `--dtype bf16` of an fp32 source: MindIE's float load of the source in bf16, which the bf16 tiny model is
+        dtype = "bf16" if c["dtype"] == "fp32" else c["dtype"]
+        return {"id": cid, "dir": str(d), "source": str(root / "src" / source_name(c["family"], dtype, layout,
                                                                                     c["scheme"])),
                 "plain": str(written[f"mindie/{c['family']}-{c['scheme']}-{c['dtype']}-{layout}"])}
 

@@ -11,6 +11,7 @@ answers with a KV cache (small models), the fake-quant ONNX comparison, and test
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -28,8 +29,8 @@ from dsconv.quant.calibrate.layers import ExpertLoop, install_forward, load_full
 from dsconv.quant.evaluate import int8_cache as int8_cache_sim
 from dsconv.quant.evaluate.engine_linear import ACT_TYPES, MIX_PATHS, EngineLinear
 from dsconv.qformat import W8A8_MIX, cache_tensors
-from dsconv.quant.evaluate.qa import (DEFAULT_MAX_NEW_TOKENS, QAItem, check_lengths, greedy, prompt_ids,
-                                      read_questions, stop_ids)
+from dsconv.quant.evaluate.qa import (DEFAULT_MAX_NEW_TOKENS, QAItem, bundled_qa_path, check_lengths, greedy,
+                                      prompt_ids, read_questions, stop_ids)
 from dsconv.quant.evaluate.qa import render as qa_render
 from dsconv.quant.evaluate.qa import score as qa_score
 from dsconv.executor import ExecOptions, make_executor
@@ -44,17 +45,17 @@ MIX_ROLE = {"static": "decode instance, kv_consumer", "dynamic": "prefill or PD-
 
 
 # ------------------------------------------------------------------------------------------------ text
+DEFAULT_TEXT = "bundled eval_data (English: Python reference topics; Chinese: dsconv's own)"
+
+
 def eval_texts(path: Path | None, tokenizer: Any = None) -> tuple[list[str], str]:
     """The evaluation text: --text FILE (.jsonl/.json as for calibration, anything else plain text split at blank
-    lines), or by default the answers of the bundled calibration set."""
+    lines), or by default the bundled evaluation text, English and Chinese, which no calibration default uses (a
+    figure on the calibration text would flatter the schemes that calibrate most)."""
     if path is None:
-        import json
+        from dsconv.bundled import eval_texts as bundled
 
-        from dsconv.bundled import bundled_calib_path
-
-        src = bundled_calib_path()
-        texts = [json.loads(line)["answer"] for line in src.read_text(encoding="utf-8").splitlines() if line.strip()]
-        return texts, f"bundled {src.name} (answers)"
+        return bundled(), DEFAULT_TEXT
     path = Path(path)
     if path.suffix in (".jsonl", ".json"):
         return read_texts(path, tokenizer), str(path)
@@ -223,7 +224,7 @@ def evaluate(model_dir: Path, quant_dir: Path, text: Path | None = None, seq_len
         return _evaluate_onnx(ck, model_dir, onnx_path, OnnxLM(onnx_path), text, seq_len, samples, progress)
     qck = Checkpoint.open(quant_dir)
     check_pair(ck, qck, model_dir, quant_dir)
-    chunks, source = _eval_chunks(ck, text, seq_len, samples)
+    chunks, source = eval_chunks(ck, text, seq_len, samples)
     items, qa_meta = (None, None) if qa is None else qa_items(ck, qck, qa, seq_len, progress)
     seqs = chunks + ([it.prompt + it.answer for it in items] if items else [])
     started = time.perf_counter()
@@ -249,6 +250,9 @@ def evaluate(model_dir: Path, quant_dir: Path, text: Path | None = None, seq_len
     if paths[0] is not None:
         out["path"] = paths[0]
         out["paths"] = {p: m for p, (_, m) in by_path.items()}
+    overlap = calibration_overlap(quant_dir, text, None if qa is None else (qa.path or bundled_qa_path()))
+    if overlap:
+        out["calibration_overlap"] = overlap
     if items:
         for k, it in enumerate(items):
             rows = np.where(pos.seq == len(chunks) + k)[0]
@@ -257,6 +261,27 @@ def evaluate(model_dir: Path, quant_dir: Path, text: Path | None = None, seq_len
         out["qa"] = qa_score(items, qa_meta["tokenizer"], qa_meta["answers"], qa_meta["templated"],
                              qa_meta["source"], qa.max_new_tokens)
     return out
+
+
+def calibration_overlap(quant_dir: Path, text: Path | None, qa: Path | None) -> list[str]:
+    """What of this evaluation is the calibration set the output was fitted on (its quant_report.json), by content:
+    perplexity on the text the ranges and searches were fitted to flatters the schemes that calibrate most."""
+    import hashlib
+
+    from dsconv.bundled import bundled_calib_path
+
+    try:
+        source = json.loads((Path(quant_dir) / "quant_report.json").read_text())["calibration"]["source"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    calib = bundled_calib_path() if str(source).startswith("bundled ") else Path(source)
+    if not calib.is_file():
+        return []
+    digest = lambda p: hashlib.sha256(Path(p).read_bytes()).hexdigest()  # noqa: E731
+    want = digest(calib)
+    return [f"{flag} {p} is the calibration set this output was fitted on ({source}, quant_report.json): its "
+            "figures flatter the schemes that calibrate most" for flag, p in (("--text", text), ("--qa", qa))
+            if p is not None and Path(p).is_file() and digest(p) == want]
 
 
 def streamed_positions(ck: Checkpoint, qck: Checkpoint, seqs: list[list[int]], execution: ExecOptions | None,
@@ -368,7 +393,7 @@ def _evaluate_onnx(ck: Checkpoint, model_dir: Path, onnx_path: Path, lm: Any, te
     """The fake-quant ONNX (onnxruntime) against the float model, on the same text and metrics (in memory)."""
     if ck.is_quantized:
         raise UserError(f"{model_dir} is itself quantized", hint="--model is the original float checkpoint")
-    chunks, source = _eval_chunks(ck, text, seq_len, samples)
+    chunks, source = eval_chunks(ck, text, seq_len, samples)
     original = load_original_model(ck)
     metrics = compare(original, lm, chunks, progress=progress)
     mqt, linears = lm.describe()
@@ -377,7 +402,7 @@ def _evaluate_onnx(ck: Checkpoint, model_dir: Path, onnx_path: Path, lm: Any, te
             "seq_len": seq_len, **metrics}
 
 
-def _eval_chunks(ck: Checkpoint, text: Path | None, seq_len: int,
+def eval_chunks(ck: Checkpoint, text: Path | None, seq_len: int,
                  samples: int | None) -> tuple[list[list[int]], str]:
     """The token chunks both evaluations score (the float model's tokenizer) and the text's source name."""
     if seq_len < 2:
@@ -401,4 +426,5 @@ def render(r: dict[str, Any]) -> str:
            f"KL {m['kl_divergence']:.6f}, top-1 {m['top1_agreement'] * 100:.2f}%" for p, m in r["paths"].items()]
           if "paths" in r else []),
         *(qa_render(r["qa"]) if "qa" in r else []),
+        *(f"note: {line}" for line in r.get("calibration_overlap", ())),
     ])

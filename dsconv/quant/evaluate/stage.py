@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from dsconv.errors import CheckFailed, UserError
 from dsconv.executor import ExecOptions
@@ -31,6 +31,8 @@ class EvalRequest:
     output: Path | None = None              # directory for eval_report.json; None writes nothing
     force: bool = False
     progress: bool = True
+    dry_run: bool = False                   # the plan (tokens, passes, estimate) only
+    note: Callable[[str], None] | None = None  # where the plan line goes before a run (the CLI: stderr)
 
 
 @dataclass
@@ -40,6 +42,10 @@ class EvalResult:
     summary: dict[str, Any]
 
     def render(self) -> str:
+        if self.summary.get("dry_run"):
+            from dsconv.quant.evaluate.plan import render_plan
+
+            return render_plan(self.summary["plan"])
         return render(self.summary)
 
 
@@ -61,8 +67,37 @@ def ppl_failures(result: dict[str, Any], limit: float | None) -> list[str]:
             if m["ppl_change_pct"] > limit]
 
 
+def plan(req: EvalRequest) -> dict[str, Any]:
+    """The eval's plan (evaluate/plan.py), from headers and the tokenizer."""
+    from dsconv.checkpoint import Checkpoint
+    from dsconv.quant.calibrate.data import load_tokenizer
+    from dsconv.quant.evaluate.fidelity import eval_chunks
+    from dsconv.quant.evaluate.plan import eval_plan
+    from dsconv.quant.evaluate.qa import check_lengths, prompt_ids, read_questions
+
+    ck = Checkpoint.open(req.model)
+    chunks, source = eval_chunks(ck, req.text, req.seq_len, req.samples)
+    questions, prompt_tokens = [], 0
+    if req.qa is not None:
+        tokenizer = load_tokenizer(ck.root)
+        questions, _ = read_questions(req.qa.path)
+        prompts = [prompt_ids(tokenizer, q.text)[0] for q in questions]
+        check_lengths(questions, prompts, req.qa.max_new_tokens, req.seq_len,  # the run's own refusal, first
+                      ck.family.flat_config(ck.config).get("max_position_embeddings"))
+        prompt_tokens = sum(len(p) for p in prompts)
+    return eval_plan(req.model, req.quantized, chunks, source, len(questions),
+                     req.qa.max_new_tokens if req.qa else 0, prompt_tokens)
+
+
 def run(req: EvalRequest) -> EvalResult:
-    """Run `dsconv eval`."""
+    """Run `dsconv eval`: its plan first (alone with `dry_run`)."""
+    if req.dry_run or req.note is not None:
+        from dsconv.quant.evaluate.plan import render_plan
+
+        p = plan(req)
+        if req.dry_run:
+            return EvalResult({"dry_run": True, "plan": p})
+        req.note(render_plan(p))
     result = evaluate(req.model, req.quantized, text=req.text, seq_len=req.seq_len, samples=req.samples,
                       progress=req.progress, qa=req.qa, execution=req.execution)
     failed = ppl_failures(result, req.max_ppl_increase)

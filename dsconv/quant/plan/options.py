@@ -47,11 +47,13 @@ class QuantOptions:
     batch_tokens: int = 4096   # padded tokens per forward batch
     sample_tokens: int = 128   # calibration rows kept per linear input to measure output error (fallbacks, report)
     rotate: int | None = None  # --rotate: the seed of the residual rotation quantize runs on (dsconv/quant/rotate.py)
+    dtype: str | None = None   # --dtype bf16|fp16: the output's float tensors and model dtype (a float32 input)
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        if self.rotate is None:  # manifests of runs without rotation stay as they were
-            d.pop("rotate")
+        for key in ("rotate", "dtype"):  # manifests of runs without them stay as they were
+            if d[key] is None:
+                d.pop(key)
         d["calib"] = str(self.calib) if self.calib else None
         d["ignore"] = list(self.ignore)
         return d
