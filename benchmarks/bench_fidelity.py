@@ -341,10 +341,12 @@ class Refused(Exception):
 
 
 def _mindie_refuses(model_dir: Path) -> bool:
-    """Whether MindIE has no model for this fixture's family (Family.engine_refused)."""
+    """Whether MindIE has no model for this fixture's family (engines.refusal)."""
+    from dsconv import engines
     from dsconv.families import family_for
 
-    return "mindie" in family_for(json.loads((model_dir / "config.json").read_text())).engine_refused
+    family = family_for(json.loads((model_dir / "config.json").read_text()))
+    return engines.refusal(engines.get("mindie"), family) is not None
 
 
 def quantize(model_dir: Path, out: Path, args: list[str]) -> tuple[float, float, dict[str, Any]]:

@@ -87,6 +87,17 @@ def config_dtype_name(precision: str) -> str:
     return DTYPES[PRECISIONS[precision]].torch or ""
 
 
+def config_with_dtype(config: dict[str, Any], precision: str) -> dict[str, Any]:
+    """A copy of config.json naming the `--dtype` choice as the model dtype, under the keys it has (transformers 5
+    writes `dtype`, 4 `torch_dtype`; `dtype` where it has neither)."""
+    import json
+
+    new = json.loads(json.dumps(config))
+    for k in [k for k in ("dtype", "torch_dtype") if k in new] or ["dtype"]:
+        new[k] = config_dtype_name(precision)
+    return new
+
+
 def safetensors_dtype(t: Any) -> str:
     """safetensors dtype name of a torch tensor or numpy array, or of a torch dtype."""
     import numpy as np

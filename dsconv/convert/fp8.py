@@ -19,7 +19,6 @@ benchmarks/bench_export.py measures the streamed path against.
 """
 from __future__ import annotations
 
-import json
 import math
 import queue
 import sys
@@ -36,7 +35,7 @@ from dsconv.errors import UserError
 from dsconv.families.roles import Role
 from dsconv.io.passthrough import check_finite
 from dsconv.runtime.process import gc_paused, peak_rss_bytes
-from dsconv.tensors import FLOAT_DTYPES, FP8_DTYPES, PRECISIONS, config_dtype_name, numpy_dtype, safetensors_dtype
+from dsconv.tensors import FLOAT_DTYPES, FP8_DTYPES, PRECISIONS, config_with_dtype, numpy_dtype, safetensors_dtype
 
 INDEX_SUFFIX = ".safetensors.index.json"
 STRIPE_ROWS = 128
@@ -431,11 +430,8 @@ def rewrite_into(out, ck, plan: RewritePlan, progress: bool | None = None, pipel
 
 def rewritten_config(config: dict[str, Any], dtype: str) -> dict[str, Any]:
     """config.json of the rewritten checkpoint: no quantization_config, the new dtype under the keys present."""
-    new = json.loads(json.dumps(config))
+    new = config_with_dtype(config, dtype)
     new.pop("quantization_config", None)
-    keys = [k for k in ("dtype", "torch_dtype") if k in new] or ["dtype"]
-    for k in keys:
-        new[k] = config_dtype_name(dtype)
     return new
 
 

@@ -13,10 +13,9 @@ from pathlib import Path
 from dsconv.checkpoint import Checkpoint
 from dsconv.errors import UserError
 from dsconv.io.writer import OutputDir
-from dsconv.tensors import PRECISIONS, TensorSpec, torch_dtype
+from dsconv.tensors import PRECISIONS, TensorSpec, config_with_dtype, torch_dtype
 
 FLOATS = ("F32", "BF16", "F16")
-TORCH_NAMES = {"BF16": "bfloat16", "F16": "float16"}
 
 
 def cast_checkpoint(model: Path, output: Path, dtype: str, progress: bool = True) -> Path:
@@ -24,7 +23,7 @@ def cast_checkpoint(model: Path, output: Path, dtype: str, progress: bool = True
     from tqdm import tqdm
 
     target = PRECISIONS[dtype]
-    if target not in TORCH_NAMES:
+    if target not in ("BF16", "F16"):
         raise UserError(f"--dtype {dtype}: quantize writes bf16 or fp16 models", hint="use --dtype bf16 or fp16")
     ck = Checkpoint.open(model)
     names = ck.names()
@@ -36,10 +35,8 @@ def cast_checkpoint(model: Path, output: Path, dtype: str, progress: bool = True
         for n in tqdm(names, desc=f"cast to {dtype}", unit="tensor", disable=not progress, leave=False):
             t = ck.load(n)
             ts.write(n, t.to(torch_dtype(target)) if out_dtype[n] != ck.info(n).dtype else t)
-        config = dict(ck.config)
-        for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]:  # transformers 5 / 4
-            config[key] = TORCH_NAMES[target]
-        out.write_json("config.json", config)
+        # quantization_config stays: an FP8 checkpoint's block scales are copied for quantize to read
+        out.write_json("config.json", config_with_dtype(ck.config, dtype))
         for f in ck.copy_files():
             if f.name != "config.json":
                 out.copy_in(f)

@@ -107,11 +107,25 @@ def _load_calibration(ck: Any, plan: Any, opts: QuantOptions, warn: Callable[[st
     return calib
 
 
-def _run_cast(req: QuantRequest) -> QuantResult:
-    """`quantize --dtype`: the model's float tensors cast (quant/cast.py) into a scratch checkpoint beside the
-    output, quantized from there, the scratch removed: the two-step way's output. The manifest names the model the
-    user gave and the dtype, from which `dsconv verify` rebuilds the cast source."""
+def _from_scratch(req: QuantRequest, name: str, make: Callable[[Path], Any]) -> tuple[QuantResult, Any]:
+    """Quantize what `make(scratch)` writes into a scratch checkpoint beside the output (`.OUTPUT.dsconv-NAME`),
+    removed afterwards, on failure too; the manifest names the model the user gave (`origin`), from which
+    `dsconv verify` rebuilds the scratch. Returns the result and what `make` returned."""
     import shutil
+    from dataclasses import replace
+
+    scratch = req.output.absolute().parent / f".{req.output.name}.dsconv-{name}"
+    shutil.rmtree(scratch, ignore_errors=True)
+    try:
+        made = make(scratch)
+        return run(replace(req, model=scratch, origin=req.model)), made
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run_cast(req: QuantRequest) -> QuantResult:
+    """`quantize --dtype`: the model's float tensors cast (quant/cast.py), then quantized: the two-step way's
+    output (export --dtype, then quantize)."""
     from dataclasses import replace
 
     from dsconv.quant.cast import cast_checkpoint
@@ -120,30 +134,23 @@ def _run_cast(req: QuantRequest) -> QuantResult:
         raise UserError("--dtype and --rotate together: rotation keeps the model's dtype",
                         hint="run `dsconv rotate` first, then quantize its output with --dtype")
     run(replace(req, dry_run=True))  # every refusal from headers, naming the user's model, before the cast
-    scratch = req.output.absolute().parent / f".{req.output.name}.dsconv-cast"
-    shutil.rmtree(scratch, ignore_errors=True)
-    try:
-        cast_checkpoint(req.model, scratch, req.options.dtype, progress=req.progress)
-        return run(replace(req, model=scratch, origin=req.model))
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    return _from_scratch(req, "cast", lambda d: cast_checkpoint(req.model, d, req.options.dtype,
+                                                                progress=req.progress))[0]
 
 
 def _rotated(model_dir: Path) -> bool:
     """Whether `model_dir` is a `dsconv rotate` output (its manifest's stage)."""
-    from dsconv.io.writer import MANIFEST
+    from dsconv.io.writer import read_manifest
 
     try:
-        return json.loads((Path(model_dir) / MANIFEST).read_text()).get("stage") == "rotate"
-    except (OSError, ValueError, AttributeError):
+        return read_manifest(Path(model_dir)).get("stage") == "rotate"
+    except UserError:  # no manifest, or not a sound one
         return False
 
 
 def _run_rotated(req: QuantRequest) -> QuantResult:
-    """`quantize --rotate`: the model rotated (dsconv/quant/rotate.py) into a scratch checkpoint beside the output,
-    quantized from there, the scratch removed. The manifest names the model the user gave and the rotation's seed,
-    from which `dsconv verify` rebuilds the rotated float source."""
-    import shutil
+    """`quantize --rotate`: the model rotated (dsconv/quant/rotate.py), then quantized; the manifest's seed lets
+    `dsconv verify` rebuild the rotated float source."""
     from dataclasses import replace
 
     from dsconv.quant.rotate import RotateRequest, refusal
@@ -160,13 +167,8 @@ def _run_rotated(req: QuantRequest) -> QuantResult:
     if req.options.scheme in ("w4a16", "w4a8_dynamic"):
         req.warn(f"--rotate with {req.options.scheme}: rotation spreads activation outliers, which 4-bit weights do not "
                  "need; on the real fixtures it made W4A16 and W4A8 worse (docs/rotation.md)")
-    scratch = req.output.absolute().parent / f".{req.output.name}.dsconv-rotated"
-    shutil.rmtree(scratch, ignore_errors=True)
-    try:
-        rotated = rotate(RotateRequest(req.model, scratch, seed=req.options.rotate, progress=req.progress))
-        result = run(replace(req, model=scratch, origin=req.model))
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    result, rotated = _from_scratch(req, "rotated", lambda d: rotate(RotateRequest(
+        req.model, d, seed=req.options.rotate, progress=req.progress)))
     result.summary["rotation"] = {k: rotated.summary[k] for k in ("rotation", "seed", "hidden_size", "untied",
                                                                    "read", "written", "folded", "seconds")}
     return result
