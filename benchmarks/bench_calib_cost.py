@@ -43,7 +43,8 @@ def load() -> str:
 
 def calibration_samples(model_dir: Path, samples: int | None) -> list[list[int]]:
     """The token samples dsconv calibrates on by default (bundled set, its tokenizer, its cut)."""
-    from dsconv.quant.calibrate.data import DEFAULT_SEQ_LEN, load_calib, load_tokenizer
+    from dsconv.quant.calibrate.data import DEFAULT_SEQ_LEN, load_calib
+    from dsconv.runner.texts import load_tokenizer
 
     return load_calib(None, load_tokenizer(model_dir), samples, DEFAULT_SEQ_LEN).samples
 

@@ -77,7 +77,8 @@ import sys, json, time
 from pathlib import Path
 from dsconv.checkpoint import Checkpoint
 from dsconv.quant.evaluate.fidelity import eval_chunks, compare, load_original_model, load_quantized_model
-from dsconv.quant.evaluate.streamed import StreamedModel, batch_tokens, run_pass, text_metrics
+from dsconv.quant.evaluate.streamed import StreamedModel, batch_tokens, run_pass
+from dsconv.runner.metrics import text_metrics
 ck, qck = Checkpoint.open(sys.argv[1]), Checkpoint.open(sys.argv[2])
 chunks, _ = eval_chunks(ck, Path(sys.argv[3]), 512, 4)
 t = time.perf_counter()

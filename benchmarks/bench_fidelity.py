@@ -448,7 +448,7 @@ def float_answers(model_dir: Path, work: Path, max_new: int) -> list[list[int]]:
     """The float model's greedy answers to dsconv's bundled held-out questions (never in calibration), generated
     once per model with a KV cache by `dsconv eval`'s own code and kept in the work directory."""
     from dsconv.checkpoint import Checkpoint
-    from dsconv.quant.calibrate.data import load_tokenizer
+    from dsconv.runner.texts import load_tokenizer
     from dsconv.quant.evaluate import qa as qa_mod
     from dsconv.quant.evaluate.fidelity import load_original_model
     from dsconv.quant.evaluate.int8_cache import new_cache

@@ -423,8 +423,9 @@ from pathlib import Path
 from dsconv.checkpoint import Checkpoint
 from dsconv.io.writer import OutputDir
 from dsconv.quant.calibrate.calibration import Calibrator
-from dsconv.quant.calibrate.data import load_calib, load_tokenizer
-from dsconv.quant.calibrate.layers import load_full_model
+from dsconv.quant.calibrate.data import load_calib
+from dsconv.runner.texts import load_tokenizer
+from dsconv.runner.layers import load_full_model
 from dsconv.quant.formats.output import QuantWriter
 from dsconv.quant.plan.options import QuantOptions
 from dsconv.quant.plan.plan import make_plan

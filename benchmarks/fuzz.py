@@ -153,7 +153,7 @@ class Targets:
     def __init__(self, root: Path) -> None:
         from dsconv.demo import write_demo_model
         from dsconv.io.writer import OutputDir
-        from dsconv.quant.calibrate.data import load_tokenizer
+        from dsconv.runner.texts import load_tokenizer
 
         self.root = root
         self.model = write_demo_model(root / "model")
@@ -292,7 +292,8 @@ class Targets:
         ws.stage_dir("quantize")
 
     def read_calib(self, b: bytes, suffix: str) -> None:
-        from dsconv.quant.calibrate.data import read_texts, tokenize
+        from dsconv.quant.calibrate.data import tokenize
+        from dsconv.runner.texts import read_texts
 
         texts = read_texts(self._file("calib" + suffix, b), self.tokenizer)
         tokenize(texts, self.tokenizer, 64, "fuzz")

@@ -208,7 +208,8 @@ def real_tokens() -> tuple[int, int] | None:
     d = fixture_dir("qwen")
     if not (d / "tokenizer.json").exists():
         return None
-    from dsconv.quant.calibrate.data import DEFAULT_SEQ_LEN, load_calib, load_tokenizer
+    from dsconv.quant.calibrate.data import DEFAULT_SEQ_LEN, load_calib
+    from dsconv.runner.texts import load_tokenizer
 
     c = load_calib(None, load_tokenizer(d), None, DEFAULT_SEQ_LEN)
     return c.tokens, len(c.samples)

@@ -40,8 +40,8 @@ LAYERS: dict[str, int] = {
     # 2 the model: the family tables, the checkpoint (which classifies every tensor through its family), the torch
     # model builder, tiny models
     "dsconv.families": 2, "dsconv.checkpoint": 2, "dsconv.model": 2, "dsconv.tiny": 2,
-    # 3 engine profiles, executor
-    "dsconv.engines": 3, "dsconv.executor": 3,
+    # 3 engine profiles, executor, and what quantize and eval share (the layer runner, texts and tokenizer, metrics)
+    "dsconv.engines": 3, "dsconv.executor": 3, "dsconv.runner": 3,
     # 4 stages
     "dsconv.convert": 4, "dsconv.quant": 4, "dsconv.shard": 4, "dsconv.atc": 4,
     # 5 the top: CLI, commands, demo, the stage table verify reads, inspect (a command's report)
@@ -394,3 +394,19 @@ def test_no_private_names_imported_across_modules(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("from dsconv.quant.algorithms.schemes import _MIN_SCALE\n")
     assert private_imports({"dsconv.probe": probe}) == ["probe.py:1: dsconv.quant.algorithms.schemes._MIN_SCALE"]
+
+
+# quant/'s subpackages that must not see each other: what both need lives in dsconv.runner (the layer runner, texts
+# and tokenizer, the metrics), so a change to calibration cannot move an eval figure through a shared private path
+APART = (("dsconv.quant.evaluate", "dsconv.quant.calibrate"), ("dsconv.quant.calibrate", "dsconv.quant.evaluate"))
+
+
+def crossings(g: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{mod} imports {dep}" for mod, deps in g.items() for dep in deps for a, b in APART
+                  if (mod == a or mod.startswith(a + ".")) and (dep == b or dep.startswith(b + ".")))
+
+
+def test_eval_and_calibration_share_only_the_runner():
+    assert crossings(graph()) == []
+    assert crossings({"dsconv.quant.evaluate.fidelity": {"dsconv.quant.calibrate.data"}}) == [
+        "dsconv.quant.evaluate.fidelity imports dsconv.quant.calibrate.data"]

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from dsconv.errors import UserError
-from dsconv.quant.calibrate.data import CalibSet, load_calib, min_tokens_warning, read_texts, text_of, tokenize
+from dsconv.quant.calibrate.data import CalibSet, load_calib, min_tokens_warning, tokenize
+from dsconv.runner.texts import read_texts, text_of
 
 pytestmark = pytest.mark.unit
 

@@ -14,7 +14,8 @@ from dsconv.quant import stage
 from dsconv.quant.evaluate import engine_linear
 from dsconv.quant.evaluate.fidelity import eval_chunks, compare, load_original_model, load_quantized_model
 from dsconv.quant.evaluate.qa import divergence, exact_match
-from dsconv.quant.evaluate.streamed import HeadStats, StreamedModel, run_pass, text_metrics
+from dsconv.quant.evaluate.streamed import StreamedModel, run_pass
+from dsconv.runner.metrics import HeadStats, text_metrics
 from dsconv.quant.plan.options import QuantOptions
 from dsconv.quant.stage import QuantRequest
 

@@ -74,3 +74,21 @@ def test_eval_dry_run_gives_the_plan_and_the_run_prints_it_first(tiny_model, run
     assert r.code == 0, r.err
     assert r.err.startswith("plan: ") and "3 windows, 192 tokens; 32 questions x up to 8 answer tokens" in r.err
     assert "3 samples, 192 tokens" in r.out
+
+
+@pytest.mark.parametrize("family,tied", [("gemma3", True), ("llama", False)])
+def test_plan_counts_the_vocabulary_projection_once(tmp_path, family, tied):
+    """The estimate's weights a token meets include the vocabulary projection: the lm_head, or the embedding where it
+    is also the head (tied: Gemma 3); an untied embedding is a lookup."""
+    from dsconv.checkpoint import Checkpoint
+    from dsconv.families.roles import Role
+    from dsconv.quant.evaluate.plan import active_params
+    from dsconv.tiny import make_tiny
+
+    ck = Checkpoint.open(make_tiny(family, tmp_path / family, dtype="bf16"))
+    total, active = active_params(ck)
+    assert (not any(ck.role(n).role == Role.LM_HEAD for n in ck.names())) == tied
+    embed_in = sum(ck.info(n).numel for n in ck.names() if ck.role(n).role == Role.EMBED) if tied else 0
+    matmul = sum(ck.info(n).numel for n in ck.names() if ck.role(n).role not in (Role.EMBED, Role.TOWER)
+                 and not ck.role(n).is_aux)
+    assert active == matmul + embed_in and total >= active

@@ -48,7 +48,7 @@ def test_layer_runner_reproduces_transformers(gemma):
     embedding scale, the sliding mask of layer 0 and each layer type's rotary table all matter here."""
     from transformers import AutoModelForCausalLM
 
-    from dsconv.quant.calibrate.layers import Skeleton
+    from dsconv.runner.layers import Skeleton
 
     ck = Checkpoint.open(gemma)
     ref = AutoModelForCausalLM.from_pretrained(gemma, dtype=torch.float32, attn_implementation="sdpa").eval()

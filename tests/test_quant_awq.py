@@ -130,7 +130,8 @@ def tiny(tmp_path_factory):
 def _calibrator(model_dir, scheme="w4a16"):
     from dsconv.checkpoint import Checkpoint
     from dsconv.quant.calibrate.calibration import Calibrator
-    from dsconv.quant.calibrate.data import load_calib, load_tokenizer
+    from dsconv.quant.calibrate.data import load_calib
+    from dsconv.runner.texts import load_tokenizer
     from dsconv.quant.plan.options import QuantOptions
     from dsconv.quant.plan.plan import make_plan
 

@@ -15,8 +15,9 @@ from safetensors import safe_open
 from dsconv.checkpoint import Checkpoint
 from dsconv.quant import stage
 from dsconv.quant.algorithms.schemes import activation_qparams, deq_scale_from_int64
-from dsconv.quant.calibrate.data import load_calib, load_tokenizer
-from dsconv.quant.calibrate.layers import ExpertLoop, install_forward, load_full_model
+from dsconv.quant.calibrate.data import load_calib
+from dsconv.runner.texts import load_tokenizer
+from dsconv.runner.layers import ExpertLoop, install_forward, load_full_model
 from dsconv.quant.formats.msmodelslim import check_description, verify_output
 from dsconv.quant.plan.options import QuantOptions
 from dsconv.quant.stage import QuantRequest

@@ -32,8 +32,9 @@ from dsconv.errors import UserError
                                                "a KV cache (both models in memory).")
 @click.option("--max-answer-change", type=click.FloatRange(min=0), default=None, metavar="PCT",
               help="Fail (exit 3) when more than PCT percent of the answers change (--qa).")
-@click.option("--dry-run", is_flag=True, help="Print the plan (windows, tokens, passes, questions, a compute estimate "
-                                              "at this host's measured matmul rate) and evaluate nothing.")
+@click.option("--dry-run", is_flag=True, help="Print the plan (windows, tokens, passes, questions, a time estimate "
+                                              "from this host's measured matmul rate and memory bandwidth) and "
+                                              "evaluate nothing.")
 @click.option("--output", "-o", type=PATH, default=None,
               help="Write eval_report.json into this directory (default in a workspace: <root>/eval).")
 @force_option

@@ -86,7 +86,8 @@ def _load_calibration(ck: Any, plan: Any, opts: QuantOptions, warn: Callable[[st
     Its modules (and the Calibrator) are imported where used, not at the top: a weight-only run never loads torch,
     whose 2 s import was a sixth of its time (docs/performance.md)."""
     from dsconv.quant.algorithms.selection import HOLD_EVERY, MIN_PROMPTS, held_out_prompts
-    from dsconv.quant.calibrate.data import load_calib, load_tokenizer, min_tokens_warning
+    from dsconv.quant.calibrate.data import load_calib, min_tokens_warning
+    from dsconv.runner.texts import load_tokenizer
 
     calib = load_calib(opts.calib, load_tokenizer(ck.root), opts.calib_samples, opts.seq_len)
     needs = {}
@@ -229,7 +230,7 @@ def run(req: QuantRequest) -> QuantResult:
     mtp = mtp_type if any(lp.category == Category.MTP for lp in plan.linears.values()) else None
     cfg_keys = engines.config_updates(prof, family, {m: lp.qtype for m, lp in plan.linears.items()}, kinds, mtp)
     if calibrate and req.origin is None:
-        from dsconv.quant.calibrate.data import require_tokenizer_files
+        from dsconv.runner.texts import require_tokenizer_files
 
         require_tokenizer_files(model_dir)
     if req.dry_run:

@@ -41,7 +41,7 @@ from dsconv.quant.algorithms.schemes import qrange
 from dsconv.quant.calibrate.algorithm import Algorithm, LayerState
 from dsconv.quant.calibrate.context import CalibContext, LayerActivations
 from dsconv.quant.calibrate.hooks import FlowProbe, LinearHooks
-from dsconv.quant.calibrate.layers import install_forward
+from dsconv.runner.layers import install_forward
 from dsconv.quant.calibrate.linear import WeightChoice
 from dsconv.quant.plan.plan import BITS, LinearPlan
 from dsconv.tensors import torch_dtype

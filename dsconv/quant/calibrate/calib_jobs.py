@@ -34,7 +34,7 @@ import torch
 from dsconv.checkpoint import Checkpoint
 from dsconv.executor import Executor
 from dsconv.quant.calibrate.context import CalibContext, StatsSpec
-from dsconv.quant.calibrate.layers import SLOTS, Skeleton, expert_forward
+from dsconv.runner.layers import SLOTS, Skeleton, expert_forward
 from dsconv.quant.calibrate.linear import (PreparedLinear, QuantizedLinear, WeightChoice, load_bias, prepare_linear,
                                            quantize_linear)
 from dsconv.quant.formats.msmodelslim import LinearResult

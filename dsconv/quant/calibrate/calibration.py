@@ -40,7 +40,7 @@ from dsconv.quant.calibrate.context import CalibContext, LayerActivations
 from dsconv.quant.calibrate.data import CalibSet
 from dsconv.quant.calibrate.forward_jobs import Forward
 from dsconv.quant.calibrate.hooks import ExpertRecorder
-from dsconv.quant.calibrate.layers import Skeleton, install_forward
+from dsconv.runner.layers import Skeleton, install_forward
 from dsconv.quant.calibrate.linear import QuantizedLinear, finish_linear, load_bias, quantize_linear
 from dsconv.quant.calibrate.stats import InputStats
 from dsconv.quant.calibrate.steps import StepClock, calibrate_layer

@@ -17,7 +17,7 @@ from dsconv.executor import Executor
 from dsconv.quant.algorithms import clipping, selection
 from dsconv.quant.calibrate.data import CalibSet
 from dsconv.quant.calibrate.hooks import ExpertRecorder, RowMask
-from dsconv.quant.calibrate.layers import Skeleton
+from dsconv.runner.layers import Skeleton
 from dsconv.quant.calibrate.stats import InputStats
 from dsconv.quant.plan.options import QuantOptions
 from dsconv.qformat import STATIC_TYPES

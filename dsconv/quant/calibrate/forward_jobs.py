@@ -61,7 +61,7 @@ from dsconv.quant.calibrate.context import CalibContext, LayerActivations, forwa
 from dsconv.quant.calibrate.forward_cuts import Job, cut_jobs, whole_batches
 from dsconv.quant.calibrate.algorithm import JobEnv, Observer, observer_class
 from dsconv.quant.calibrate.hooks import ExpertRecorder, LinearHooks, RowMask
-from dsconv.quant.calibrate.layers import Skeleton, install_forward
+from dsconv.runner.layers import Skeleton, install_forward
 from dsconv.quant.calibrate.stats import InputStats
 from dsconv.quant.plan.plan import LinearPlan
 

@@ -19,7 +19,7 @@ from dsconv.quant.algorithms.observers import MinMaxObserver
 from dsconv.quant.calibrate.algorithm import Algorithm, JobEnv, LayerState, Observer
 from dsconv.quant.calibrate.context import CalibContext, LayerActivations
 from dsconv.quant.calibrate.hooks import FlowProbe
-from dsconv.quant.calibrate.layers import install_forward
+from dsconv.runner.layers import install_forward
 from dsconv.quant.calibrate.stats import InputStats
 from dsconv.quant.formats.msmodelslim import FA_QUANT
 from dsconv.quant.plan.options import smoothing_of

@@ -46,7 +46,7 @@ from dsconv.quant.calibrate.calib_jobs import Dispatch, StartedExperts
 from dsconv.quant.calibrate.context import CalibContext, LayerActivations, StatsSpec
 from dsconv.quant.calibrate.forward_jobs import Forward
 from dsconv.quant.calibrate.hooks import ExpertRecorder, LinearHooks
-from dsconv.quant.calibrate.layers import install_forward
+from dsconv.runner.layers import install_forward
 from dsconv.quant.formats.output import QuantWriter
 from dsconv.quant.plan.plan import LinearPlan
 

@@ -140,7 +140,7 @@ class QuantLinearForward:
 def build(qck: Any, layers: dict[str, QLayer]) -> tuple[nn.Module, dict[str, FusedExperts], dict[str, Any]]:
     """(the fake-quantized torch model, fused expert int8 parameters by graph name, a report)."""
     from dsconv.model import torch_builder
-    from dsconv.quant.calibrate.layers import install_forward
+    from dsconv.runner.layers import install_forward
 
     def load(name: str, dtype: torch.dtype) -> torch.Tensor:
         module, _, param = name.rpartition(".")

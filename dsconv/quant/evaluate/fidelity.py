@@ -12,32 +12,29 @@ answers with a KV cache (small models), the fake-quant ONNX comparison, and test
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from dsconv.checkpoint import Checkpoint
 from dsconv.errors import UserError
-from dsconv.quant.calibrate.data import load_tokenizer, read_texts, read_utf8
-from dsconv.quant.calibrate.layers import ExpertLoop, install_forward, load_full_model
+from dsconv.executor import ExecOptions, make_executor
+from dsconv.qformat import W8A8_MIX, cache_tensors
 from dsconv.quant.evaluate import int8_cache as int8_cache_sim
 from dsconv.quant.evaluate.engine_linear import ACT_TYPES, MIX_PATHS, EngineLinear
-from dsconv.qformat import W8A8_MIX, cache_tensors
 from dsconv.quant.evaluate.qa import (DEFAULT_MAX_NEW_TOKENS, QAItem, bundled_qa_path, check_lengths, greedy,
                                       prompt_ids, read_questions, stop_ids)
 from dsconv.quant.evaluate.qa import render as qa_render
 from dsconv.quant.evaluate.qa import score as qa_score
-from dsconv.executor import ExecOptions, make_executor
-from dsconv.quant.evaluate.streamed import (EvalJob, Positions, StreamedModel, batch_tokens, eval_job, run_passes,
-                                            split, text_metrics)
-from dsconv.quant.evaluate.streamed import batches as seq_batches
+from dsconv.quant.evaluate.streamed import EvalJob, StreamedModel, batch_tokens, eval_job, run_passes, split
 from dsconv.quant.formats.msmodelslim import quantized_modules, read_linear
+from dsconv.runner.layers import ExpertLoop, install_forward, load_full_model
+from dsconv.runner.metrics import HeadStats, Positions, Rows, padded_batches, text_metrics, vocab_block
+from dsconv.runner.texts import load_tokenizer, read_texts, read_utf8
 
 DEFAULT_SEQ_LEN = 512
 # who runs each W8A8_MIX path (docs/formats/w8a8_mix.md)
@@ -147,55 +144,25 @@ LOGITS_BUDGET = 256 * 2**20
 
 def compare(original: nn.Module, quantized: nn.Module, chunks: list[list[int]], batch_tokens: int = 4096,
             progress: bool = True) -> dict[str, Any]:
-    """Perplexity of both models, logits error, KL(original || quantized) and top-1 agreement over real tokens.
+    """Perplexity of both models, logits error, KL(original || quantized) and top-1 agreement over real tokens: the
+    streamed path's figures (dsconv.runner.metrics), from whole models' logits.
 
-    A batch holds at most LOGITS_BUDGET bytes of float32 logits per model (about eight such tensors live at once):
-    4096 tokens of Gemma 3's 262k vocabulary would be 4.3 GB each."""
+    A batch holds at most LOGITS_BUDGET bytes of float32 logits per model: 4096 tokens of Gemma 3's 262k vocabulary
+    would be 4.3 GB each; the accumulator takes them a block of vocabulary ids at a time."""
     from tqdm import tqdm
 
     batch_tokens = min(batch_tokens, max(1, LOGITS_BUDGET // (4 * int(original.config.vocab_size))))
-
-    nll = {"original": 0.0, "quantized": 0.0}
-    predicted = 0
-    abs_sum = ref_abs_sum = 0.0
-    abs_max = 0.0
-    kl_sum = 0.0
-    agree = positions = 0
-    batches = seq_batches(chunks, batch_tokens)
+    parts = []
     with torch.no_grad():
-        for batch in tqdm(batches, desc="eval", unit="batch", disable=None if progress else True, leave=False):
-            L = max(len(chunks[j]) for j in batch)
-            ids = torch.zeros(len(batch), L, dtype=torch.long)
-            mask = torch.zeros(len(batch), L, dtype=torch.bool)
-            for r, j in enumerate(batch):
-                ids[r, : len(chunks[j])] = torch.tensor(chunks[j])
-                mask[r, : len(chunks[j])] = True
+        for group, ids, mask in tqdm(list(padded_batches(chunks, batch_tokens)), desc="eval", unit="batch",
+                                     disable=None if progress else True, leave=False):
             lo = original(ids).logits.float()[mask]
             lq = quantized(ids).logits.float()[mask]
-            diff = (lq - lo).abs()
-            abs_sum += float(diff.sum(dtype=torch.float64))
-            ref_abs_sum += float(lo.abs().sum(dtype=torch.float64))
-            abs_max = max(abs_max, float(diff.max()))
-            lpo, lpq = torch.log_softmax(lo, -1), torch.log_softmax(lq, -1)
-            kl_sum += float((lpo.exp() * (lpo - lpq)).sum(dtype=torch.float64))
-            agree += int((lo.argmax(-1) == lq.argmax(-1)).sum())
-            positions += lo.shape[0]
-            # next-token NLL: position t predicts token t+1 within the same chunk
-            nxt = torch.zeros_like(mask)
-            nxt[:, :-1] = mask[:, 1:]
-            target = ids[:, 1:][nxt[:, :-1]]
-            for key, model_logits in (("original", lpo), ("quantized", lpq)):
-                flat = model_logits[nxt[mask]]
-                nll[key] -= float(flat.gather(1, target[:, None]).sum(dtype=torch.float64))
-            predicted += int(target.numel())
-    ppl_o = math.exp(nll["original"] / predicted)
-    ppl_q = math.exp(nll["quantized"] / predicted)
-    return {"tokens": positions, "predicted_tokens": predicted, "ppl_original": round(ppl_o, 4),
-            "ppl_quantized": round(ppl_q, 4), "ppl_change_pct": round((ppl_q / ppl_o - 1.0) * 100.0, 4),
-            "logits_mean_abs_error": round(abs_sum / (positions * lo.shape[-1]), 6),
-            "logits_relative_error": round(abs_sum / ref_abs_sum, 6) if ref_abs_sum else 0.0,
-            "logits_max_abs_error": round(abs_max, 6), "kl_divergence": round(kl_sum / positions, 6),
-            "top1_agreement": round(agree / positions, 6)}
+            rows = Rows.of(group, ids, mask)
+            st = HeadStats(lo.shape[0])
+            st.add_blocks(lo, lq, rows.targets, vocab_block(lo.shape[0], LOGITS_BUDGET))
+            parts.append(Positions.of(st, rows, lo.shape[-1]))
+    return text_metrics(Positions.concat(parts, [0] * len(parts)))
 
 
 @dataclass
@@ -210,9 +177,10 @@ class QAOptions:
 
 def evaluate(model_dir: Path, quant_dir: Path, text: Path | None = None, seq_len: int = DEFAULT_SEQ_LEN,
              samples: int | None = None, progress: bool = True, qa: QAOptions | None = None,
-             execution: ExecOptions | None = None, mix_paths: tuple[str, ...] | None = None) -> dict[str, Any]:
+             execution: ExecOptions | None = None, mix_paths: tuple[str, ...] | None = None,
+             windows: tuple[list[list[int]], str] | None = None) -> dict[str, Any]:
     """Fidelity of `quant_dir` against `model_dir`; a W8A8_MIX output on each of `mix_paths` (default both, the first
-    one the headline)."""
+    one the headline). `windows`: the text's token windows and source name where the plan has them already."""
     from dsconv.quant.evaluate.onnx_lm import OnnxLM, fakequant_path
 
     ck = Checkpoint.open(model_dir)
@@ -224,7 +192,7 @@ def evaluate(model_dir: Path, quant_dir: Path, text: Path | None = None, seq_len
         return _evaluate_onnx(ck, model_dir, onnx_path, OnnxLM(onnx_path), text, seq_len, samples, progress)
     qck = Checkpoint.open(quant_dir)
     check_pair(ck, qck, model_dir, quant_dir)
-    chunks, source = eval_chunks(ck, text, seq_len, samples)
+    chunks, source = windows or eval_chunks(ck, text, seq_len, samples)
     items, qa_meta = (None, None) if qa is None else qa_items(ck, qck, qa, seq_len, progress)
     seqs = chunks + ([it.prompt + it.answer for it in items] if items else [])
     started = time.perf_counter()
@@ -255,9 +223,7 @@ def evaluate(model_dir: Path, quant_dir: Path, text: Path | None = None, seq_len
         out["calibration_overlap"] = overlap
     if items:
         for k, it in enumerate(items):
-            rows = np.where(pos.seq == len(chunks) + k)[0]
-            at = rows[np.argsort(pos.pos[rows])][len(it.prompt) - 1: len(it.prompt) - 1 + len(it.answer)]
-            it.forced_q, it.forced_o = pos.arg_q[at].tolist(), pos.arg_o[at].tolist()
+            it.forced_q, it.forced_o = pos.answer(len(chunks) + k, len(it.prompt) - 1, len(it.answer))
         out["qa"] = qa_score(items, qa_meta["tokenizer"], qa_meta["answers"], qa_meta["templated"],
                              qa_meta["source"], qa.max_new_tokens)
     return out

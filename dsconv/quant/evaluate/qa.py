@@ -24,7 +24,7 @@ import torch
 
 from dsconv import schemas
 from dsconv.errors import UserError
-from dsconv.quant.calibrate.data import read_utf8
+from dsconv.runner.texts import read_utf8
 
 DEFAULT_MAX_NEW_TOKENS = 64
 SHORT_ANSWER_TOKENS = 16   # reference answers up to this long are scored by exact match

@@ -67,10 +67,11 @@ def ppl_failures(result: dict[str, Any], limit: float | None) -> list[str]:
             if m["ppl_change_pct"] > limit]
 
 
-def plan(req: EvalRequest) -> dict[str, Any]:
-    """The eval's plan (evaluate/plan.py), from headers and the tokenizer."""
+def plan(req: EvalRequest) -> tuple[dict[str, Any], tuple[list[list[int]], str]]:
+    """The eval's plan (evaluate/plan.py), from headers and the tokenizer, and the text's windows it counted (the run
+    scores those, tokenized once)."""
     from dsconv.checkpoint import Checkpoint
-    from dsconv.quant.calibrate.data import load_tokenizer
+    from dsconv.runner.texts import load_tokenizer
     from dsconv.quant.evaluate.fidelity import eval_chunks
     from dsconv.quant.evaluate.plan import eval_plan
     from dsconv.quant.evaluate.qa import check_lengths, prompt_ids, read_questions
@@ -86,20 +87,21 @@ def plan(req: EvalRequest) -> dict[str, Any]:
                       ck.family.flat_config(ck.config).get("max_position_embeddings"))
         prompt_tokens = sum(len(p) for p in prompts)
     return eval_plan(req.model, req.quantized, chunks, source, len(questions),
-                     req.qa.max_new_tokens if req.qa else 0, prompt_tokens)
+                     req.qa.max_new_tokens if req.qa else 0, prompt_tokens), (chunks, source)
 
 
 def run(req: EvalRequest) -> EvalResult:
     """Run `dsconv eval`: its plan first (alone with `dry_run`)."""
+    windows = None
     if req.dry_run or req.note is not None:
         from dsconv.quant.evaluate.plan import render_plan
 
-        p = plan(req)
+        p, windows = plan(req)
         if req.dry_run:
             return EvalResult({"dry_run": True, "plan": p})
         req.note(render_plan(p))
     result = evaluate(req.model, req.quantized, text=req.text, seq_len=req.seq_len, samples=req.samples,
-                      progress=req.progress, qa=req.qa, execution=req.execution)
+                      progress=req.progress, qa=req.qa, execution=req.execution, windows=windows)
     failed = ppl_failures(result, req.max_ppl_increase)
     if req.max_answer_change is not None and changed_fraction(result["qa"]) > req.max_answer_change:
         failed.append(f"{changed_fraction(result['qa']):.1f}% of the answers changed (limit "

@@ -9,8 +9,8 @@ output, computed as the engine computes them) are the only layers in memory, and
 - the embedding gathers the rows of the evaluated tokens from the mapped table;
 - the vocabulary projection runs in blocks of rows with online log-sum-exp, so perplexity, KL, the logits error,
   top-1 and each position's arg-max come out without a [tokens, vocabulary] tensor.
-Padding and batching are those of the in-memory path (`fidelity.compare`), so both compute the same rows: the only
-difference is the order of float additions in a blocked matmul.
+Padding, batching and every figure are dsconv.runner.metrics', which the in-memory path (`fidelity.compare`) uses too,
+so both compute the same rows: the only difference is the order of float additions in a blocked matmul.
 
 The int8 KV cache of a `--kv-cache int8` output is applied on the quantized side as in-memory evaluation does: C8 by a
 cache stand-in that hands the attention its states through int8 (nothing is stored), FA quant by rounding the MLA
@@ -19,22 +19,21 @@ latent norm's output.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
 from dsconv.families.roles import Role
 from dsconv.qformat import FA_QUANT
-from dsconv.quant.calibrate.layers import ExpertLoop, Skeleton, install_forward
-from dsconv.quant.evaluate import int8_cache as int8_cache_sim
 from dsconv.quant.evaluate import engine_linear
+from dsconv.quant.evaluate import int8_cache as int8_cache_sim
 from dsconv.quant.evaluate.engine_linear import EngineLinear, row_blocks
 from dsconv.quant.formats.msmodelslim import quantized_modules, read_linear
+from dsconv.runner.layers import ExpertLoop, Skeleton, install_forward
+from dsconv.runner.metrics import HeadStats, Positions, Rows, batches, padded
 
 
 # ------------------------------------------------------------------------------------------------ linears
@@ -193,57 +192,6 @@ class StreamedModel:
 
 
 # ------------------------------------------------------------------------------------------------ logits
-@dataclass
-class HeadStats:
-    """What the vocabulary projection gives per position, accumulated over blocks of vocabulary rows."""
-
-    n: int
-    m: dict[str, torch.Tensor] = field(default_factory=dict)        # running max logit
-    s: dict[str, torch.Tensor] = field(default_factory=dict)        # sum exp(logit - m)
-    arg: dict[str, torch.Tensor] = field(default_factory=dict)      # arg-max so far (first of equals)
-    target: dict[str, torch.Tensor] = field(default_factory=dict)   # logit of the next token
-    t: torch.Tensor | None = None                                     # sum exp(lo - m_o) * (lo - lq)
-    abs_sum: torch.Tensor | None = None                               # per position: sum |lq - lo|
-    ref_abs_sum: torch.Tensor | None = None                           # sum |lo|
-    abs_max: torch.Tensor | None = None                               # max |lq - lo|
-
-    def add(self, lo: torch.Tensor, lq: torch.Tensor, start: int, targets: torch.Tensor) -> None:
-        """Logits of vocabulary ids [start, start + block) for both models; `targets` the next ids (-1: none)."""
-        diff = (lq - lo).abs()
-        d_sum, r_sum, d_max = diff.sum(1, dtype=torch.float64), lo.abs().sum(1, dtype=torch.float64), diff.amax(1)
-        if self.abs_sum is None:
-            self.abs_sum, self.ref_abs_sum, self.abs_max = d_sum, r_sum, d_max
-        else:
-            self.abs_sum, self.ref_abs_sum = self.abs_sum + d_sum, self.ref_abs_sum + r_sum
-            self.abs_max = torch.maximum(self.abs_max, d_max)
-        old_m = self.m.get("o")
-        for key, logits in (("o", lo), ("q", lq)):
-            bmax, barg = logits.max(dim=1)
-            if key not in self.m:
-                m = bmax.double()
-                self.s[key] = torch.exp(logits.double() - m[:, None]).sum(1)
-                self.arg[key] = barg + start
-                self.target[key] = torch.full((self.n,), float("nan"), dtype=torch.float64)
-            else:
-                m = torch.maximum(self.m[key], bmax.double())
-                self.s[key] = self.s[key] * torch.exp(self.m[key] - m) + torch.exp(logits.double() - m[:, None]).sum(1)
-                self.arg[key] = torch.where(bmax.double() > self.m[key], barg + start, self.arg[key])
-            self.m[key] = m
-            inside = (targets >= start) & (targets < start + logits.shape[1])
-            rows = torch.where(inside)[0]
-            self.target[key][rows] = logits[rows, targets[rows] - start].double()
-        w = torch.exp(lo.double() - self.m["o"][:, None])
-        part = (w * (lo.double() - lq.double())).sum(1)
-        self.t = part if self.t is None else self.t * torch.exp(old_m - self.m["o"]) + part
-
-    def lse(self, key: str) -> torch.Tensor:
-        return self.m[key] + torch.log(self.s[key])
-
-    def kl(self) -> torch.Tensor:
-        """KL(original || quantized) per position: E_po[lo - lq] - lse_o + lse_q."""
-        return self.t / self.s["o"] - self.lse("o") + self.lse("q")
-
-
 def head_pass(orig: StreamedModel, quant: StreamedModel, ho: torch.Tensor, hq: torch.Tensor,
               targets: torch.Tensor) -> HeadStats:
     """Both vocabulary projections over final hidden rows [N, H], in blocks of vocabulary rows."""
@@ -262,38 +210,6 @@ def head_pass(orig: StreamedModel, quant: StreamedModel, ho: torch.Tensor, hq: t
 
 
 # ------------------------------------------------------------------------------------------------ the pass
-@dataclass
-class Positions:
-    """Per evaluated position (real tokens only, batch order): both models' arg-max and next-token NLL, the KL."""
-
-    seq: np.ndarray          # which sequence
-    pos: np.ndarray          # position within it
-    arg_o: np.ndarray
-    arg_q: np.ndarray
-    nll_o: np.ndarray        # NaN where the position has no next token
-    nll_q: np.ndarray
-    kl: np.ndarray
-    abs_sum: np.ndarray      # per position: sum over the vocabulary of |lq - lo|
-    ref_abs_sum: np.ndarray  # sum of |lo|
-    abs_max: np.ndarray      # max |lq - lo|
-    vocab: int
-    layer_seconds: list[float] = field(default_factory=list)
-    expert_seconds: float = 0.0
-    expert_runs: int = 0
-
-    @staticmethod
-    def concat(parts: list["Positions"], offsets: list[int]) -> "Positions":
-        """The positions of jobs that each evaluated a run of sequences (sequence ids from `offsets`)."""
-        cat = lambda key: np.concatenate([getattr(p, key) for p in parts])  # noqa: E731
-        return Positions(seq=np.concatenate([p.seq + o for p, o in zip(parts, offsets)]), pos=cat("pos"),
-                         arg_o=cat("arg_o"), arg_q=cat("arg_q"), nll_o=cat("nll_o"), nll_q=cat("nll_q"), kl=cat("kl"),
-                         abs_sum=cat("abs_sum"), ref_abs_sum=cat("ref_abs_sum"), abs_max=cat("abs_max"),
-                         vocab=parts[0].vocab,
-                         layer_seconds=[sum(x) for x in zip(*(p.layer_seconds for p in parts))],
-                         expert_seconds=sum(p.expert_seconds for p in parts),
-                         expert_runs=sum(p.expert_runs for p in parts))
-
-
 ACTIVATION_BUDGET = 512 * 2**20  # float32 activations of one batch inside a layer
 
 
@@ -308,17 +224,6 @@ def batch_tokens(config: Any) -> int:
         per_head = 3 * int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     width = max(int(getattr(config, "intermediate_size", 0) or 0), heads * per_head, config.hidden_size)
     return int(min(4096, max(64, ACTIVATION_BUDGET // (16 * width))))
-
-
-def batches(seqs: list[list[int]], batch_tokens: int) -> list[list[int]]:
-    """Sequences into padded batches: longest first, as many as fit in batch_tokens (both eval paths)."""
-    order = sorted(range(len(seqs)), key=lambda j: (-len(seqs[j]), j))
-    out = []
-    while order:
-        per = max(1, batch_tokens // len(seqs[order[0]]))
-        out.append(order[:per])
-        order = order[per:]
-    return out
 
 
 @dataclass(frozen=True)
@@ -365,16 +270,7 @@ def run_passes(orig: StreamedModel, quants: Sequence[StreamedModel], seqs: list[
     from tqdm import tqdm
 
     groups = batches(seqs, batch_tokens)
-    ids, masks = [], []
-    for g in groups:
-        L = max(len(seqs[j]) for j in g)
-        t = torch.zeros(len(g), L, dtype=torch.long)
-        m = torch.zeros(len(g), L, dtype=torch.bool)
-        for r, j in enumerate(g):
-            t[r, : len(seqs[j])] = torch.tensor(seqs[j])
-            m[r, : len(seqs[j])] = True
-        ids.append(t)
-        masks.append(m)
+    ids, masks = zip(*(padded(seqs, g) for g in groups))
     ho = [orig.embed(t) for t in ids]
     hqs = [[quant.embed(t) for t in ids] for quant in quants]
     n_layers = orig.sk.num_layers
@@ -386,47 +282,19 @@ def run_passes(orig: StreamedModel, quants: Sequence[StreamedModel], seqs: list[
                 for b in range(len(hs)):
                     hs[b] = run(hs[b])
         layer_seconds.append(time.perf_counter() - started)
-    seq, pos, targets, fo = [], [], [], []
+    rows, fo = [], []
     fqs: list[list[torch.Tensor]] = [[] for _ in quants]
     for k, (g, t, m, xo) in enumerate(zip(groups, ids, masks, ho)):
-        nxt = torch.full_like(t, -1)
-        nxt[:, :-1] = torch.where(m[:, 1:], t[:, 1:], torch.full_like(t[:, 1:], -1))
-        rows, cols = torch.where(m)
-        seq.append(torch.tensor(g)[rows])
-        pos.append(cols)
-        targets.append(nxt[m])
+        rows.append(Rows.of(g, t, m))
         fo.append(orig.final(xo)[m])
         for quant, hq, fq in zip(quants, hqs, fqs):
             fq.append(quant.final(hq[k])[m])
-    target, seq_all, pos_all, fo_all = torch.cat(targets), torch.cat(seq).numpy(), torch.cat(pos).numpy(), \
-        torch.cat(fo).float()
-    has = target >= 0
+    every, fo_all = Rows.cat(rows), torch.cat(fo).float()
     out = []
     for quant, fq in zip(quants, fqs):
         with torch.no_grad():
-            st = head_pass(orig, quant, fo_all, torch.cat(fq).float(), target)
-        nll = {k: torch.where(has, st.lse(k) - st.target[k], torch.full_like(st.m[k], math.nan)) for k in ("o", "q")}
-        out.append(Positions(seq=seq_all, pos=pos_all, arg_o=st.arg["o"].numpy(), arg_q=st.arg["q"].numpy(),
-                             nll_o=nll["o"].numpy(), nll_q=nll["q"].numpy(), kl=st.kl().numpy(),
-                             abs_sum=st.abs_sum.numpy(), ref_abs_sum=st.ref_abs_sum.numpy(),
-                             abs_max=st.abs_max.numpy(), vocab=orig.vocab, layer_seconds=layer_seconds,
-                             expert_seconds=orig.expert_seconds + quant.expert_seconds,
-                             expert_runs=orig.expert_runs + quant.expert_runs))
+            st = head_pass(orig, quant, fo_all, torch.cat(fq).float(), every.targets)
+        out.append(Positions.of(st, every, orig.vocab, layer_seconds=layer_seconds,
+                                expert_seconds=orig.expert_seconds + quant.expert_seconds,
+                                expert_runs=orig.expert_runs + quant.expert_runs))
     return out
-
-
-def text_metrics(p: Positions, chunk_ids: set[int] | None = None) -> dict[str, Any]:
-    """The in-memory path's metrics (`fidelity.compare`) from the per-position results of the text chunks."""
-    keep = np.ones(len(p.seq), bool) if chunk_ids is None else np.isin(p.seq, sorted(chunk_ids))
-    has = keep & ~np.isnan(p.nll_o)
-    predicted = int(has.sum())
-    positions = int(keep.sum())
-    ppl_o = math.exp(float(p.nll_o[has].sum()) / predicted)
-    ppl_q = math.exp(float(p.nll_q[has].sum()) / predicted)
-    abs_sum, ref_abs_sum = float(p.abs_sum[keep].sum()), float(p.ref_abs_sum[keep].sum())
-    return {"tokens": positions, "predicted_tokens": predicted, "ppl_original": round(ppl_o, 4),
-            "ppl_quantized": round(ppl_q, 4), "ppl_change_pct": round((ppl_q / ppl_o - 1.0) * 100.0, 4),
-            "logits_mean_abs_error": round(abs_sum / (positions * p.vocab), 6),
-            "logits_relative_error": round(abs_sum / ref_abs_sum, 6) if ref_abs_sum else 0.0,
-            "logits_max_abs_error": round(float(p.abs_max[keep].max()), 6), "kl_divergence": round(float(p.kl[keep].sum()) / positions, 6),
-            "top1_agreement": round(float((p.arg_o[keep] == p.arg_q[keep]).sum()) / positions, 6)}
