@@ -194,7 +194,18 @@ def write_synthetic_fp8(root: Path, config: dict | None = None) -> dict:
 # kcopy = copy_file_range, copy = user-space read + write; each right before an export, page cache synced before each
 FP8_ANCHORS = ("cp", "kcopy", "copy")
 FP8_ROUNDS = (1, 2, 3)
-FP8_GOAL = 0.8  # issue #25 point 5: FP8 -> BF16 at >= 0.8x the rate of `cp` of the same output bytes
+FP8_GOAL = 1.0  # FP8 -> BF16 at >= 1.0x the rate of `cp -r` of the same output bytes, page cache warm and cold
+
+
+def cold(r: dict, written: int) -> dict:
+    """The page-cache-cold rounds: export with its FP8 input dropped from the cache, `cp -r` with its input (the BF16
+    output) dropped; best of the rounds each."""
+    best = {k: min(r[f"{k}{i}_cold"] for i in FP8_ROUNDS) for k in ("cp", "export")}
+    return {"export_s": round(best["export"], 2), "cp_s": round(best["cp"], 2),
+            "export_runs_s": [round(r[f"export{i}_cold"], 2) for i in FP8_ROUNDS],
+            "cp_runs_s": [round(r[f"cp{i}_cold"], 2) for i in FP8_ROUNDS],
+            "export_output_gb_s": round(written / best["export"] / GB, 3),
+            "export_vs_cp": round(best["cp"] / best["export"], 3), "meets_goal": best["cp"] / best["export"] >= FP8_GOAL}
 
 
 def bench_fp8(config: dict | None = None) -> dict:
@@ -219,7 +230,9 @@ def bench_fp8(config: dict | None = None) -> dict:
               f"{info['parts']} parts, largest {info['largest_tensor_bytes'] / 1e6:.0f} MB", flush=True)
         export = ["export", "--format", "safetensors", "--dtype", "bf16", "-m", str(src), "-o", str(out)]
         jobs = [["first", export], *[[f"{k}{i}", [str(out), str(root / "anchor")] if k != "export" else export]
-                                    for i in FP8_ROUNDS for k in (*FP8_ANCHORS, "export")]]
+                                    for i in FP8_ROUNDS for k in (*FP8_ANCHORS, "export")],
+                *[[f"{k}{i}_cold", [str(out), str(root / "anchor")] if k != "export" else export]
+                  for i in FP8_ROUNDS for k in ("cp", "export")]]
         result: dict = {"checkpoint": info, "filesystem": filesystem(root), "goal_vs_cp": FP8_GOAL}
         for label, workers in (("workers_1", 1), ("workers_default", os.cpu_count() or 1)):
             load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -237,13 +250,16 @@ def bench_fp8(config: dict | None = None) -> dict:
                 **{f"{k}_gb_s": round(written / best[k] / GB, 3) for k in FP8_ANCHORS},
                 **{f"export_vs_{k}": round(best[k] / best["export"], 3) for k in FP8_ANCHORS},
                 "meets_goal": best["cp"] / best["export"] >= FP8_GOAL,
+                "cold": cold(r, written),
                 "driver_peak_rss_bytes": max(r["peak_rss_bytes"][f"export{i}"] for i in FP8_ROUNDS),
                 "load_before": load_before, "load_after": r["load_after"]}
             x = result[label]
             print(f"FP8->BF16 {label}: {x['export_s']} s for {written / GB:.2f} GB out ({x['export_output_gb_s']} GB/s) "
                   f"= {x['export_vs_cp']}x cp -r ({x['cp_s']} s; goal >= {FP8_GOAL}), {x['export_vs_kcopy']}x "
                   f"copy_file_range, {x['export_vs_copy']}x a user-space copy; driver peak RSS "
-                  f"{x['driver_peak_rss_bytes'] / GB:.2f} GB; load {load_before} -> {r['load_after']}", flush=True)
+                  f"{x['driver_peak_rss_bytes'] / GB:.2f} GB; cold: {x['cold']['export_s']} s = "
+                  f"{x['cold']['export_vs_cp']}x cp -r ({x['cold']['cp_s']} s); load {load_before} -> {r['load_after']}",
+                  flush=True)
         result["peak_rss_over_largest_tensor_workers_1"] = round(
             result["workers_1"]["driver_peak_rss_bytes"] / info["largest_tensor_bytes"], 2)
         return result

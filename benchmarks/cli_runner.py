@@ -3,7 +3,8 @@
 Why one process: the figures are throughput, so the imports are paid once before the timed runs (`startup_s`), and
 so is the forkserver that preloads torch for the worker pools (started by the first job, which callers time apart;
 each CLI job still starts its own pool of workers from it). Every timed job starts from a synced page cache (dirty
-pages of the last job written back, outside the timing) and an absent output (a previous output is removed outside
+pages of the last job written back, outside the timing; a label ending in "_cold" also has its input's pages dropped
+from the cache, so that it reads them from the disk) and an absent output (a previous output is removed outside
 the timing, as the copy's is); neither the copy nor the job syncs its own writes. `peak_rss_bytes[label]` is the
 driver's own high-water mark during that job (reset before it; workers not included: with `--workers 1` the work
 runs inline in the driver, with more it does not).
@@ -81,6 +82,13 @@ for name, args in jobs:
     dst = Path(args[1] if kind else args[args.index("-o") + 1])
     shutil.rmtree(dst, ignore_errors=True)
     os.sync()
+    if name.endswith("_cold"):  # the job's input out of the page cache (clean after the sync, so evictable)
+        src = Path(args[0] if kind else args[args.index("-m") + 1])
+        for f in src.rglob("*"):
+            if f.is_file():
+                fd = os.open(f, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     t = time.perf_counter()

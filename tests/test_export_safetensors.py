@@ -156,6 +156,35 @@ def test_kernel_is_exact(shape, block, dtype):
     assert torch.equal(dequantize_fp8(w, scale, block, dtype), independent_dequant(w, scale, block, dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_reader_uses_the_same_exact_kernel(dtype):
+    """Checkpoint reads (quantize reading FP8, shard, eval) dequantize through io/fp8_kernel.py's tables: every code
+    (NaN codes aside), subnormal products, ragged blocks, a stripe starting inside a block row."""
+    from dsconv.io import fp8_kernel
+    from dsconv.io.tensorfile import dequant_fp8_block, float_view
+
+    g = torch.Generator().manual_seed(1)
+    codes = torch.arange(256, dtype=torch.uint8).repeat(70, 3)[:, :700]
+    codes[(codes & 0x7F) == 0x7F] = 0x00
+    w = codes.view(torch.float8_e4m3fn)
+    scale = torch.rand((3, 6), generator=g) * 1e-2
+    scale[0, 0] = 1e-30  # products below bf16's normal range
+    want = independent_dequant(w[:, :700], scale, (32, 128), dtype)
+    assert torch.equal(dequant_fp8_block(w, scale, (32, 128), dtype), want)
+    part = torch.empty(40, 700, dtype=dtype)
+    fp8_kernel.dequantize_rows(codes[20:60].numpy(), scale.numpy(), (32, 128), 20, float_view(part))
+    assert torch.equal(part, want[20:60])
+
+
+def test_reader_keeps_nan_codes_nan():
+    from dsconv.io.tensorfile import dequant_fp8_block
+
+    w = torch.full((20, 20), 2.0).to(torch.float8_e4m3fn)
+    w.view(torch.uint8)[3, 4] = 0xFF
+    got = dequant_fp8_block(w, torch.ones(2, 2), BLOCK, torch.float32)
+    assert torch.isnan(got[3, 4]) and int(torch.isnan(got).sum()) == 1
+
+
 def test_kernel_large_scales_and_nan_codes():
     w = torch.full((20, 20), 2.0).to(torch.float8_e4m3fn)
     big = torch.full((2, 2), 300.0)  # beyond the fast path's range: the reference loop takes over

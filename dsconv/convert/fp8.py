@@ -10,11 +10,11 @@ transformers keeps them; integer and bool tensors are unchanged. config.json los
 new dtype; tokenizer and generation files are copied. Fused MoE checkpoints are written with the per-expert names the
 reader presents (transformers' default layout, which it loads as well).
 
-The FP8 -> BF16 kernel is exact (bit-identical to `fp8.to(float32) * scale` rounded to the target dtype) and runs on
-128-row stripes, two threads: the e4m3 bits move into float32 position with integer ops (the 2^120 exponent re-bias
-is folded into the scale, which also makes subnormals exact), then one float32 multiply and one round-to-nearest-even
-store (torch's float8 cast is ~10x slower on CPU). NaN/Inf checks work on bit patterns, skipped for FP8 stripes whose
-block scales prove them finite. `pipeline=True` (whole tensors, one written while the next converts) is the baseline
+The FP8 kernel (`io/fp8_kernel.py`, which the reader uses too when quantize reads FP8) is exact (bit-identical to
+`fp8.to(float32) * scale` rounded to the target dtype): each block column's 256 possible results are computed once and
+every element is a table lookup. It runs on 128-row stripes, two threads, each stripe's input pages dropped once it is
+converted. NaN codes are refused per stripe on the bytes; NaN/Inf checks of the output are skipped for FP8 stripes
+whose block scales prove them finite. `pipeline=True` (whole tensors, one written while the next converts) is the baseline
 benchmarks/bench_export.py measures the streamed path against.
 """
 from __future__ import annotations
@@ -34,13 +34,12 @@ from dsconv.convert import DTYPES
 from dsconv.errors import UserError
 from dsconv.families.roles import Role
 from dsconv.io.passthrough import check_finite
+from dsconv.io.tensorfile import float_view
 from dsconv.runtime.process import gc_paused, peak_rss_bytes
 from dsconv.tensors import FLOAT_DTYPES, FP8_DTYPES, PRECISIONS, config_with_dtype, numpy_dtype, safetensors_dtype
 
 INDEX_SUFFIX = ".safetensors.index.json"
 STRIPE_ROWS = 128
-_REBIAS = 2.0 ** 120  # e4m3 exponent bias 7 -> float32 bias 127
-_FP8_BITS = np.array(0x87F00000, dtype=np.uint32).view(np.int32)
 
 
 @dataclass(frozen=True)
@@ -136,7 +135,7 @@ def dequantize_fp8(weight, scale_inv, block: tuple[int, int], out_dtype, name: s
     import torch
 
     out = torch.empty(tuple(weight.shape), dtype=out_dtype)
-    out_np = _numpy_view(out) if out.numel() else None
+    out_np = float_view(out) if out.numel() else None
     for r0, r1, stripe in iter_dequantized_fp8(weight, scale_inv, block, out_dtype, name, threads, out=out_np):
         if stripe is not None and out_np is not None and not np.may_share_memory(stripe, out_np):
             out_np[r0:r1] = stripe.view(out_np.dtype)
@@ -155,22 +154,22 @@ def iter_dequantized_fp8(weight, scale_inv, block: tuple[int, int], out_dtype, n
     valid until the next one is asked for (its buffer is reused)."""
     import torch
 
+    from dsconv.io import fp8_kernel
     from dsconv.io.tensorfile import dequant_fp8_block
     from dsconv.runtime.threads import ordered_map
 
     scale = scale_inv.to(torch.float32)
-    if (weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or scale.numel() == 0
-            or not float(scale.abs().max()) < 2.0 ** 7):  # scale * 2^120 must stay finite (NaN scales too)
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or not fp8_kernel.fits(scale.numpy()):
         whole = dequant_fp8_block(weight, scale, block, out_dtype=out_dtype)
-        yield 0, whole.shape[0], _numpy_view(whole) if whole.numel() else None
+        yield 0, whole.shape[0], float_view(whole) if whole.numel() else None
         return
     rows, cols = weight.shape
     b0, b1 = block
     if tuple(scale.shape) != (math.ceil(rows / b0), math.ceil(cols / b1)):
         raise UserError(f"{name}_scale_inv has shape {list(scale.shape)} for a {list(weight.shape)} weight in "
                         f"{b0}x{b1} blocks", hint="the scale does not belong to this weight")
-    col_scale = np.repeat((scale.numpy() * np.float32(_REBIAS)).astype(np.float32), b1, axis=1)[:, :cols]
-    i8 = weight.view(torch.int8).numpy()
+    scale_np = scale.numpy()
+    codes = weight.view(torch.uint8).numpy()
     np_out = numpy_dtype(safetensors_dtype(out_dtype))
     # a stripe never straddles a block row: a divisor of it, or whole block rows
     step = STRIPE_ROWS if b0 % STRIPE_ROWS == 0 else b0 * max(1, STRIPE_ROWS // b0)
@@ -178,40 +177,21 @@ def iter_dequantized_fp8(weight, scale_inv, block: tuple[int, int], out_dtype, n
     def stripe(r0: int):
         if map_rows is not None:
             map_rows(r0, min(rows, r0 + step))
-        x = i8[r0:r0 + step]
-        # e4m3fn NaN codes are 0x7F and 0xFF: the largest int8 and the largest uint8 (two reductions, no temporary)
-        if x.max() == 0x7F or x.view(np.uint8).max() == 0xFF:
+        x = codes[r0:r0 + step]
+        # e4m3fn NaN codes are 0x7F and 0xFF: two reductions, no temporary
+        if x.max() == 0xFF or x.view(np.int8).max() == 0x7F:
             raise UserError(f"FP8 weight {name} holds NaN codes (rows from {r0})",
                             hint="the checkpoint is damaged; re-download it")
-        y = _int32_scratch(x.shape[0], cols)
-        np.copyto(y, x)  # sign-extended, so the sign lands in bit 31 after the shift
+        dst = out[r0:r0 + x.shape[0]] if out is not None else _STRIPES.take(x.size * np_out.itemsize, np_out, x.shape)
+        fp8_kernel.dequantize_rows(x, scale_np, block, r0, dst)
         if drop_rows is not None:
             drop_rows(r0, r0 + x.shape[0])
-        y <<= 20
-        y &= _FP8_BITS  # sign, 4 exponent and 3 mantissa bits in float32 position
-        f = y.view(np.float32)  # = fp8 value / 2^120, exact (subnormals included)
-        for j in range(0, f.shape[0], b0):
-            f[j:j + b0] *= col_scale[(r0 + j) // b0]
-        dst = out[r0:r0 + x.shape[0]] if out is not None else _STRIPES.take(f.size * np_out.itemsize, np_out, f.shape)
-        _round_into(dst, f)  # one round-to-nearest-even into the target dtype
         return r0, r0 + x.shape[0], dst
 
     for r0, r1, dst in ordered_map(stripe, range(0, rows, step), threads if rows > step else 1):
         yield r0, r1, dst
         if out is None:
             _STRIPES.give(dst)  # the consumer is done with it
-
-
-_LOCAL = threading.local()
-
-
-def _int32_scratch(rows: int, cols: int) -> np.ndarray:
-    """This thread's int32 work area, kept across stripes and tensors (grown when a tensor needs more): new pages
-    for every tensor cost a fault and a zeroing per 4 KiB."""
-    buf = getattr(_LOCAL, "y", None)
-    if buf is None or buf.size < rows * cols:
-        buf = _LOCAL.y = np.empty(rows * cols, np.int32)
-    return buf[: rows * cols].reshape(rows, cols)
 
 
 class _Buffers:
@@ -241,42 +221,6 @@ class _Buffers:
 
 
 _STRIPES = _Buffers()
-
-
-_GRAIN = 32768  # torch runs an elementwise op on fewer elements than its GRAIN_SIZE (32768) in the calling thread
-
-
-def _round_into(dst: np.ndarray, f: np.ndarray) -> None:
-    """float32 `f` rounded to nearest-even into `dst`. bfloat16 through torch's vectorized conversion (0.1 ns per
-    element, ml_dtypes' 0.4 ns was a third of the kernel), bit-identical to ml_dtypes for every finite value (and
-    the fast path makes no other); in pieces below torch's parallel grain where torch would start its own threads
-    (the stripe threads already use the cores). Other dtypes through numpy."""
-    import ml_dtypes
-
-    if dst.dtype != ml_dtypes.bfloat16:
-        np.copyto(dst, f, casting="unsafe")
-        return
-    import torch
-
-    to = torch.from_numpy(dst.view(np.int16).reshape(-1)).view(torch.bfloat16)
-    src = torch.from_numpy(f.reshape(-1))
-    if torch.get_num_threads() == 1 or to.numel() < _GRAIN:
-        to.copy_(src)
-        return
-    for lo in range(0, to.numel(), _GRAIN):
-        to[lo:lo + _GRAIN].copy_(src[lo:lo + _GRAIN])
-
-
-def _numpy_view(t):
-    """A numpy view of a float tensor (bfloat16 through ml_dtypes, which onnx already requires); numpy, not torch,
-    does the per-stripe work so that no torch parallel region runs inside the stripe threads."""
-    import torch
-
-    if t.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
 
 
 def write_converted(write_chunks, ck, t: TensorPlan, threads: int = 2) -> int:

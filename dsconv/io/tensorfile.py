@@ -247,7 +247,40 @@ def read_tensor_infos(path: Path) -> dict[str, TensorInfo]:
 
 
 def dequant_fp8_block(weight, scale_inv, block: tuple[int, int] = (128, 128), out_dtype=None):
-    """FP8 [out, in] x float32 [ceil(out/b0), ceil(in/b1)] -> BF16, one row-block stripe at a time (ragged edges)."""
+    """FP8 [out, in] x float32 [ceil(out/b0), ceil(in/b1)] -> BF16 (or `out_dtype`), exactly `weight.float() * scale`
+    rounded once: by io/fp8_kernel.py's tables for e4m3 with finite scales below 2^7 and no NaN code, else the
+    reference loop (`reference_dequant_fp8`), which also gives NaN codes their NaN."""
+    import torch
+
+    from dsconv.io import fp8_kernel
+
+    out_dtype = out_dtype or torch.bfloat16
+    scale = scale_inv.to(torch.float32)
+    if (weight.dtype == torch.float8_e4m3fn and weight.dim() == 2
+            and out_dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and tuple(scale.shape) == tuple(-(-n // b) for n, b in zip(weight.shape, block))
+            and fp8_kernel.fits(scale.numpy())):
+        codes = weight.contiguous().view(torch.uint8).numpy()
+        if codes.size and codes.max() != 0xFF and codes.view(np.int8).max() != 0x7F:
+            out = torch.empty(tuple(weight.shape), dtype=out_dtype)
+            fp8_kernel.dequantize_rows(codes, scale.numpy(), block, 0, float_view(out))
+            return out
+    return reference_dequant_fp8(weight, scale, block, out_dtype)
+
+
+def float_view(t):
+    """A numpy view of a float tensor in its own float dtype (bfloat16 through ml_dtypes)."""
+    import torch
+
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def reference_dequant_fp8(weight, scale_inv, block: tuple[int, int] = (128, 128), out_dtype=None):
+    """The reference: one row-block stripe at a time through torch's float8 cast (ragged edges)."""
     import torch
 
     out_dtype = out_dtype or torch.bfloat16
