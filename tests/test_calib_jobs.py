@@ -5,6 +5,7 @@ driver, and (the `fwd-` cases: several calibration batches) the layer forward sp
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 
 import dsconv.executor as dexec
 from dsconv.quant.calibrate.forward_jobs import SPLIT_ENV
-from tests.test_exec import tree
+from tests.test_exec import drop_varying, tree
 
 pytestmark = [pytest.mark.cli, pytest.mark.slow]
 
@@ -260,7 +261,33 @@ def test_ray_nodes_beyond_the_batches_take_parts_of_batches(inline, run_cli, mod
     files, summary = _run(run_cli, tmp_path / "o", models, case, ["--executor", "ray", "--workers", str(4 * batches)])
     fwd = summary["forward"]
     assert fwd["jobs_per_pass"] == 2 * batches and fwd["threads_per_job"] == 2, fwd
-    assert files == inline[case[0]][0]
+    # every written tensor byte-identical; the report's measured output errors to float rounding: these 2-thread
+    # jobs' matmuls may run on fewer threads when Ray's workers contend for the 2 cores (MKL's dynamic threads), which
+    # reorders float additions (seen: 0.014129 vs 0.014119 in a layer's output error, every weight equal)
+    report = "quant_report.json"
+    assert {k: v for k, v in files.items() if k != report} == {k: v for k, v in inline[case[0]][0].items()
+                                                               if k != report}
+    got, want = (drop_varying(json.loads((d / report).read_text().replace(str(d), "<OUT>")))
+                 for d in (tmp_path / "o", inline[case[0]][2]))
+    assert close(got, want)
+
+
+def close(a, b, rel: float = 1e-3) -> bool:
+    """Two JSON values equal, floats to `rel` relative (and 1e-9 absolute)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(close(a[k], b[k], rel) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(close(x, y, rel) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isclose(a, b, rel_tol=rel,
+                                                                                            abs_tol=1e-9)
+    return a == b
+
+
+def test_close_tells_float_noise_from_a_change():
+    assert close({"e": [0.014129, 3, "x"]}, {"e": [0.014119, 3, "x"]})
+    assert not close({"e": [0.0141, 3]}, {"e": [0.0152, 3]}) and not close({"e": 1}, {"e": 2})
+    assert not close({"a": 1.0}, {"b": 1.0})
 
 
 def test_sub_batch_jobs_keep_calibration_order_and_each_batchs_padding():

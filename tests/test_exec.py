@@ -18,11 +18,11 @@ pytestmark = [pytest.mark.cli, pytest.mark.slow]
 VARYING = ("seconds", "time", "timing", "rss", "throughput", "created", "command", "versions")
 
 
-def _drop(obj):
+def drop_varying(obj):
     if isinstance(obj, dict):
-        return {k: _drop(v) for k, v in obj.items() if not any(t in k.lower() for t in VARYING)}
+        return {k: drop_varying(v) for k, v in obj.items() if not any(t in k.lower() for t in VARYING)}
     if isinstance(obj, list):
-        return [_drop(v) for v in obj]
+        return [drop_varying(v) for v in obj]
     return obj
 
 
@@ -39,7 +39,7 @@ without timings - quant_report.json records each calibration step's seconds), JS
             data = json.dumps({k: "-" if k.endswith(".json") else v for k, v in files.items()},
                               sort_keys=True).encode()
         elif p.suffix == ".json":
-            data = json.dumps(_drop(json.loads(p.read_text().replace(str(out), "<OUT>"))), sort_keys=True).encode()
+            data = json.dumps(drop_varying(json.loads(p.read_text().replace(str(out), "<OUT>"))), sort_keys=True).encode()
         else:
             data = p.read_bytes()
         res[rel] = hashlib.sha256(data).hexdigest()
