@@ -61,17 +61,13 @@ def plain_forward(model_dir: Path, samples: list[list[int]]) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from dsconv.runner.metrics import padded
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     decoder = model.get_decoder()
-    order = sorted(samples, key=len, reverse=True)
-    batches = []
-    for i in range(0, len(order), BATCH):
-        group = order[i:i + BATCH]
-        ids = torch.zeros(len(group), len(group[0]), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, s in enumerate(group):
-            ids[r, :len(s)], mask[r, :len(s)] = torch.tensor(s), 1
-        batches.append((ids, mask))
+    order = sorted(range(len(samples)), key=lambda j: -len(samples[j]))
+    batches = [(ids, mask.long()) for ids, mask in (padded(samples, order[i:i + BATCH])
+                                                    for i in range(0, len(order), BATCH))]
 
     def timed(run) -> tuple[float, float]:
         t, c = time.perf_counter(), time.process_time()

@@ -178,8 +178,7 @@ def iter_dequantized_fp8(weight, scale_inv, block: tuple[int, int], out_dtype, n
         if map_rows is not None:
             map_rows(r0, min(rows, r0 + step))
         x = codes[r0:r0 + step]
-        # e4m3fn NaN codes are 0x7F and 0xFF: two reductions, no temporary
-        if x.max() == 0xFF or x.view(np.int8).max() == 0x7F:
+        if fp8_kernel.nan_codes(x):
             raise UserError(f"FP8 weight {name} holds NaN codes (rows from {r0})",
                             hint="the checkpoint is damaged; re-download it")
         dst = out[r0:r0 + x.shape[0]] if out is not None else _STRIPES.take(x.size * np_out.itemsize, np_out, x.shape)

@@ -39,6 +39,11 @@ def rows_by_table(codes: np.ndarray, table: np.ndarray, b1: int, out: np.ndarray
                 out[i, j] = t[codes[i, j]]
 
 
+def nan_codes(codes: np.ndarray) -> bool:
+    """Whether any e4m3fn NaN code (0x7F, 0xFF) is among `codes` (uint8): two reductions, no temporary."""
+    return bool(codes.size) and (codes.max() == 0xFF or codes.view(np.int8).max() == 0x7F)
+
+
 def fits(scale: np.ndarray) -> bool:
     """Whether the exact table path holds for these scales: some, every one finite and below 2^7."""
     return scale.size > 0 and bool(np.all(np.abs(scale) < 2.0 ** 7))

@@ -261,7 +261,7 @@ def dequant_fp8_block(weight, scale_inv, block: tuple[int, int] = (128, 128), ou
             and tuple(scale.shape) == tuple(-(-n // b) for n, b in zip(weight.shape, block))
             and fp8_kernel.fits(scale.numpy())):
         codes = weight.contiguous().view(torch.uint8).numpy()
-        if codes.size and codes.max() != 0xFF and codes.view(np.int8).max() != 0x7F:
+        if codes.size and not fp8_kernel.nan_codes(codes):
             out = torch.empty(tuple(weight.shape), dtype=out_dtype)
             fp8_kernel.dequantize_rows(codes, scale.numpy(), block, 0, float_view(out))
             return out

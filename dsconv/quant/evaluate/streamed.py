@@ -33,7 +33,7 @@ from dsconv.quant.evaluate import int8_cache as int8_cache_sim
 from dsconv.quant.evaluate.engine_linear import EngineLinear, row_blocks
 from dsconv.quant.formats.msmodelslim import quantized_modules, read_linear
 from dsconv.runner.layers import ExpertLoop, Skeleton, install_forward
-from dsconv.runner.metrics import HeadStats, Positions, Rows, batches, padded
+from dsconv.runner.metrics import HeadStats, Positions, Rows, padded_batches
 
 
 # ------------------------------------------------------------------------------------------------ linears
@@ -269,8 +269,7 @@ def run_passes(orig: StreamedModel, quants: Sequence[StreamedModel], seqs: list[
     at a time."""
     from tqdm import tqdm
 
-    groups = batches(seqs, batch_tokens)
-    ids, masks = zip(*(padded(seqs, g) for g in groups))
+    groups, ids, masks = zip(*padded_batches(seqs, batch_tokens))
     ho = [orig.embed(t) for t in ids]
     hqs = [[quant.embed(t) for t in ids] for quant in quants]
     n_layers = orig.sk.num_layers
