@@ -1,6 +1,6 @@
 """The calibrated path's steps (dsconv/quant/calibrate/steps.py): one forward per layer - the smoothing searches ride
 on the statistics forward and the statistics follow the folds (`InputStats.rescale`) as a second forward over the
-smoothed layer would gather them -, every smoothing candidate scored in one batched matmul as one by one, and each
+smoothed layer would gather them -, every smoothing candidate scored in int8 as one by one in float, and each
 step's seconds per layer in quant_report.json."""
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import torch
 from safetensors import safe_open
 
 import dsconv.quant.calibrate.forward_jobs as fj
-from dsconv.quant.algorithms import smoothing as sm
+from dsconv.quant.algorithms import clipping, smoothing as sm
 from dsconv.quant.algorithms.error_metrics import relative_error
 from dsconv.quant.algorithms.fake_quant import fake_quant_int8_rows, fake_quant_static
+from dsconv.quant.algorithms.int8_outputs import int8_matmul
 from dsconv.quant.calibrate import clip_search, smooth_layer
 from dsconv.quant.calibrate.stats import InputStats
 from dsconv.qformat import dequant_weight
@@ -63,9 +64,10 @@ def test_rescaled_statistics_equal_a_second_forward_over_the_smoothed_norm():
 
 @pytest.mark.unit
 @pytest.mark.parametrize("static", [True, False])
-def test_batched_candidates_score_as_one_by_one(static):
-    """candidate_errors (every alpha and clip in one bmm) gives each candidate's error as scoring it alone, with the
-    smoothed weight rounded as it is written (the grid scales of scale_grid.py, not float max|w| / 127)."""
+def test_integer_candidates_score_as_dequantized_float(static):
+    """candidate_errors (int8 codes, one int8 matmul per candidate) gives each candidate's error as dequantizing it
+    and multiplying in float32, the smoothed weight rounded as it is written (the grid scales of scale_grid.py, not
+    float max|w| / 127)."""
     x = outlier_rows(2000, 96)
     site = sm.SiteSample(2000, cap=128)
     for a in range(0, 2000, 300):
@@ -85,6 +87,37 @@ def test_batched_candidates_score_as_one_by_one(static):
         else:
             want = relative_error(fake_quant_int8_rows(xs) @ ws.T, ref)
         assert e == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.unit
+def test_the_clip_search_in_integers_scores_as_dequantized_float():
+    """best_clip's errors (int8 codes, one int8 matmul for every ratio) are those of the fake-quantized float
+    product, at the ratio it chose and at min/max."""
+    x = outlier_rows(512, 96)
+    w = torch.randn(200, 96, generator=torch.Generator().manual_seed(5)) * 0.05
+    lo, hi = float(x.min()), float(x.max())
+    ratio, err, err_minmax = clipping.best_clip(x, lo, hi, [w])
+    ref = x @ w.T
+    for r, e in ((ratio, err), (1.0, err_minmax)):
+        want = relative_error(fake_quant_static(x, lo * r, hi * r) @ fake_quant_int8_rows(w).T, ref)
+        assert e == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("has_int_mm", [True, False], ids=["int_mm", "float-fallback"])
+def test_int8_matmul_is_exact_with_or_without_torchs_int8_kernel(monkeypatch, has_int_mm):
+    if not has_int_mm:
+        def missing(*args):
+            raise RuntimeError("Could not run 'aten::_int_mm' with arguments from the 'CPU' backend")
+
+        monkeypatch.setattr(torch, "_int_mm", missing)
+    g = torch.Generator().manual_seed(4)
+    a = torch.randint(-128, 128, (37, 4864), generator=g, dtype=torch.int8)
+    b = torch.randint(-128, 128, (11, 4864), generator=g, dtype=torch.int8)
+    want = (a.long() @ b.long().T).double()
+    got = int8_matmul(a, b)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.double(), want, rtol=1e-6, atol=0)
 
 
 @pytest.fixture(scope="module")

@@ -79,6 +79,24 @@ def put(fd: int, data: memoryview, pos: int, update: Any = None) -> None:
             raise e
 
 
+def put_chunks(fd: int, chunks: Iterable[Any], pos: int, nbytes: int, name: str, update: Any = None) -> int:
+    """Byte chunks (memoryviews, bytes, contiguous arrays of any numpy dtype) written from `pos` by `put`, never
+    more than `nbytes`, hashed in order by `update` when given; returns the position after the last one. Each chunk
+    is done before the next is asked for, so an iterator may reuse its buffer."""
+    end = pos + nbytes
+    for chunk in chunks:
+        if isinstance(chunk, np.ndarray):  # any numpy dtype, ml_dtypes' bfloat16 included (no buffer format)
+            chunk = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
+        data = chunk if isinstance(chunk, memoryview) else memoryview(chunk)
+        data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+        if pos + len(data) > end:
+            raise ValueError(f"tensor {name}: more than its planned bytes")
+        put(fd, data, pos, update)
+        pos += len(data)
+        del data, chunk
+    return pos
+
+
 _WRITEBACK: list[Any] = []  # libc's sync_file_range, once looked up ([None] where there is none)
 
 
@@ -197,15 +215,8 @@ class PartWriter:
             raise ValueError(f"tensor {name}: {pos - slot.offset} bytes written, {slot.nbytes} planned")
 
     def _put(self, name: str, slot: Slot, chunks: Iterable[Any], pos: int) -> int:
-        for chunk in chunks:
-            if isinstance(chunk, np.ndarray):  # any numpy dtype, ml_dtypes' bfloat16 included (no buffer format)
-                chunk = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
-            data = memoryview(chunk).cast("B")
-            if pos + len(data) > slot.offset + slot.nbytes:
-                raise ValueError(f"tensor {name}: more than its planned {slot.nbytes} bytes")
-            put(self._fd, data, pos, self._hash.update if self._hash is not None else None)
-            pos += len(data)
-        return pos
+        return put_chunks(self._fd, chunks, pos, slot.offset + slot.nbytes - pos, name,
+                          self._hash.update if self._hash is not None else None)
 
     def _copy(self, name: str, slot: Slot, regions: list["Region"], pos: int) -> int:
         """Contiguous ranges in the kernel, in order, with one thread hashing the same ranges beside the copy."""

@@ -25,7 +25,7 @@ import numpy as np
 
 from dsconv import __version__, schemas
 from dsconv.errors import UserError, raise_if_interrupted
-from dsconv.io.parts import DURABLE, BehindHash, Known, PartLayout, Slot, hash_ranges, put
+from dsconv.io.parts import DURABLE, BehindHash, Known, PartLayout, Slot, hash_ranges, put_chunks
 from dsconv.tensors import TensorSpec, is_within, safetensors_dtype
 
 MANIFEST = "dsconv_manifest.json"
@@ -137,19 +137,8 @@ class TensorSetWriter:
         part, offset, nbytes = self._where[name]
         fd = self._fds[part]
         in_order = self._cursor[part] == offset and self._hash[part] is not None
-        pos = offset
-        for chunk in chunks:
-            if isinstance(chunk, np.ndarray):  # any numpy dtype, ml_dtypes' bfloat16 included (no buffer format)
-                chunk = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
-            data = chunk if isinstance(chunk, memoryview) else memoryview(chunk)
-            data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
-            if pos + len(data) > offset + nbytes:
-                raise ValueError(f"tensor {name}: more than its {nbytes} planned bytes")
-            # sha256 and pwrite both release the GIL: a big chunk is hashed and half-written on helper threads
-            # while it is written, so the lot costs the slowest of them instead of their sum
-            put(fd, data, pos, self._hash[part].update if in_order else None)
-            pos += len(data)
-            del data, chunk
+        # sha256 and pwrite both release the GIL: a big chunk is hashed on a helper thread while it is written
+        pos = put_chunks(fd, chunks, offset, nbytes, name, self._hash[part].update if in_order else None)
         if pos != offset + nbytes:
             raise ValueError(f"tensor {name}: {pos - offset} bytes written, {nbytes} planned")
         if in_order:

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from dsconv.qformat import STATIC_TYPES
-from dsconv.quant.algorithms.fake_quant import fake_quant_int8_rows
+from dsconv.quant.algorithms.fake_quant import int8_rows
+from dsconv.quant.algorithms.int8_outputs import static_outputs
 from dsconv.quant.algorithms.methods import ACT_SEARCH
 from dsconv.quant.algorithms.schemes import activation_qparams
 from dsconv.quant.algorithms.smoothing import MAX_OUT_ROWS
@@ -25,16 +26,14 @@ CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5, 0.45, 0.4)
 
 def best_clip(x: torch.Tensor, lo: float, hi: float, weights: list[torch.Tensor]) -> tuple[float, float, float]:
     """(ratio, error at ratio, error at 1.0) for rows x [m, k], the unclipped range and the consumers' weights.
-    Every ratio's rows are fake-quantized at once and go through one matmul."""
+    Every ratio's rows are quantized at once and go through one int8 matmul (int8_outputs.py)."""
     w = torch.cat([t.detach().float() for t in weights])
     w = w[:: max(1, w.shape[0] // MAX_OUT_ROWS)]
     ref = x @ w.T
-    wq = fake_quant_int8_rows(w)
+    qw, sw = int8_rows(w)
     q = [activation_qparams(lo * c, hi * c) for c in CLIPS]
-    sc = torch.tensor([float(a) for a, _ in q])[:, None, None]
-    off = torch.tensor([float(b) for _, b in q])[:, None, None]
-    xq = (torch.round(x[None] / sc + off).clamp_(-128, 127) - off) * sc        # [clips, m, k]
-    y = (xq.reshape(-1, x.shape[1]) @ wq.T).view(len(CLIPS), *ref.shape)
+    y = static_outputs(x, torch.tensor([float(a) for a, _ in q]), torch.tensor([float(b) for _, b in q]),
+                       qw.to(torch.int8), sw.view(-1))
     den = float(torch.linalg.vector_norm(ref))
     num = torch.linalg.vector_norm(y.sub_(ref), dim=(1, 2)).tolist()
     errs = {c: e / den if den else e for c, e in zip(CLIPS, num)}  # a zero reference: the absolute error
