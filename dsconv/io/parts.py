@@ -83,14 +83,15 @@ def put_chunks(fd: int, chunks: Iterable[Any], pos: int, nbytes: int, name: str,
     """Byte chunks (memoryviews, bytes, contiguous arrays of any numpy dtype) written from `pos` by `put`, never
     more than `nbytes`, hashed in order by `update` when given; returns the position after the last one. Each chunk
     is done before the next is asked for, so an iterator may reuse its buffer."""
-    end = pos + nbytes
+    start, end = pos, pos + nbytes
     for chunk in chunks:
         if isinstance(chunk, np.ndarray):  # any numpy dtype, ml_dtypes' bfloat16 included (no buffer format)
             chunk = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
         data = chunk if isinstance(chunk, memoryview) else memoryview(chunk)
         data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
         if pos + len(data) > end:
-            raise ValueError(f"tensor {name}: more than its planned bytes")
+            raise ValueError(f"tensor {name}: more than its planned bytes ({pos - start + len(data)} of the "
+                             f"{nbytes} left)")
         put(fd, data, pos, update)
         pos += len(data)
         del data, chunk

@@ -137,7 +137,8 @@ class TensorSetWriter:
         part, offset, nbytes = self._where[name]
         fd = self._fds[part]
         in_order = self._cursor[part] == offset and self._hash[part] is not None
-        # sha256 and pwrite both release the GIL: a big chunk is hashed on a helper thread while it is written
+        # sha256 and pwrite both release the GIL: a big chunk is hashed and half-written on helper threads while
+        # it is written (io.parts.put), so the lot costs the slowest of them instead of their sum
         pos = put_chunks(fd, chunks, offset, nbytes, name, self._hash[part].update if in_order else None)
         if pos != offset + nbytes:
             raise ValueError(f"tensor {name}: {pos - offset} bytes written, {nbytes} planned")

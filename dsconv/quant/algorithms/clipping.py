@@ -31,9 +31,7 @@ def best_clip(x: torch.Tensor, lo: float, hi: float, weights: list[torch.Tensor]
     w = w[:: max(1, w.shape[0] // MAX_OUT_ROWS)]
     ref = x @ w.T
     qw, sw = int8_rows(w)
-    q = [activation_qparams(lo * c, hi * c) for c in CLIPS]
-    y = static_outputs(x, torch.tensor([float(a) for a, _ in q]), torch.tensor([float(b) for _, b in q]),
-                       qw.to(torch.int8), sw.view(-1))
+    y = static_outputs(x, [activation_qparams(lo * c, hi * c) for c in CLIPS], qw.to(torch.int8), sw.view(-1))
     den = float(torch.linalg.vector_norm(ref))
     num = torch.linalg.vector_norm(y.sub_(ref), dim=(1, 2)).tolist()
     errs = {c: e / den if den else e for c, e in zip(CLIPS, num)}  # a zero reference: the absolute error

@@ -5,6 +5,8 @@ figures to float rounding, a fraction of the cost (int8 matmuls, and int8 tempor
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from dsconv.quant.algorithms.fake_quant import int8_rows
@@ -19,13 +21,15 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a.float() @ b.float().T
 
 
-def static_outputs(x: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, qw: torch.Tensor,
+def static_outputs(x: torch.Tensor, qparams: Sequence[tuple[float, float]], qw: torch.Tensor,
                    sw: torch.Tensor) -> torch.Tensor:
-    """x [m, k] quantized per tensor with each (scale, offset) pair (static W8A8: clamp(round(x / scale + offset)),
-    dequantized as (q - offset) * scale), through weight codes qw [n, k] (int8) with per-row scales sw [n]:
-    [pairs, m, n]. The offset is taken out after the matmul, through each weight row's code sum."""
-    (m, k), n, c = x.shape, qw.shape[0], scales.numel()
-    sc, off = scales.float().view(c, 1, 1), offsets.float().view(c, 1, 1)
+    """x [m, k] quantized per tensor with each (scale, offset) pair of `qparams` (schemes.activation_qparams; static
+    W8A8: clamp(round(x / scale + offset)), dequantized as (q - offset) * scale), through weight codes qw [n, k]
+    (int8) with per-row scales sw [n]: [pairs, m, n]. The offset is taken out after the matmul, through each weight
+    row's code sum."""
+    (m, k), n, c = x.shape, qw.shape[0], len(qparams)
+    sc = torch.tensor([float(a) for a, _ in qparams]).view(c, 1, 1)
+    off = torch.tensor([float(b) for _, b in qparams]).view(c, 1, 1)
     qx = torch.round(x[None] / sc + off).clamp_(-128, 127).to(torch.int8)              # [pairs, m, k]
     y = int8_matmul(qx.view(-1, k), qw).view(c, m, n)
     both = sc * sw.float().view(1, 1, n)

@@ -103,9 +103,9 @@ def candidate_errors(x: torch.Tensor, w: torch.Tensor, S: torch.Tensor, cmin: to
     weights w * s rounded per channel, activations x / s rounded per token (dynamic) or per tensor over the range of
     every calibration token (static: [min/max of cmin / s, cmax / s], the smallest error over `SEARCH_CLIPS`).
 
-    Computed as the engine computes it, in integers (int8_outputs.py): the codes of x / s (every clip) times the codes
-    of w * s in one int8 matmul per candidate, then the scales. The same figures as dequantizing both and multiplying in float32 (to float rounding: a test holds
-    it), at a third of the cost: the float matmuls of every candidate at once (and their 70 MB temporaries) were 22
+    Computed as the engine computes it, in integers (int8_outputs.py): the codes of x / s (every clip) times the
+    codes of w * s in one int8 matmul per candidate, then the scales. The same figures as dequantizing both and
+    multiplying in float32 (to float rounding: a test holds it), at a third of the cost: the float matmuls of every candidate at once (and their 70 MB temporaries) were 22
     of the 51 s a calibrated --bits 8 of Qwen2.5-0.5B took on 36 pairs. Each candidate is scored on its own, two
     side by side, so each one's temporaries stay a few MB."""
     from dsconv.runtime.threads import ordered_map
@@ -122,9 +122,7 @@ def candidate_errors(x: torch.Tensor, w: torch.Tensor, S: torch.Tensor, cmin: to
         qw, sw = torch.from_numpy(qw[:, 0]), torch.from_numpy(sw.reshape(n))
         xs = x / s
         if static:
-            q = [activation_qparams(lo[c] * r, hi[c] * r) for r in SEARCH_CLIPS]
-            y = static_outputs(xs, torch.tensor([float(a) for a, _ in q]), torch.tensor([float(b) for _, b in q]),
-                               qw, sw)
+            y = static_outputs(xs, [activation_qparams(lo[c] * r, hi[c] * r) for r in SEARCH_CLIPS], qw, sw)
         else:
             y = dynamic_outputs(xs, qw, sw)[None]
         num = torch.linalg.vector_norm(y.sub_(ref), dim=(1, 2)).tolist()
