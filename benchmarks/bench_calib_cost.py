@@ -3,7 +3,7 @@ forward of the same calibration tokens through transformers' own model, in ONE p
 
     python -m benchmarks calib_cost
     python -m benchmarks.bench_calib_cost [--model qwen,gemma|DIR] [--engines mindie,vllm-ascend]
-                                          [--calib-samples N] [--repeat N]
+                                          [--calib-samples N] [--repeat N] [--calib-precision bf16]
 
 Per real fixture (benchmarks/real_models.py: Qwen2.5-Coder-0.5B, Gemma-3-270M; a directory works too):
 
@@ -53,11 +53,13 @@ def calibration_samples(model_dir: Path, samples: int | None) -> list[list[int]]
 BATCH = 8  # samples per padded batch of the batched floor
 
 
-def plain_forward(model_dir: Path, samples: list[list[int]]) -> dict[str, Any]:
+def plain_forward(model_dir: Path, samples: list[list[int]], precision: str = "fp32") -> dict[str, Any]:
     """transformers' model in float32 over the calibration samples, three ways, in this process: each sample on its
     own with the LM head (the old floor), the decoder alone (no LM head: dsconv's layer-by-layer forward never
     computes logits) each sample on its own, and the decoder alone on right-padded batches of BATCH samples with an
-    attention mask, longest first (as dsconv batches). `floor_s` is the faster decoder-only figure."""
+    attention mask, longest first (as dsconv batches). `floor_s` is the faster decoder-only figure. `precision`
+    bf16: every forward under torch's CPU autocast to bf16, as `--calib-precision bf16` runs dsconv's (the floor a
+    bf16 calibration is held to)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -71,7 +73,7 @@ def plain_forward(model_dir: Path, samples: list[list[int]]) -> dict[str, Any]:
 
     def timed(run) -> tuple[float, float]:
         t, c = time.perf_counter(), time.process_time()
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             run()
         return time.perf_counter() - t, time.process_time() - c
 
@@ -87,11 +89,12 @@ def plain_forward(model_dir: Path, samples: list[list[int]]) -> dict[str, Any]:
             "decoder_batched_s": round(batched[0], 2), "load_before": before, "load_after": load()}
 
 
-def quantize(model_dir: Path, out: Path, engine: str, samples: int | None) -> dict[str, Any]:
-    """`dsconv quantize --bits 8 --engine ENGINE` through the CLI, in this process."""
+def quantize(model_dir: Path, out: Path, engine: str, samples: int | None, precision: str = "fp32") -> dict[str, Any]:
+    """`dsconv quantize --bits 8 --engine ENGINE --calib-precision PRECISION` through the CLI, in this process."""
     from dsconv.cli import cli
 
-    args = ["quantize", "-m", str(model_dir), "-o", str(out), "--bits", "8", "--engine", engine, "--force", "--json"]
+    args = ["quantize", "-m", str(model_dir), "-o", str(out), "--bits", "8", "--engine", engine, "--force", "--json",
+            "--calib-precision", precision]
     if samples:
         args += ["--calib-samples", str(samples)]
     before = load()
@@ -120,7 +123,7 @@ def _static(out: Path) -> int:
 
 
 def run_model(name: str, model_dir: Path, engines: list[str], samples: int | None, repeat: int,
-              work: Path) -> dict[str, Any] | None:
+              work: Path, precision: str = "fp32") -> dict[str, Any] | None:
     import torch
 
     if not (model_dir / "config.json").exists():
@@ -128,10 +131,11 @@ def run_model(name: str, model_dir: Path, engines: list[str], samples: int | Non
               f"{model_dir.name}` - skipped", flush=True)
         return None
     toks = calibration_samples(model_dir, samples)
-    fwd = min((plain_forward(model_dir, toks) for _ in range(repeat)), key=lambda r: r["wall_s"])
-    res: dict[str, Any] = {"model": str(model_dir), "threads": torch.get_num_threads(), "samples": len(toks),
+    fwd = min((plain_forward(model_dir, toks, precision) for _ in range(repeat)), key=lambda r: r["wall_s"])
+    res: dict[str, Any] = {"model": str(model_dir), "precision": precision, "threads": torch.get_num_threads(),
+                           "samples": len(toks),
                            "tokens": sum(len(s) for s in toks), "plain_forward": fwd, "quantize": {}}
-    print(f"{name}: {len(toks)} samples, {res['tokens']} tokens, {res['threads']} threads; floor (transformers' "
+    print(f"{name} ({precision}): {len(toks)} samples, {res['tokens']} tokens, {res['threads']} threads; floor (transformers' "
           f"decoder, no LM head, {fwd['floor']}) {fwd['wall_s']} s wall ({fwd['cpu_s']} s CPU); per sample "
           f"{fwd['decoder_per_sample_s']} s, padded batches of {BATCH} {fwd['decoder_batched_s']} s, per sample with "
           f"the LM head {fwd['with_lm_head_per_sample_s']} s; load {fwd['load_before']}", flush=True)
@@ -139,7 +143,7 @@ def run_model(name: str, model_dir: Path, engines: list[str], samples: int | Non
         runs = []
         for _ in range(repeat):
             out = work / f"{name}-{engine}"
-            runs.append(quantize(model_dir, out, engine, samples))
+            runs.append(quantize(model_dir, out, engine, samples, precision))
             shutil.rmtree(out, ignore_errors=True)
         q = min(runs, key=lambda r: r["wall_s"])
         q["ratio"] = round(q["wall_s"] / fwd["wall_s"], 2)
@@ -163,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--calib-samples", type=int, default=None, help="first N bundled samples (default: all)")
     ap.add_argument("--repeat", type=int, default=1, help="best of N for each figure")
+    ap.add_argument("--calib-precision", choices=("fp32", "bf16"), default="fp32",
+                    help="quantize --calib-precision, and the floor's forward in the same precision")
     a = ap.parse_args(argv if argv is not None else sys.argv[1:])
     sys.path.insert(0, str(ROOT))
     import torch  # noqa: F401  (imported before any timing: neither side pays it)
@@ -183,12 +189,13 @@ def main(argv: list[str] | None = None) -> None:
             if (model_dir / "config.json").exists():
                 MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(model_dir))]
             r = run_model(name, model_dir, [e.strip() for e in a.engines.split(",") if e.strip()],
-                          a.calib_samples, a.repeat, work)
+                          a.calib_samples, a.repeat, work, a.calib_precision)
             if r is not None:
                 results[name if name in FIXTURES else model_dir.name] = r
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    save("calib_cost", {"cpus": os.cpu_count(), "models": results}, quiet=True)
+    save("calib_cost" if a.calib_precision == "fp32" else f"calib_cost_{a.calib_precision}",
+         {"cpus": os.cpu_count(), "models": results}, quiet=True)
 
 
 if __name__ == "__main__":

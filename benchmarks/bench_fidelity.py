@@ -47,6 +47,10 @@ SCHEMES: dict[str, tuple[list[str], float | str | None]] = {
     "W8A16": (["--scheme", "w8a16"], 0.2),
     "W8A8 static (--bits 8)": (["--bits", "8"], 2.0),  # engine mindie (default): down_proj float
     "W8A8 static (--bits 8 --engine vllm-ascend)": (["--bits", "8", "--engine", "vllm-ascend"], 2.0),  # dynamic down
+    # the calibration forward's matmuls in bf16 (issue 48: AMX): each beside its float32 row, same target
+    "W8A8 static (--bits 8) --calib-precision bf16": (["--bits", "8", "--calib-precision", "bf16"], 2.0),
+    "W8A8 static (--bits 8 --engine vllm-ascend) --calib-precision bf16": (
+        ["--bits", "8", "--engine", "vllm-ascend", "--calib-precision", "bf16"], 2.0),
     "W8A8_DYNAMIC": (["--scheme", "w8a8_dynamic"], 1.5),
     "W4A16 g64 RTN": (["--scheme", "w4a16", "--group-size", "64", "--method", "rtn"], None),
     "W4A16 g64 (default method)": (["--scheme", "w4a16", "--group-size", "64"], VS_RTN),
@@ -78,6 +82,8 @@ SCHEMES: dict[str, tuple[list[str], float | str | None]] = {
     "W8A8 every linear static, no fallback": (["--bits", "8", "--recipe", "uniform", "--fallback", "0"], 1.0),
     "W8A8 every linear static, no fallback, --rotate": (
         ["--bits", "8", "--recipe", "uniform", "--fallback", "0", "--rotate"], 1.0),
+    "W8A8 every linear static, no fallback, --calib-precision bf16": (
+        ["--bits", "8", "--recipe", "uniform", "--fallback", "0", "--calib-precision", "bf16"], 1.0),
     "W8A8_DYNAMIC --rotate": (["--scheme", "w8a8_dynamic", "--rotate"], 1.0),
     "W8A8 static (--bits 8 --engine vllm-ascend) --rotate": (["--bits", "8", "--engine", "vllm-ascend", "--rotate"],
                                                             1.0),
@@ -104,12 +110,15 @@ KEYS = {"w8a16": "W8A16", "w8a8": "W8A8 static (--bits 8)", "w8a8_vllm": "W8A8 s
         "w8a8_dynamic_rot": "W8A8_DYNAMIC --rotate",
         "w8a8_vllm_rot": "W8A8 static (--bits 8 --engine vllm-ascend) --rotate", "rtn_rot": "W4A16 g64 RTN --rotate",
         "w4a8_rot": "W4A8_DYNAMIC MoE recipe RTN --rotate",
-        "w4a4_rot": "W4A4_DYNAMIC recipe (vLLM-Ascend) --rotate", "w4a4": "W4A4_DYNAMIC recipe (vLLM-Ascend), no rotation"}
+        "w4a4_rot": "W4A4_DYNAMIC recipe (vLLM-Ascend) --rotate",
+        "w8a8_bf16": "W8A8 static (--bits 8) --calib-precision bf16",
+        "w8a8_vllm_bf16": "W8A8 static (--bits 8 --engine vllm-ascend) --calib-precision bf16",
+        "w8a8_allstatic_bf16": "W8A8 every linear static, no fallback, --calib-precision bf16", "w4a4": "W4A4_DYNAMIC recipe (vLLM-Ascend), no rotation"}
 MIX_PATH_LABELS = {"static": KEYS["w8a8_mix"], "dynamic": "W8A8_MIX prefill path (dynamic)"}
-DEFAULT_KEYS = ("w8a16", "w8a16_gptq", "w8a8", "w8a8_vllm", "w8a8_dynamic", "w8a8_mix", "w8a8_c8", "rtn", "mse", "gptq", "w4",
+DEFAULT_KEYS = ("w8a16", "w8a16_gptq", "w8a8", "w8a8_bf16", "w8a8_vllm", "w8a8_vllm_bf16", "w8a8_dynamic", "w8a8_mix", "w8a8_c8", "rtn", "mse", "gptq", "w4",
                 "w4a8", "w4a8_gptq", "w4a8_mse",
                 # rotation (docs/rotation.md): each beside its row without it
-                "w8a8_allstatic", "w8a8_allstatic_rot", "w8a8_dynamic_rot", "w8a8_vllm_rot", "rtn_rot", "w4a8_rot",
+                "w8a8_allstatic", "w8a8_allstatic_bf16", "w8a8_allstatic_rot", "w8a8_dynamic_rot", "w8a8_vllm_rot", "rtn_rot", "w4a8_rot",
                 "w4a4", "w4a4_rot")
 MOE_FIXTURES = ("qwen-moe",)  # run only the W4A8 rows (the others are the dense model's own figures)
 # fixtures whose family rotation refuses (Gemma 3 normalises a block's output before the residual add): no rotation

@@ -3,6 +3,7 @@ this host, for three runs in one table:
 
 * `--bits 8` (MindIE's recipe: attention static W8A8 - smoothing and clip searches -, MLP and routed experts
   W8A8_DYNAMIC, kv_b_proj float);
+* `--bits 8 --calib-precision bf16` (the same, its calibration forward's matmuls in bf16: AMX);
 * `--bits 8 --kv-cache int8` (FA quant's statistics in the same forward);
 * the W4A8 recipe, `--bits 4 --scheme w4a8_dynamic --engine vllm-ascend --method rtn` (routed experts int4
   round-to-nearest, every other linear W8A8_DYNAMIC).
@@ -84,6 +85,8 @@ WORKERS_PER_NODE = 2     # a node = this host: 2 cores
 TARGETS = {1: (4.0, 2.0), 8: (0.5, None)}  # hours: target, goal (issue 32)
 # name -> (CLI arguments, the medium model's dtype: MindIE's FA quant wants float16 weights, as a user exports them)
 RUNS = {"--bits 8": (["--bits", "8"], "bf16"),
+        # the calibration forward's matmuls in bf16 (AMX; its accuracy: bench_fidelity's "--calib-precision bf16" rows)
+        "--bits 8 --calib-precision bf16": (["--bits", "8", "--calib-precision", "bf16"], "bf16"),
         "--bits 8 --kv-cache int8": (["--bits", "8", "--kv-cache", "int8"], "fp16"),
         "W4A8 recipe (RTN experts)": (["--bits", "4", "--scheme", "w4a8_dynamic", "--engine", "vllm-ascend",
                                        "--method", "rtn"], "bf16")}
@@ -332,6 +335,8 @@ def project(m: dict[str, Any], io_s_per_gb: float, nodes: tuple[int, ...] = (1, 
     tgain = {"forward": max(1.0, tg["forward"]), "searches": max(1.0, tg["searches"])}
     pattern = m["runs"]["--bits 8"]["report"]  # the per-layer pattern: both layer kinds' linears and searches
     for name in RUNS:
+        if name not in m["runs"] and name not in m["wide_runs"]:  # a saved measurement from before the run existed
+            continue
         calibrated = m["runs"][name]["calibrated"] if name in m["runs"] else True
         for probe in ("wide", "medium"):
             if probe == "medium" and name not in m["runs"]:

@@ -31,6 +31,9 @@ CASES = [
     # a fixed alpha: norms folded into the router and the experts, so the jobs need the driver's changed weights
     ("fwd-bits8-moe", "moe", ["--bits", "8", "--moe-scheme", "w8a8", "--smooth-quant", "0.5",
                               "--min-expert-tokens", "150", *BATCHES]),
+    # the forward's matmuls in bf16 (--calib-precision): split jobs must still give the serial bytes
+    ("fwd-bits8-moe-bf16", "moe", ["--bits", "8", "--moe-scheme", "w8a8", "--min-expert-tokens", "150",
+                                   "--calib-precision", "bf16", *BATCHES]),
     ("fwd-mse-llama", "llama", ["--bits", "8", "--act-method", "mse", *BATCHES]),  # stays serial, says why
     # Hessians merged from per-batch parts; the dense layers' quantized propagation split too
     ("fwd-gptq-llama", "llama", ["--scheme", "w4a16", "--method", "gptq", "--group-size", "64", *BATCHES]),

@@ -116,6 +116,11 @@ def parse_smooth(value: str | None) -> float | str | None:
 @click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default=None,
               help="Write the float tensors (norms, embeddings, biases) in this dtype and make it the model's: a "
                    "float32 checkpoint in one step for MindIE, which runs bf16 and fp16 only (default: as stored).")
+@click.option("--calib-precision", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+              help="The calibration forward's matmuls (linear, attention): bf16 inputs with float32 sums run 5-6x "
+                   "faster on CPUs with AMX (Intel Sapphire Rapids and later) and are what the NPU computes; "
+                   "statistics, searches and fallback checks stay float32 (docs/performance.md). Not for --method "
+                   "gptq/awq.")
 @click.option("--dry-run", is_flag=True, help="Print the plan from headers (types, sizes) and write nothing.")
 @exec_options
 @force_option
@@ -126,8 +131,8 @@ def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: 
              fallback_threshold: float | None, fallback_to: str, recipe: str, ignore: tuple[str, ...],
              calib: Path | None,
              calib_samples: int | None, seq_len: int, min_expert_tokens: int, all_experts: bool, layout: str,
-             max_shard_size: int, rotate_seed: int | None, dtype: str | None, dry_run: bool, workers: int | None,
-             executor: str | None, ray_address: str | None, force: bool, as_json: bool) -> None:
+             max_shard_size: int, rotate_seed: int | None, dtype: str | None, calib_precision: str, dry_run: bool,
+             workers: int | None, executor: str | None, ray_address: str | None, force: bool, as_json: bool) -> None:
     """Quantize a model to INT8/INT4 in the layout Ascend serving engines load, layer by layer."""
     from dsconv import engines
     from dsconv.quant.plan.options import QuantOptions
@@ -148,6 +153,12 @@ def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: 
         if method in ("gptq", "awq") and not dry_run:
             warn(f"--method {method} is the default for {scheme} (docs/accuracy.md): calibrating on "
                  f"{calib or 'the bundled qa.jsonl'}; --method rtn needs no calibration")
+    if calib_precision == "bf16" and not dry_run:
+        from dsconv.runtime.process import native_bf16_matmul
+
+        if not native_bf16_matmul():
+            warn("--calib-precision bf16: this CPU has no bf16 matmul unit (AMX, AVX512-BF16); its bf16 forward may "
+                 "run slower than the float32 default")
     model = workspace.resolve_model(model)
     output = workspace.resolve_output("quantize", output) if not dry_run or output else Path(".")
     opts = QuantOptions(scheme=scheme, group_size=group_size, method=method, act_method=act_method,
@@ -156,7 +167,8 @@ def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: 
                         fallback_to=fallback_to, ignore=tuple(ignore), calib=calib, calib_samples=calib_samples,
                         seq_len=seq_len, min_expert_tokens=min_expert_tokens, all_experts=all_experts, layout=layout,
                         engine=engine, bits_default=bits_default, moe_scheme=moe_scheme,
-                        max_shard_size=max_shard_size, kv_cache=kv_cache, rotate=rotate_seed, dtype=dtype)
+                        max_shard_size=max_shard_size, kv_cache=kv_cache, rotate=rotate_seed, dtype=dtype,
+                        calib_precision=None if calib_precision == "fp32" else calib_precision)
     result = run(QuantRequest(model, output, opts, force=force, progress=not as_json, dry_run=dry_run, warn=warn,
                               execution=resolve_exec(workers, executor, ray_address)))
     if as_json:

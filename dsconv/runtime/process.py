@@ -55,3 +55,22 @@ def peak_rss_bytes() -> int:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
+    """The CPU's feature flags (Linux); empty where /proc/cpuinfo is absent or unreadable."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def native_bf16_matmul(flags: set[str] | None = None) -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AMX or AVX512-BF16): elsewhere oneDNN converts, slower than
+    float32."""
+    flags = cpu_flags() if flags is None else flags
+    return bool(flags & {"amx_bf16", "avx512_bf16"})

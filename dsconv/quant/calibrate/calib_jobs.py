@@ -33,7 +33,7 @@ import torch
 
 from dsconv.checkpoint import Checkpoint
 from dsconv.executor import Executor
-from dsconv.quant.calibrate.context import CalibContext, StatsSpec
+from dsconv.quant.calibrate.context import CalibContext, StatsSpec, forward_matmuls
 from dsconv.runner.layers import SLOTS, Skeleton, expert_forward
 from dsconv.quant.calibrate.linear import (PreparedLinear, QuantizedLinear, WeightChoice, load_bias, prepare_linear,
                                            quantize_linear)
@@ -303,7 +303,9 @@ def run_expert(job: ExpertJob) -> JobResult:
         x = torch.from_numpy(np.array(hidden) if opts.all_experts else hidden[job.rows])
         del hidden
         out: dict[str, torch.Tensor] = {}
-        act, y = expert_forward(sk.experts_module(i), e, x, w, outputs=out)
+        with forward_matmuls(opts):
+            act, y = expert_forward(sk.experts_module(i), e, x, w, outputs=out)
+        act, y = act.float(), y.float()
         out["down"] = y
         if opts.all_experts:
             y = y[torch.from_numpy(job.rows)]
@@ -321,7 +323,9 @@ def run_expert(job: ExpertJob) -> JobResult:
         for slot, lp in _in_slot_order(plans):
             s = st["in"] if slot != "down" else st["down"]
             # the fallback check's float outputs on the sampled rows: the expert's forward computed them already
-            ref = out[slot][torch.cat(s.sampler.picked)] if s.sampler.picked else None
+            # (in float32; a bf16 forward's are recomputed from the rows by prepare_linear)
+            exact = opts.calib_precision != "bf16"
+            ref = out[slot][torch.cat(s.sampler.picked)] if s.sampler.picked and exact else None
             if under:
                 p = prepare_linear(ctx.plan, lp, w[slot], s, opts, load_bias(ck, lp), y_ref=ref)
                 pending.append((slot, p, s.clip_range()))

@@ -3,15 +3,17 @@ read-only inputs (`CalibContext`), the activations a layer is calibrated on (`La
 input's statistics are made (`StatsSpec`, small and picklable: jobs build the same statistics as the driver)."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 from torch import nn
 
 from dsconv.checkpoint import Checkpoint
+from dsconv.families.roles import Role
 from dsconv.errors import UserError
 from dsconv.executor import Executor
 from dsconv.quant.algorithms import clipping, selection
@@ -22,6 +24,42 @@ from dsconv.quant.calibrate.stats import InputStats
 from dsconv.quant.plan.options import QuantOptions
 from dsconv.qformat import STATIC_TYPES
 from dsconv.quant.plan.plan import QuantPlan
+
+
+@contextmanager
+def forward_matmuls(opts: QuantOptions, sk: Skeleton | None = None,
+                    layer: nn.Module | None = None) -> Iterator[None]:
+    """Where the calibration forward runs its matmuls: float32 by default; with --calib-precision bf16 (torch's CPU
+    autocast) linear, matmul and attention take bf16 inputs and accumulate in float32 - AMX runs them 5-6x faster
+    than float32 on a Sapphire Rapids core, and an Ascend engine computes these layers in bf16 too. The layer's
+    routers stay float32 (a top-k choice is discrete: bf16 logits would move near-tied tokens to other experts, and
+    DeepSeek's engines score in float32); norms, softmax and the residual stream stay float32 as autocast leaves
+    them; the statistics hooks take each linear's input as float32; every search and fallback check runs after the
+    forward, in float32."""
+    if opts.calib_precision != "bf16":
+        yield
+        return
+    routers = [] if layer is None else [m for m, (_, role) in sk.own_weights(layer).items() if role == Role.ROUTER]
+    own = [m.__dict__.get("forward") for m in routers]  # an instance forward (install_forward's), else None
+    for m in routers:
+        m.forward = _float32_call(m.forward)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            yield
+    finally:
+        for m, fn in zip(routers, own):
+            if fn is None:
+                del m.forward
+            else:
+                m.forward = fn
+
+
+def _float32_call(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast("cpu", enabled=False):
+            return fn(*args, **kwargs)
+
+    return call
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,8 @@ import dsconv.executor as dexec
 from dsconv.quant.algorithms.gptq import HessianAccumulator
 from dsconv.quant.algorithms.observers import MinMaxObserver
 from dsconv.quant.calibrate.calib_jobs import JOB_THREADS, Context, Dispatch, job_threads, open_job_checkpoint
-from dsconv.quant.calibrate.context import CalibContext, LayerActivations, forward_batch, padded_batch
+from dsconv.quant.calibrate.context import (CalibContext, LayerActivations, forward_batch, forward_matmuls,
+                                            padded_batch)
 from dsconv.quant.calibrate.forward_cuts import Job, cut_jobs, whole_batches
 from dsconv.quant.calibrate.algorithm import JobEnv, Observer, observer_class
 from dsconv.quant.calibrate.hooks import ExpertRecorder, LinearHooks, RowMask
@@ -205,7 +206,8 @@ def _run(job: ForwardJob, sk: Any, layer: nn.Module) -> ForwardResult:
         rows.held = None if held is None else held[idx[mask]]
         if recorder is not None:
             recorder.flat_index = idx.reshape(-1)
-        y = layer(x, **sk.layer_inputs(x, layer, cache))
+        with forward_matmuls(job.ctx.opts, sk, layer):
+            y = layer(x, **sk.layer_inputs(x, layer, cache))
         y = y[0] if isinstance(y, tuple) else y
         if job.write:
             pos.append(idx[mask])
@@ -273,7 +275,8 @@ class Forward:
                      recorder: ExpertRecorder | None = None, cache: Any = None) -> None:
         """One batch through the layer in the driver (context.forward_batch), timed."""
         t = time.perf_counter()
-        forward_batch(self.run.sk, self.acts, layer, samples, write, recorder, cache)
+        with forward_matmuls(self.run.opts, self.run.sk, layer):
+            forward_batch(self.run.sk, self.acts, layer, samples, write, recorder, cache)
         self.forward_s += time.perf_counter() - t
 
     def begin(self, i: int, layer: nn.Module) -> None:
