@@ -95,6 +95,21 @@ def tiny_model(tmp_path_factory) -> Callable[..., Path]:
     return get
 
 
+@pytest.fixture(scope="session")
+def calib_models(tmp_path_factory) -> dict[str, Path]:
+    """A tiny llama and a tiny qwen2_moe in bf16 with a tokenizer trained on the bundled calibration text: what the
+    calibrated path's tests quantize. Expert and shared MLPs 64 wide: W4A16 groups of 64 (MindIE runs 0, 64, 128,
+    256)."""
+    from dsconv.bundled import calib_texts
+    from dsconv.tiny import make_tiny, train_tokenizer
+
+    tok = train_tokenizer(calib_texts(), vocab_size=384)
+    root = tmp_path_factory.mktemp("calibmodels")
+    return {"llama": make_tiny("llama", root / "llama", dtype="bf16", tokenizer=tok),
+            "moe": make_tiny("qwen2_moe", root / "moe", dtype="bf16", tokenizer=tok, moe_intermediate_size=64,
+                             shared_expert_intermediate_size=64)}
+
+
 def hf_from_pretrained(model_dir: Path, **kwargs):
     """transformers' own `from_pretrained`, its config object made by dsconv.families.facts.hf_config: Kimi-K2's
     config.json names remote code in auto_map (from_pretrained alone asks to run it); nothing else differs."""

@@ -43,16 +43,8 @@ SERIAL = {"awq-llama": "awq", "fwd-mse-llama": "histogram"}  # the forward stays
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    from dsconv.bundled import calib_texts
-    from dsconv.tiny import make_tiny, train_tokenizer
-
-    tok = train_tokenizer(calib_texts(), vocab_size=384)
-    root = tmp_path_factory.mktemp("cjmodels")
-    return {"llama": make_tiny("llama", root / "llama", dtype="bf16", tokenizer=tok),
-            # expert and shared MLPs 64 wide: W4A16 groups of 64 (MindIE runs 0, 64, 128, 256)
-            "moe": make_tiny("qwen2_moe", root / "moe", dtype="bf16", tokenizer=tok, moe_intermediate_size=64,
-                             shared_expert_intermediate_size=64)}
+def models(calib_models):
+    return calib_models  # conftest.py: a tiny llama and a tiny qwen2_moe with a trained tokenizer
 
 
 @pytest.fixture(scope="module")

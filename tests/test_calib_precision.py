@@ -17,15 +17,8 @@ FAST = ["--bits", "8", "--calib-samples", "16", "--seq-len", "64"]
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    from dsconv.bundled import calib_texts
-    from dsconv.tiny import make_tiny, train_tokenizer
-
-    tok = train_tokenizer(calib_texts(), vocab_size=384)
-    root = tmp_path_factory.mktemp("cprec")
-    return {"llama": make_tiny("llama", root / "llama", dtype="bf16", tokenizer=tok),
-            "moe": make_tiny("qwen2_moe", root / "moe", dtype="bf16", tokenizer=tok, moe_intermediate_size=64,
-                             shared_expert_intermediate_size=64)}
+def models(calib_models):
+    return calib_models  # conftest.py: a tiny llama and a tiny qwen2_moe with a trained tokenizer
 
 
 def test_bf16_reaches_the_layers_matmuls_but_not_the_router(models):
