@@ -133,12 +133,12 @@ def run_model(name: str, model_dir: Path, engines: list[str], samples: int | Non
     toks = calibration_samples(model_dir, samples)
     fwd = min((plain_forward(model_dir, toks, precision) for _ in range(repeat)), key=lambda r: r["wall_s"])
     res: dict[str, Any] = {"model": str(model_dir), "precision": precision, "threads": torch.get_num_threads(),
-                           "samples": len(toks),
-                           "tokens": sum(len(s) for s in toks), "plain_forward": fwd, "quantize": {}}
-    print(f"{name} ({precision}): {len(toks)} samples, {res['tokens']} tokens, {res['threads']} threads; floor (transformers' "
-          f"decoder, no LM head, {fwd['floor']}) {fwd['wall_s']} s wall ({fwd['cpu_s']} s CPU); per sample "
-          f"{fwd['decoder_per_sample_s']} s, padded batches of {BATCH} {fwd['decoder_batched_s']} s, per sample with "
-          f"the LM head {fwd['with_lm_head_per_sample_s']} s; load {fwd['load_before']}", flush=True)
+                           "samples": len(toks), "tokens": sum(len(s) for s in toks), "plain_forward": fwd,
+                           "quantize": {}}
+    print(f"{name} ({precision}): {len(toks)} samples, {res['tokens']} tokens, {res['threads']} threads; floor "
+          f"(transformers' decoder, no LM head, {fwd['floor']}) {fwd['wall_s']} s wall ({fwd['cpu_s']} s CPU); "
+          f"per sample {fwd['decoder_per_sample_s']} s, padded batches of {BATCH} {fwd['decoder_batched_s']} s, "
+          f"per sample with the LM head {fwd['with_lm_head_per_sample_s']} s; load {fwd['load_before']}", flush=True)
     for engine in engines:
         runs = []
         for _ in range(repeat):

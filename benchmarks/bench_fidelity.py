@@ -111,14 +111,17 @@ KEYS = {"w8a16": "W8A16", "w8a8": "W8A8 static (--bits 8)", "w8a8_vllm": "W8A8 s
         "w8a8_vllm_rot": "W8A8 static (--bits 8 --engine vllm-ascend) --rotate", "rtn_rot": "W4A16 g64 RTN --rotate",
         "w4a8_rot": "W4A8_DYNAMIC MoE recipe RTN --rotate",
         "w4a4_rot": "W4A4_DYNAMIC recipe (vLLM-Ascend) --rotate",
+        "w4a4": "W4A4_DYNAMIC recipe (vLLM-Ascend), no rotation",
         "w8a8_bf16": "W8A8 static (--bits 8) --calib-precision bf16",
         "w8a8_vllm_bf16": "W8A8 static (--bits 8 --engine vllm-ascend) --calib-precision bf16",
-        "w8a8_allstatic_bf16": "W8A8 every linear static, no fallback, --calib-precision bf16", "w4a4": "W4A4_DYNAMIC recipe (vLLM-Ascend), no rotation"}
+        "w8a8_allstatic_bf16": "W8A8 every linear static, no fallback, --calib-precision bf16"}
 MIX_PATH_LABELS = {"static": KEYS["w8a8_mix"], "dynamic": "W8A8_MIX prefill path (dynamic)"}
-DEFAULT_KEYS = ("w8a16", "w8a16_gptq", "w8a8", "w8a8_bf16", "w8a8_vllm", "w8a8_vllm_bf16", "w8a8_dynamic", "w8a8_mix", "w8a8_c8", "rtn", "mse", "gptq", "w4",
+DEFAULT_KEYS = ("w8a16", "w8a16_gptq", "w8a8", "w8a8_bf16", "w8a8_vllm", "w8a8_vllm_bf16", "w8a8_dynamic", "w8a8_mix",
+                "w8a8_c8", "rtn", "mse", "gptq", "w4",
                 "w4a8", "w4a8_gptq", "w4a8_mse",
                 # rotation (docs/rotation.md): each beside its row without it
-                "w8a8_allstatic", "w8a8_allstatic_bf16", "w8a8_allstatic_rot", "w8a8_dynamic_rot", "w8a8_vllm_rot", "rtn_rot", "w4a8_rot",
+                "w8a8_allstatic", "w8a8_allstatic_bf16", "w8a8_allstatic_rot", "w8a8_dynamic_rot", "w8a8_vllm_rot",
+                "rtn_rot", "w4a8_rot",
                 "w4a4", "w4a4_rot")
 MOE_FIXTURES = ("qwen-moe",)  # run only the W4A8 rows (the others are the dense model's own figures)
 # fixtures whose family rotation refuses (Gemma 3 normalises a block's output before the residual add): no rotation

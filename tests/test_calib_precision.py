@@ -97,8 +97,8 @@ def test_the_default_records_nothing_new_and_bf16_is_in_the_manifest(models, run
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_bf16_is_refused_where_the_forward_computes_a_hessian_or_a_search(method, models, run_cli, tmp_path):
-    r = run_cli(["quantize", "-m", models["llama"], "-o", tmp_path / "q", "--scheme", "w4a16", "--group-size", "64", "--method", method,
-                 "--calib-precision", "bf16", "--calib-samples", "4"])
+    r = run_cli(["quantize", "-m", models["llama"], "-o", tmp_path / "q", "--scheme", "w4a16", "--group-size", "64",
+                 "--method", method, "--calib-precision", "bf16", "--calib-samples", "4"])
     assert r.code == 2 and f"--method {method}" in r.err and "float32" in r.err, r.err
     assert "Traceback" not in r.err and not (tmp_path / "q").exists()
 

@@ -32,6 +32,7 @@ from dsconv.quant.algorithms.int8_outputs import dynamic_outputs, static_outputs
 from dsconv.quant.algorithms.scale_grid import choose_scales
 from dsconv.quant.algorithms.sampling import RowSampler
 from dsconv.quant.algorithms.schemes import activation_qparams, qrange, smooth_scales
+from dsconv.runtime.threads import ordered_map
 
 ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)   # candidates besides "off" (s = 1)
 SEARCH_CLIPS = (1.0, 0.85, 0.7)                 # clip ratios tried with each alpha for static sites
@@ -105,11 +106,9 @@ def candidate_errors(x: torch.Tensor, w: torch.Tensor, S: torch.Tensor, cmin: to
 
     Computed as the engine computes it, in integers (int8_outputs.py): the codes of x / s (every clip) times the
     codes of w * s in one int8 matmul per candidate, then the scales. The same figures as dequantizing both and
-    multiplying in float32 (to float rounding: a test holds it), at a third of the cost: the float matmuls of every candidate at once (and their 70 MB temporaries) were 22
-    of the 51 s a calibrated --bits 8 of Qwen2.5-0.5B took on 36 pairs. Each candidate is scored on its own, two
-    side by side, so each one's temporaries stay a few MB."""
-    from dsconv.runtime.threads import ordered_map
-
+    multiplying in float32 (to float rounding: a test holds it), at a third of the cost: the float matmuls of every
+    candidate at once (and their 70 MB temporaries) were 22 of the 51 s a calibrated --bits 8 of Qwen2.5-0.5B took
+    on 36 pairs. Each candidate is scored on its own, two side by side, so each one's temporaries stay a few MB."""
     C, (m, k), n = S.shape[0], x.shape, w.shape[0]
     ref = x @ w.T
     den = float(torch.linalg.vector_norm(ref))

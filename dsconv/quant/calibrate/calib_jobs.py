@@ -320,11 +320,11 @@ def run_expert(job: ExpertJob) -> JobResult:
         down = st["down"].clip_range() if ctx.static else None
         t = time.perf_counter()
         pending, done, decisions = [], [], []
+        # the fallback check's float outputs on the sampled rows: the expert's forward computed them already (in
+        # float32; a bf16 forward's are recomputed from the rows by prepare_linear)
+        exact = opts.calib_precision != "bf16"
         for slot, lp in _in_slot_order(plans):
             s = st["in"] if slot != "down" else st["down"]
-            # the fallback check's float outputs on the sampled rows: the expert's forward computed them already
-            # (in float32; a bf16 forward's are recomputed from the rows by prepare_linear)
-            exact = opts.calib_precision != "bf16"
             ref = out[slot][torch.cat(s.sampler.picked)] if s.sampler.picked and exact else None
             if under:
                 p = prepare_linear(ctx.plan, lp, w[slot], s, opts, load_bias(ck, lp), y_ref=ref)

@@ -91,8 +91,7 @@ class LinearHooks:
             st = self.group[mod] = self.make_stats(self.targets[mod])
         if type(getattr(st, "observer", None)) is MinMaxObserver:  # its min/max shared with the other hooks
             rows, lo, hi = self.rows.channel_range(x.detach(), self.targets[mod].module)
-            rng = None if lo is None else (lo.float(), hi.float())  # a bf16 forward's attention output: bf16
-            st.update(rows.float(), held=self.rows.held, channel_range=rng)
+            st.update(rows.float(), held=self.rows.held, channel_range=(lo, hi))
         else:
             st.update(self.rows.apply(x.detach(), self.targets[mod].module).float(), held=self.rows.held)
         self._batch[key] = (x, st)  # holding x keeps its storage from being reused within the batch
