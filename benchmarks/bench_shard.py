@@ -268,7 +268,7 @@ print(json.dumps({"verify_s": time.perf_counter() - t, "problems": len(problems)
 
 # the stronger anchors beside the simplest one (a new 16 MiB block per read): benchmarks.cli_runner.RUNNER's copy()
 ROUNDS = (1, 2, 3)  # interleaved (anchors, shard) rounds, best of each: this VM's I/O varies 2-20x between runs
-ANCHORS = {"bcopy": "reused_buffer_copy", "hcopy": "reused_buffer_copy_with_sha256",
+ANCHORS = {"bcopy": "reused_buffer_copy", "hcopy": "reused_buffer_copy_with_digest",
            "kcopy": "copy_file_range_copy"}
 
 

@@ -20,10 +20,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 RUNNER = """
-import hashlib, json, os, shutil, subprocess, sys, threading, time
+import json, os, shutil, subprocess, sys, threading, time
 from pathlib import Path
 t = time.perf_counter()
 from dsconv.cli import main
+from dsconv.io.digest import new_hash
 import torch, tqdm
 out = {"startup_s": time.perf_counter() - t}
 mode, workers, jobs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
@@ -38,8 +39,8 @@ COPIES = ("copy", "bcopy", "hcopy", "kcopy", "cp")
 
 def copy(kind, src, dst):
     # the anchors. copy: user-space read + write in 16 MiB blocks, a new block per read (the simplest anchor);
-    # bcopy: the same through one reused buffer; hcopy: bcopy hashing each file's sha256 beside the writes, as
-    # dsconv's writer does for its manifest; kcopy: os.copy_file_range, the call dsconv's writer uses (on ext4 a
+    # bcopy: the same through one reused buffer; hcopy: bcopy hashing each file beside the writes (the manifest's
+    # digest, dsconv/io/digest.py), as dsconv's writer does; kcopy: os.copy_file_range, the call dsconv's writer uses (on ext4 a
     # copy in the kernel; file systems that clone extents would make it no copy at all: see "filesystem");
     # cp: coreutils `cp -r` of the directory (every file, which is copy_file_range too for coreutils >= 9)
     if kind == "cp":
@@ -62,7 +63,7 @@ def copy(kind, src, dst):
                 while n := fi.readinto(buf):
                     fo.write(buf[:n])
             else:
-                h = hashlib.sha256()
+                h = new_hash()
                 while n := fi.readinto(buf):
                     th = threading.Thread(target=h.update, args=(buf[:n],))
                     th.start()

@@ -15,7 +15,7 @@ order, whichever implementation runs them:
 
 Jobs are picklable descriptions (paths on shared storage, names, byte ranges); a task reads its inputs by path and
 either returns bytes or writes its part files into the driver's temporary directory. Tasks never see driver memory,
-and the driver alone owns the output transaction (temporary directory, manifest, sha256, rename). The result of a
+and the driver alone owns the output transaction (temporary directory, manifest, digests, rename). The result of a
 run never depends on the executor: the same task function writes the same bytes whoever calls it.
 """
 from __future__ import annotations

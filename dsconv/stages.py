@@ -1,6 +1,6 @@
 """The stages by the name their manifests record, and the deeper check `dsconv verify` runs on each one's output.
 
-`dsconv verify DIR` first re-checks every file's sha256 and size against the manifest, then, when those match, the
+`dsconv verify DIR` first re-checks every file's digest and size against the manifest, then, when those match, the
 stage's own check (e.g. shard: every original tensor reassembles bit-exactly from the ranks). The table is explicit
 and lives at the top, so whether `verify` knows a stage never depends on which modules happen to have been imported
 (a check that registered itself on import would). Each entry imports its stage only when it runs (the CLI starts fast).

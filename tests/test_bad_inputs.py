@@ -165,8 +165,9 @@ CASES: list[Case] = [
          ("dsconv_manifest.json", "got a list")),
     Case("manifest-no-files", "shape", lambda tm, tp, fs: (["verify", a_manifest_dir(tp, b'{"stage": "export"}')],
                                                            None), 2, ("dsconv_manifest.json", '"files" is missing')),
-    Case("manifest-entry-no-sha256", "shape", lambda tm, tp, fs: (["verify", a_manifest_dir(
-        tp, b'{"stage": "export", "files": {"config.json": {"size": 9}}}')], None), 2, ('"sha256" is missing',)),
+    Case("manifest-entry-no-digest", "shape", lambda tm, tp, fs: (["verify", a_manifest_dir(
+        tp, b'{"stage": "export", "files": {"config.json": {"size": 9}}}')], None), 2,
+         ('"blake3 or sha256" must be present',)),
     Case("description-is-list", "shape", lambda tm, tp, fs: _inspect(quant_dir(tm, tp, b"[]")), 2,
          ("quant_model_description.json", "got a list")),
     Case("toml-workspace-is-int", "shape", lambda tm, tp, fs: (["inspect"], workspace(tp, b"workspace = 1\n")), 2,

@@ -14,7 +14,8 @@ import torch
 from dsconv.checkpoint import Checkpoint
 from dsconv.io import tensorfile
 from dsconv.io.passthrough import copy_tensor
-from dsconv.io.writer import TensorSetWriter, sha256_file
+from dsconv.io.digest import file_digest
+from dsconv.io.writer import TensorSetWriter
 from dsconv.quant.algorithms import schemes
 from dsconv.tensors import TensorSpec, torch_dtype
 
@@ -38,7 +39,7 @@ def test_write_chunks_equals_write_and_hashes_in_order(tmp_path):
     chunked.write_chunks("b", [b.numpy()[:10], b.numpy()[10:]])
     chunked.write_chunks("c", (c.numpy()[i:i + (3 << 18)] for i in range(0, 1 << 21, 3 << 18)))
     got = chunked.close()
-    assert got == want and got["m.safetensors"]["sha256"] == sha256_file(tmp_path / "c" / "m.safetensors")
+    assert got == want and got["m.safetensors"]["blake3"] == file_digest(tmp_path / "c" / "m.safetensors")
 
 
 def test_write_chunks_refuses_a_wrong_byte_count(tmp_path):

@@ -27,7 +27,7 @@ def drop_varying(obj):
 
 
 def tree(out: Path) -> dict[str, str]:
-    """Every file's sha256; the manifest by its per-file hashes (JSON files' as "-": they are compared on their own,
+    """Every file's sha256; the manifest by its per-file digests (JSON files' as "-": they are compared on their own,
 without timings - quant_report.json records each calibration step's seconds), JSON reports without timings."""
     res = {}
     for p in sorted(out.rglob("*")):

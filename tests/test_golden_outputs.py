@@ -32,6 +32,8 @@ from typing import Any, Callable
 
 import pytest
 
+from dsconv.io.digest import recorded
+
 pytestmark = [pytest.mark.cli]
 
 GOLDEN = Path(__file__).with_name("golden_outputs.json")
@@ -88,7 +90,7 @@ def _normalised(path: Path, root: Path, package: str = PACKAGE_ROOT) -> bytes:
     data = path.read_bytes()
     if path.name == "dsconv_manifest.json":
         files = json.loads(data)["files"]  # report-like files are compared normalised, on their own
-        return json.dumps({k: v["sha256"] if Path(k).suffix in BINARY else "-"
+        return json.dumps({k: recorded(v)[1] if Path(k).suffix in BINARY else "-"
                            for k, v in sorted(files.items())}).encode()
     if path.suffix in (".json", ".sh", ".txt", ".cfg", ".toml"):
         text = data.decode("utf-8").replace(str(root), "<ROOT>").replace(package, "<PACKAGE>")

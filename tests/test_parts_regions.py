@@ -1,13 +1,13 @@
 """PartWriter.write_regions: a slot filled from byte regions of source files (kernel copies for contiguous ranges,
-window gathers for column slices, zeros), checked byte for byte against numpy and by the part's sha256."""
+window gathers for column slices, zeros), checked byte for byte against numpy and by the part's digest."""
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 
 import numpy as np
 import pytest
+from blake3 import blake3
 
 from dsconv.io import parts
 from dsconv.io.parts import PartLayout, PartWriter, Region, Slot, coalesce
@@ -58,7 +58,7 @@ def test_regions_copy_gather_and_zero_with_the_whole_part_hashed(tmp_path, monke
     digest = w.close()
     data = open(part.path, "rb").read()
     assert data[part.header:] == want0 + want1
-    assert digest == hashlib.sha256(data).hexdigest()
+    assert digest == blake3(data).hexdigest()
 
 
 def test_gather_in_windows_smaller_than_the_slice(tmp_path):
@@ -91,7 +91,7 @@ def test_more_or_fewer_bytes_than_planned_fail(tmp_path):
 
 
 def test_a_failed_hash_fails_the_write_instead_of_recording_a_partial_digest(tmp_path, monkeypatch):
-    """The sha256 runs on a thread beside the copy and the pwrite; its error must reach the writer's caller."""
+    """The hash runs on a thread beside the copy and the pwrite; its error must reach the writer's caller."""
     a, f, base = _source(tmp_path)
 
     def broken(*args):
@@ -150,7 +150,7 @@ def test_behind_hash_follows_runs_finished_out_of_order(tmp_path):
             if run is runs[2]:
                 assert h._pos == part.header and not h.complete  # the header only: t0 is not written yet
         assert h.complete
-        assert h.hexdigest() == hashlib.sha256(open(part.path, "rb").read()).hexdigest()
+        assert h.hexdigest() == blake3(open(part.path, "rb").read()).hexdigest()
     finally:
         h.close()
 
@@ -167,7 +167,7 @@ def test_a_set_adopting_runs_hashes_them_behind_and_around_the_drivers_own_write
     rng = np.random.default_rng(2)
     data = {s.name: rng.integers(0, 256, s.nbytes, dtype=np.uint8) for s in specs}
     read_back = []
-    monkeypatch.setattr(writer, "sha256_file", lambda p: read_back.append(p) or "0" * 64)
+    monkeypatch.setattr(writer, "file_digest", lambda p: read_back.append(p) or "0" * 64)
     part = ts.layout()[0]
     ts.write("t3", data["t3"])                      # the driver's, before any run
     for run in ({"t4"}, {"t0", "t1"}):              # tasks' runs, the later one first
@@ -178,9 +178,9 @@ def test_a_set_adopting_runs_hashes_them_behind_and_around_the_drivers_own_write
         ts.adopt(0, sorted(run), w.close())
     ts.write("t2", data["t2"])                      # the driver's, between runs
     assert ts._behind[0].complete
-    digest = ts.close()["model.safetensors"]["sha256"]
+    digest = ts.close()["model.safetensors"]["blake3"]
     assert not read_back
-    assert digest == hashlib.sha256((tmp_path / "model.safetensors").read_bytes()).hexdigest()
+    assert digest == blake3((tmp_path / "model.safetensors").read_bytes()).hexdigest()
     from safetensors.numpy import load_file
 
     loaded = load_file(tmp_path / "model.safetensors")

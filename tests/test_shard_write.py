@@ -150,10 +150,10 @@ def test_verify_catches_a_replica_that_disagrees(run_cli, sharded_bf16, tmp_path
     t = load_file(f)
     t["model.norm.weight"] = t["model.norm.weight"] + 1
     save_file(t, f, metadata={"format": "pt"})
-    from dsconv.io.writer import sha256_file
+    from dsconv.io.digest import file_digest
 
     m = json.loads((out / "dsconv_manifest.json").read_text())  # re-hash: only the shard check can see it
-    m["files"]["rank_06/model.safetensors"] = {"sha256": sha256_file(f), "size": f.stat().st_size}
+    m["files"]["rank_06/model.safetensors"] = {"sha256": file_digest(f, "sha256"), "size": f.stat().st_size}  # a pre-BLAKE3 entry
     (out / "dsconv_manifest.json").write_text(json.dumps(m))
     res = run_cli(["verify", out])
     assert res.code == 3 and "model.norm.weight: rank_06's copy differs" in res.err

@@ -207,7 +207,7 @@ def test_verify_recomputes_scale_bias(tiny_model, run_cli, tmp_path):
     k = next(k for k in sorted(t) if k.endswith("experts.2.up_proj.scale_bias"))
     t[k] = t[k] * 1.01
     save_file(t, str(f), metadata={"format": "pt"})
-    assert run_cli(["verify", str(q)]).code != 0, "the manifest's sha256 catches the edit first"
+    assert run_cli(["verify", str(q)]).code != 0, "the manifest's digest catches the edit first"
     problems = verify_output(q)  # the stage's own check, behind the hashes
     assert len(problems) == 1 and "up_proj.scale_bias differs" in problems[0], problems
 

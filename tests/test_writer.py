@@ -9,7 +9,8 @@ import torch
 from safetensors import safe_open
 
 from dsconv.errors import UserError
-from dsconv.io.writer import MANIFEST, OutputDir, sha256_file, verify_files
+from dsconv.io.digest import file_digest
+from dsconv.io.writer import MANIFEST, OutputDir, verify_files
 from dsconv.tensors import TensorSpec, parse_size
 
 pytestmark = pytest.mark.cli
@@ -61,7 +62,7 @@ def test_parts_index_and_roundtrip(tmp_path, order):
         assert back[n].dtype == want.dtype and torch.equal(back[n].view(torch.uint8), want.view(torch.uint8)), n
     manifest = json.loads((d / MANIFEST).read_text())
     for f in files:  # incremental hashes (forward) and read-back hashes (reverse) are both right
-        assert manifest["files"][f]["sha256"] == sha256_file(d / f)
+        assert manifest["files"][f]["blake3"] == file_digest(d / f)
     assert verify_files(d) == []
 
 
@@ -175,11 +176,44 @@ def test_verify_cli_detects_tampering(tmp_path, run_cli):
     data[-1] ^= 0xFF
     f.write_bytes(bytes(data))
     r = run_cli(["verify", d])
-    assert r.code == 3 and "sha256" in r.err
+    assert r.code == 3 and "blake3 differs" in r.err
     f.unlink()
     r = run_cli(["verify", d, "--json"])
     assert r.code == 3 and json.loads(r.out)["problems"] == ["model.safetensors: missing"]
 
+
+
+def test_manifests_record_blake3_and_verify_still_reads_sha256(tmp_path, run_cli):
+    """Every file's entry is BLAKE3 of its bytes (the blake3 package's own, not dsconv's windows); a manifest an
+    earlier dsconv wrote with sha256 still verifies, and a wrong sha256 is caught; both keys in one entry are refused."""
+    import hashlib
+
+    from blake3 import blake3
+
+    from dsconv.io import digest
+    from dsconv.schemas import files as schema_files
+
+    assert schema_files.DIGESTS == digest.ALGORITHMS  # the schema keeps its own copy (it imports nothing of io)
+    ts = _tensors()
+    with OutputDir(tmp_path / "out", stage="test") as out:
+        w = out.tensor_set(_specs(ts))
+        for n, t in ts.items():
+            w.write(n, t)
+    d = tmp_path / "out"
+    manifest = json.loads((d / MANIFEST).read_text())
+    for rel, info in manifest["files"].items():
+        assert set(info) == {"blake3", "size"} and info["blake3"] == blake3((d / rel).read_bytes()).hexdigest(), rel
+    old = {rel: {"sha256": hashlib.sha256((d / rel).read_bytes()).hexdigest(), "size": info["size"]}
+           for rel, info in manifest["files"].items()}
+    (d / MANIFEST).write_text(json.dumps({**manifest, "files": old}))
+    assert verify_files(d) == []
+    bad = {**old, "model.safetensors": {**old["model.safetensors"], "sha256": "0" * 64}}
+    (d / MANIFEST).write_text(json.dumps({**manifest, "files": bad}))
+    assert verify_files(d) == ["model.safetensors: sha256 differs from the manifest"]
+    both = {**old, "model.safetensors": {**old["model.safetensors"], "blake3": "0" * 64}}
+    (d / MANIFEST).write_text(json.dumps({**manifest, "files": both}))
+    r = run_cli(["verify", d])
+    assert r.code == 2 and "exactly one of them" in r.err
 
 def test_parse_size():
     assert parse_size("4GB") == 4 * 10**9

@@ -57,7 +57,7 @@ def inspect(model: Path | None, config: Path | None, allow_pickle: bool, as_json
                    "(MindIE-LLM is not on PyPI) [env MINDIE_LLM_SRC].")
 @json_option
 def verify(directory: Path, engine: str | None, source: Path | None, mindie_src: Path | None, as_json: bool) -> None:
-    """Re-check a dsconv output: every file's sha256 and size, then the stage's own check; with --engine, the
+    """Re-check a dsconv output: every file's digest and size, then the stage's own check; with --engine, the
     engine's own loader."""
     from dsconv.stages import has_check, verify as run_verify
 

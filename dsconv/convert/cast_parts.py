@@ -77,7 +77,7 @@ class _ByPath:
 
 
 def cast_part(job: CastJob) -> str | None:
-    """Convert and write one job's tensors, streamed; the part's sha256 when the job wrote all of it."""
+    """Convert and write one job's tensors, streamed; the part's digest when the job wrote all of it."""
     from dsconv.runtime.process import gc_paused
 
     src = _ByPath(job.infos, job.block, Path(job.root))

@@ -3,7 +3,7 @@
 Plan from headers, then stream. The output keeps the input's layout (one part per input part, same names, same tensor
 order, an index of the same name) minus the FP8 `weight_scale_inv` scales, folded into their weights. Each tensor is
 converted and written in bounded pieces (`write_converted`: stripes of FP8 block rows, 64 MiB chunks of cast or kept
-tensors), so memory is a few pieces, and the next stripes' arithmetic overlaps the previous ones' pwrite + sha256. Per
+tensors), so memory is a few pieces, and the next stripes' arithmetic overlaps the previous ones' pwrite + hash. Per
 tensor: an FP8 weight (with its scale, wherever the index puts it) is dequantized to the target dtype; other floating
 tensors are cast, except float32 router tensors (DeepSeek's `e_score_correction_bias`), which stay float32 as
 transformers keeps them; integer and bool tensors are unchanged. config.json loses `quantization_config` and gets the
@@ -147,7 +147,7 @@ def iter_dequantized_fp8(weight, scale_inv, block: tuple[int, int], out_dtype, n
     """`dequantize_fp8` one stripe of whole block rows at a time, in row order: `(row_start, row_stop, array)`, the
     array in `out_dtype`'s numpy form (bfloat16 through ml_dtypes) and written into `out[row_start:row_stop]` when
     `out` is given. Stripes are computed by `threads` threads at most a few ahead of the consumer, so a writer
-    consuming them in order overlaps pwrite + sha256 with the arithmetic and never holds the whole output; the kernel
+    consuming them in order overlaps pwrite + hash with the arithmetic and never holds the whole output; the kernel
     is the module docstring's. A NaN code (0x7F/0xFF) is a UserError naming the first stripe holding one.
     `map_rows(r0, r1)` / `drop_rows(r0, r1)`, when given, map a stripe's input pages before it is read and drop them
     once it is (a view of an mmap; on the stripe's own thread, not the consumer's). Without `out`, a yielded array is

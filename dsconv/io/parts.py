@@ -8,7 +8,6 @@ it, so the driver never reads the bytes back. Nothing here needs the driver's me
 from __future__ import annotations
 
 import errno
-import hashlib
 import mmap
 import os
 import threading
@@ -17,9 +16,11 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from dsconv.io.digest import WINDOW, hash_ranges, new_hash
+
 # The rename-when-complete protects against crashes of the process; against power loss, parts are fsynced only when
 # DSCONV_FSYNC=1 (it costs 3x on a 2 GB write here, like the tools users compare with, which never fsync), and
-# `dsconv verify` re-checks every sha256 either way.
+# `dsconv verify` re-checks every digest either way.
 DURABLE = os.environ.get("DSCONV_FSYNC", "") not in ("", "0")
 
 
@@ -56,10 +57,10 @@ def pwrite_all(fd: int, data: memoryview, pos: int) -> None:
 
 
 def put(fd: int, data: memoryview, pos: int, update: Any = None) -> None:
-    """`data` (a byte memoryview) written at `pos` while `update` (a running sha256's, or None) reads it. Big chunks
+    """`data` (a byte memoryview) written at `pos` while `update` (a running hash's, or None) reads it. Big chunks
     are written as two halves, the second on a helper thread, and hashed on the other helper: pwrite's copy into
     the page cache is as long as the hash, and one thread doing it for every tensor was the longest path of an
-    FP8 -> BF16 export (pwrite and sha256 release the GIL). The hash still sees the bytes in order."""
+    FP8 -> BF16 export (pwrite and the hash release the GIL). The hash still sees the bytes in order."""
     pool = _helpers() if len(data) >= SPLIT_WRITE_MIN or (update is not None and len(data) >= 2**20) else None
     if pool is None:
         pwrite_all(fd, data, pos)
@@ -162,7 +163,7 @@ class PartLayout:
 
 class PartWriter:
     """The task side of a planned part: write slots at their offsets in order (hashing the whole part when it has all
-    of them), by path, without the driver's memory. `close()` returns the part's sha256, or None for a subset."""
+    of them), by path, without the driver's memory. `close()` returns the part's digest, or None for a subset."""
 
     def __init__(self, part: PartLayout) -> None:
         self.part = part
@@ -170,7 +171,7 @@ class PartWriter:
         self._fd = os.open(part.path, os.O_WRONLY)
         self._hash = None
         if part.whole:
-            self._hash = hashlib.sha256()
+            self._hash = new_hash()
             with open(part.path, "rb") as f:
                 self._hash.update(f.read(part.header))
 
@@ -260,7 +261,7 @@ class PartWriter:
 
 
 class BehindHash:
-    """The sha256 of a planned part that tasks fill in runs (several jobs, each a subset of its slots): the driver
+    """The digest of a planned part that tasks fill in runs (several jobs, each a subset of its slots): the driver
     reports each finished run (`wrote`), and a helper thread hashes the part from the page cache as far as its slots
     are written in order, behind the tasks still writing the rest. Hashing the whole part at close instead ran on
     one core after everything else: 2.5 s for the 3.3 GB output of a 5.3 GB DeepSeek-shaped checkpoint, a third of
@@ -274,7 +275,7 @@ class BehindHash:
         self._done: set[str] = set()
         self._next = 0  # index of the first slot not yet handed to the hash
         self._pos = 0   # bytes of the part handed to the hash (the header first)
-        self._hash = hashlib.sha256()
+        self._hash = new_hash()
         self._path = part.path
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dsconv-hash")
         self._jobs: list[Any] = []
@@ -313,7 +314,6 @@ class BehindHash:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-WINDOW = 64 * 2**20
 SHORT = "source ended"  # copy_range's message when the source file is shorter than the range
 
 
@@ -458,17 +458,3 @@ def _named(e: BaseException, path: str | None) -> BaseException:
     if isinstance(e, ValueError) or str(e.strerror or "").startswith(SHORT):
         return OSError(errno.EIO, "shorter than its safetensors header says: it changed while dsconv read it", path)
     return OSError(e.errno, e.strerror or str(e), path)
-
-
-def hash_ranges(h: Any, ranges: list[tuple[int, int, int]]) -> None:
-    """Feed byte ranges (fd, start, nbytes) of files to `h` in order from the page cache, one mapped window at a time
-    (nothing stays mapped)."""
-    for fd, start, nbytes in ranges:
-        pos, end = start, start + nbytes
-        while pos < end:
-            lo = pos - pos % mmap.ALLOCATIONGRANULARITY
-            hi = min(end, lo + WINDOW)
-            with mmap.mmap(fd, hi - lo, offset=lo, access=mmap.ACCESS_READ) as mm:
-                with memoryview(mm) as mv:
-                    h.update(mv[pos - lo:hi - lo])
-            pos = hi

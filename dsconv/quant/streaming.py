@@ -5,7 +5,7 @@ read ahead.
 Why part jobs: the output parts are planned before their first byte (QuantWriter opens the final set), so each part -
 or, when there are fewer parts than workers, each run of its tensors - can be written by its own task
 (`part_jobs` -> `run_part`), on any executor (dsconv.executor). A job names its inputs by byte range and its output by
-path; the task reads, quantizes, writes and returns the part's sha256 (when it wrote all of it) with the linears'
+path; the task reads, quantizes, writes and returns the part's digest (when it wrote all of it) with the linears'
 error figures. The bytes are the same whoever runs the job.
 """
 from __future__ import annotations
@@ -66,7 +66,7 @@ class PartJob:
 
 @dataclass
 class PartResult:
-    sha256: str | None
+    digest: str | None
     records: list[tuple[str, str, float]]
 
 
@@ -135,7 +135,7 @@ def weight_only(ck: Checkpoint, plan: QuantPlan, qw: QuantWriter, progress: bool
     with tqdm(total=total, unit="B", unit_scale=True, desc="quantize", disable=None if progress else True,
               leave=False) as bar, gc_paused():  # blocks make acyclic arrays: no collection walks them
         for job, res in zip(jobs, ex.map(run_part, jobs, work_bytes=total, threads=True)):
-            qw.ts.adopt(job.index, job.names, res.sha256)  # a part written in runs is hashed behind the jobs
+            qw.ts.adopt(job.index, job.names, res.digest)  # a part written in runs is hashed behind the jobs
             qw.written.update(job.names)
             for module, qtype, err in res.records:
                 records[module] = LinearRecord(module, qtype, err)

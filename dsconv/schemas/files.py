@@ -14,7 +14,8 @@ from dsconv.errors import UserError
 from dsconv.schemas.core import (Fields, decode_utf8, is_finite, is_int, parse_json, read_bytes, read_json, read_toml,
                                  show, type_name)
 
-SHA256 = re.compile(r"[0-9a-f]{64}")
+HEX256 = re.compile(r"[0-9a-f]{64}")
+DIGESTS = ("blake3", "sha256")  # io.digest.ALGORITHMS (schemas import nothing of io)
 
 
 def safe_relpath(rel: Any) -> bool:
@@ -26,7 +27,8 @@ def safe_relpath(rel: Any) -> bool:
 
 # ------------------------------------------------------------------------------------------- manifest
 def manifest(path: Path) -> dict[str, Any]:
-    """A `dsconv_manifest.json`: the stage that wrote it and a sha256 and size per file (at least one file)."""
+    """A `dsconv_manifest.json`: the stage that wrote it and a digest (blake3, or sha256
+    before 2026-12) and size per file (at least one file)."""
     hint = "the output is damaged; rerun the stage that wrote it"
     data = read_json(path, "manifest", hint)
     f = Fields(data, str(path), hint, what="an object (a dsconv manifest)")
@@ -39,9 +41,12 @@ def manifest(path: Path) -> dict[str, Any]:
             raise UserError(f"{path}: file {show(rel)} is not a relative path inside the directory", hint=hint)
         e = Fields(info, f"{path}: files[{rel!r}]", hint)
         e.int("size", 0, 2**63)
-        sha = e.str("sha256", max_len=64)
-        if not SHA256.fullmatch(sha):
-            raise e.fail("sha256", "64 lower-case hex digits", sha)
+        named = [k for k in DIGESTS if k in info]
+        if len(named) != 1:
+            raise e.fail(" or ".join(DIGESTS), "present, exactly one of them (the file's digest)")
+        digest = e.str(named[0], max_len=64)
+        if not HEX256.fullmatch(digest):
+            raise e.fail(named[0], "64 lower-case hex digits", digest)
     for key in ("options", "input_identity", "versions"):
         f.obj(key, default=None)
     return data
@@ -180,7 +185,7 @@ SLICE_MODES = ("whole", "split", "first")
 def shard_plan(path: Path) -> dict[str, Any]:
     """A shard output's `plan.json`, as `dsconv verify` reads it: the layout's world size, the rank directories (inside
     the output), and every tensor's shape, slice rule and ranks in range, so the checks index nothing out of bounds.
-    Its sha256 matching the manifest proves only that it is the file the stage wrote, not that it was sane."""
+    Its digest matching the manifest proves only that it is the file the stage wrote, not that it was sane."""
     hint = "the shard output is damaged; rerun `dsconv shard`"
     data = read_json(path, "plan", hint)
     f = Fields(data, str(path), hint, what="an object (a shard plan)")

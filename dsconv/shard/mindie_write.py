@@ -135,7 +135,7 @@ class _PathLoad(CachedLoader):
 
 
 def folder_part(job: FolderJob) -> str | None:
-    """Write one folder part's tensors by path; its sha256. Tensors whose values MindIE leaves alone (most of the
+    """Write one folder part's tensors by path; its digest. Tensors whose values MindIE leaves alone (most of the
     bytes: experts, row and column slices, the padded embedding) are copied from the source's byte ranges in the
     kernel; the rest are made (cast, transposed, dequantized, ...) and written."""
     load = _PathLoad(job)

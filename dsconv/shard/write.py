@@ -157,7 +157,7 @@ def copy_jobs(src: Any, placed: list, sets: list) -> list[CopyJob]:
 
 
 def copy_part(job: CopyJob) -> str | None:
-    """Fill one rank part by path; its sha256."""
+    """Fill one rank part by path; its digest."""
     out = PartWriter(job.part)
     try:
         for c in job.copies:

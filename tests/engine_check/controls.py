@@ -366,13 +366,13 @@ def caught(expect: Any, r: dict) -> bool:
 def rehash(d: Path) -> None:
     """The manifest of a control rewritten to its edited files: what a writer with that bug would have written, so
     that `dsconv verify --engine` meets the fault in the engine's load, not in the file hashes."""
-    import hashlib
+    from dsconv.io.digest import entry, file_digest
 
     f = d / "dsconv_manifest.json"
     m = json.loads(f.read_text())
     for name in list(m["files"]):
         p = d / name
         if p.is_file():
-            m["files"][name] = {"sha256": hashlib.sha256(p.read_bytes()).hexdigest(), "size": p.stat().st_size}
+            m["files"][name] = entry(file_digest(p), p.stat().st_size)
     f.write_text(json.dumps(m, indent=1))
 
