@@ -183,6 +183,32 @@ def test_verify_cli_detects_tampering(tmp_path, run_cli):
 
 
 
+def test_verify_hashes_parts_side_by_side_and_reports_in_manifest_order(tmp_path, monkeypatch):
+    """verify hashes the files on several threads; each problem is still reported once, in the manifest's order,
+    whichever thread found it: a flipped byte in the first and the last part, the middle part shortened."""
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    ts = _tensors()
+    with OutputDir(tmp_path / "out", stage="test") as out:
+        w = out.tensor_set(_specs(ts), prefix="model", max_shard_size=1000)
+        for n, t in ts.items():
+            w.write(n, t)
+    d = tmp_path / "out"
+    parts = [rel for rel in json.loads((d / MANIFEST).read_text())["files"] if rel.endswith(".safetensors")]
+    assert len(parts) >= 3 and verify_files(d) == []
+    for rel in (parts[0], parts[-1]):
+        data = bytearray((d / rel).read_bytes())
+        data[-1] ^= 0xFF
+        (d / rel).write_bytes(bytes(data))
+    mid = d / parts[1]
+    size = mid.stat().st_size
+    mid.write_bytes(mid.read_bytes()[:-1])
+    assert verify_files(d) == [f"{parts[0]}: blake3 differs from the manifest",
+                               f"{parts[1]}: size {size - 1}, manifest says {size}",
+                               f"{parts[-1]}: blake3 differs from the manifest"]
+
+
 def test_manifests_record_blake3_and_verify_still_reads_sha256(tmp_path, run_cli):
     """Every file's entry is BLAKE3 of its bytes (the blake3 package's own, not dsconv's windows); a manifest an
     earlier dsconv wrote with sha256 still verifies, and a wrong sha256 is caught; both keys in one entry are refused."""
