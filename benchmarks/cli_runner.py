@@ -40,8 +40,9 @@ COPIES = ("copy", "bcopy", "hcopy", "kcopy", "cp")
 def copy(kind, src, dst):
     # the anchors. copy: user-space read + write in 16 MiB blocks, a new block per read (the simplest anchor);
     # bcopy: the same through one reused buffer; hcopy: bcopy hashing each file beside the writes (the manifest's
-    # digest, dsconv/io/digest.py), as dsconv's writer does; kcopy: os.copy_file_range, the call dsconv's writer uses (on ext4 a
-    # copy in the kernel; file systems that clone extents would make it no copy at all: see "filesystem");
+    # digest, dsconv/io/digest.py), as dsconv's writer does; kcopy: os.copy_file_range, the call dsconv's writer
+    # uses (on ext4 a copy in the kernel; file systems that clone extents would make it no copy at all: see
+    # "filesystem");
     # cp: coreutils `cp -r` of the directory (every file, which is copy_file_range too for coreutils >= 9)
     if kind == "cp":
         subprocess.run(["cp", "-r", str(src), str(dst)], check=True)

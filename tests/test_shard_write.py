@@ -153,7 +153,8 @@ def test_verify_catches_a_replica_that_disagrees(run_cli, sharded_bf16, tmp_path
     from dsconv.io.digest import file_digest
 
     m = json.loads((out / "dsconv_manifest.json").read_text())  # re-hash: only the shard check can see it
-    m["files"]["rank_06/model.safetensors"] = {"sha256": file_digest(f, "sha256"), "size": f.stat().st_size}  # a pre-BLAKE3 entry
+    # a pre-BLAKE3 entry
+    m["files"]["rank_06/model.safetensors"] = {"sha256": file_digest(f, "sha256"), "size": f.stat().st_size}
     (out / "dsconv_manifest.json").write_text(json.dumps(m))
     res = run_cli(["verify", out])
     assert res.code == 3 and "model.norm.weight: rank_06's copy differs" in res.err

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 ALGORITHM = "blake3"
-ALGORITHMS = ("blake3", "sha256")  # what a manifest entry may name; the first is what stages write
+ALGORITHMS = ("blake3", "sha256")  # what a manifest entry may name (schemas.manifest checks it); stages write the first
 WINDOW = 64 * 2**20  # bytes of a file mapped at a time (io.parts copies and gathers in the same windows)
 
 

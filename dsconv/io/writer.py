@@ -181,7 +181,7 @@ class TensorSetWriter:
         h.wrote(names)
 
     def close(self) -> dict[str, dict[str, Any]]:
-        """Check completeness, close the parts, write the index; return {relative file: {digest, size}} (io.digest.entry)."""
+        """Check completeness, close the parts, write the index; return {relative file: io.digest.entry}."""
         missing = [n for n in self.specs if n not in self._written]
         if missing:
             raise RuntimeError(f"{len(missing)} planned tensors never written, e.g. {missing[0]}")

@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from dsconv.errors import UserError
+from dsconv.io.digest import ALGORITHMS
 from dsconv.schemas.core import (Fields, decode_utf8, is_finite, is_int, parse_json, read_bytes, read_json, read_toml,
                                  show, type_name)
 
 HEX256 = re.compile(r"[0-9a-f]{64}")
-DIGESTS = ("blake3", "sha256")  # io.digest.ALGORITHMS (schemas import nothing of io)
 
 
 def safe_relpath(rel: Any) -> bool:
@@ -41,9 +41,9 @@ def manifest(path: Path) -> dict[str, Any]:
             raise UserError(f"{path}: file {show(rel)} is not a relative path inside the directory", hint=hint)
         e = Fields(info, f"{path}: files[{rel!r}]", hint)
         e.int("size", 0, 2**63)
-        named = [k for k in DIGESTS if k in info]
+        named = [k for k in ALGORITHMS if k in info]
         if len(named) != 1:
-            raise e.fail(" or ".join(DIGESTS), "present, exactly one of them (the file's digest)")
+            raise e.fail(" or ".join(ALGORITHMS), "present, exactly one of them (the file's digest)")
         digest = e.str(named[0], max_len=64)
         if not HEX256.fullmatch(digest):
             raise e.fail(named[0], "64 lower-case hex digits", digest)
