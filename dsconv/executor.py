@@ -95,6 +95,11 @@ class Executor:
     def _map(self, fn: Callable[[Any], Any], jobs: list[Any], cpus: int, ahead: int) -> Iterator[Any]:
         return (fn(j) for j in jobs)
 
+    def warm(self, work_bytes: int | None = None, modules: Sequence[str] = ()) -> None:
+        """Start the workers now, in the background, when jobs of `work_bytes` will come: their start-up (a
+        forkserver importing torch, each worker importing `modules`) then overlaps the driver's own set-up. Nothing
+        to start inline or on threads."""
+
     def cpus_per_job(self, jobs: int) -> int:
         """How many CPUs each of `jobs` concurrent jobs may use without another job waiting: 1 here - on one host
         the driver's own threads already cover every core, and local workers split them (`_worker_init`)."""
@@ -157,6 +162,15 @@ def _worker_init(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
+def _import_modules(modules: Sequence[str]) -> int:
+    """A worker's first task when warmed: the job modules imported before the first real job arrives."""
+    import importlib
+
+    for m in modules:
+        importlib.import_module(m)
+    return os.getpid()
+
+
 class ProcessExecutor(Executor):
     """A local process pool (forkserver, else spawn): workers import dsconv afresh and read inputs by path."""
 
@@ -165,6 +179,31 @@ class ProcessExecutor(Executor):
     def __init__(self, workers: int) -> None:
         super().__init__(workers)
         self._pool = None
+        self._warming: Any = None  # `warm`'s thread, joined before the pool is used or closed
+
+    def warm(self, work_bytes: int | None = None, modules: Sequence[str] = ()) -> None:
+        """The pool started on a thread that waits for every worker to import `modules`; the driver goes on (a
+        tokenizer's load holds the GIL, the waiting thread does not). A failure to start surfaces at the first map."""
+        import threading
+
+        if self.workers <= 1 or self._pool is not None or (work_bytes is not None and work_bytes < INLINE_BELOW):
+            return
+        self._warming = threading.Thread(target=self._warm_up, args=(tuple(modules),), name="dsconv-pool-start",
+                                         daemon=True)
+        self._warming.start()
+
+    def _warm_up(self, modules: tuple[str, ...]) -> None:
+        try:
+            pool = self._start()
+            for f in [pool.submit(_import_modules, modules) for _ in range(self.workers)]:
+                f.result()
+        except Exception:  # noqa: BLE001 - the same failure is raised, with its context, by the first map
+            pass
+
+    def _join_warm(self) -> None:
+        if self._warming is not None:
+            self._warming.join()
+            self._warming = None
 
     def _start(self):
         import multiprocessing as mp
@@ -181,10 +220,12 @@ class ProcessExecutor(Executor):
         return self._pool
 
     def _map(self, fn: Callable[[Any], Any], jobs: list[Any], cpus: int, ahead: int) -> Iterator[Any]:
+        self._join_warm()
         pool = self._start()
         return _bounded(lambda j: pool.submit(fn, j), lambda f: f.result(), jobs, ahead)
 
     def close(self) -> None:
+        self._join_warm()
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None

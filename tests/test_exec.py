@@ -200,6 +200,38 @@ def test_small_work_stays_inline(monkeypatch):
         assert ex.summary()["ran"] == "inline"
 
 
+def test_warm_starts_every_worker_before_the_first_job(fan_out):
+    """`warm` starts the pool on a thread and each worker imports the job modules: by the first map the workers are
+    up (a calibrated run's forkserver start overlaps the tokenizer's load), and the jobs still run in order."""
+    with dexec.make_executor(dexec.ExecOptions(workers=2)) as ex:
+        ex.warm(work_bytes=1, modules=("decimal",))
+        ex._join_warm()
+        assert len(ex._pool._processes) == 2
+        assert list(ex.map(_square, range(6))) == [x * x for x in range(6)]
+
+
+def test_warm_leaves_small_work_and_one_worker_alone(monkeypatch):
+    monkeypatch.setattr(dexec, "INLINE_BELOW", 64 * 2**20)
+    for workers, work in ((2, 10), (1, 2**30)):
+        with dexec.make_executor(dexec.ExecOptions(workers=workers)) as ex:
+            ex.warm(work_bytes=work, modules=("decimal",))
+            assert getattr(ex, "_warming", None) is None and getattr(ex, "_pool", None) is None
+
+
+def test_only_a_calibrated_quantize_warms_its_workers(monkeypatch, run_cli, calib_models, tmp_path):
+    calls = []
+    monkeypatch.setattr(dexec.ProcessExecutor, "warm", lambda self, work_bytes=None, modules=(): calls.append(
+        (work_bytes, tuple(modules))))
+    r = run_cli(["quantize", "-m", calib_models["llama"], "--bits", "8", "-o", tmp_path / "c", "--workers", "2",
+                 "--calib-samples", "8", "--seq-len", "32"])
+    assert r.code == 0, r.err
+    assert len(calls) == 1 and calls[0][0] > 0 and calls[0][1] == ("dsconv.quant.calibrate.calib_jobs",)
+    r = run_cli(["quantize", "-m", calib_models["llama"], "--scheme", "w8a16", "--method", "rtn", "-o", tmp_path / "w",
+                 "--workers", "2"])
+    assert r.code == 0, r.err
+    assert len(calls) == 1
+
+
 def test_bad_options_are_user_errors(run_cli, models, tmp_path):
     r = run_cli(["quantize", "-m", models["llama"], "--scheme", "w8a16", "-o", tmp_path / "q", "--ray-address",
                  "auto"])

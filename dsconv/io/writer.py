@@ -442,8 +442,8 @@ def verify_files(directory: Path) -> list[str]:
             found[rel] = f"{rel}: path escapes the directory"
         elif not path.is_file():
             found[rel] = f"{rel}: missing"
-        elif path.stat().st_size != info["size"]:
-            found[rel] = f"{rel}: size {path.stat().st_size}, manifest says {info['size']}"
+        elif (size := path.stat().st_size) != info["size"]:
+            found[rel] = f"{rel}: size {size}, manifest says {info['size']}"
         else:
             to_hash.append((rel, path, *recorded(info)))
     # one file per thread (the hash releases the GIL): DeepSeek-R1's 163 parts on every core, not one after another

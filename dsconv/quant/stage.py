@@ -238,15 +238,24 @@ def run(req: QuantRequest) -> QuantResult:
         dry.update(engine=prof.name, config_keys=cfg_keys, layer_types=engines.kind_table(
             plan.linears.values(), plan.ignored, {ck.role(n).module: ck.role(n) for n in ck.names()}))
         return QuantResult(dry, dry_run=True)
-    calib = _load_calibration(ck, plan, opts, req.warn) if calibrate else None
-    with OutputDir(output, stage="quantize", inputs=[req.origin or model_dir], force=req.force, options=opts.as_dict(),
-                   input_identity=ck.identity()) as out:
+    ex = make_executor(req.execution)
+    try:
+        if calibrate:
+            from dsconv.quant.calibrate.calib_jobs import warm_workers
+
+            warm_workers(ex, ck, plan)  # the workers start while the tokenizer loads
+        calib = _load_calibration(ck, plan, opts, req.warn) if calibrate else None
+    except BaseException:
+        ex.close()
+        raise
+    with ex, OutputDir(output, stage="quantize", inputs=[req.origin or model_dir], force=req.force,
+                       options=opts.as_dict(), input_identity=ck.identity()) as out:
         qw = QuantWriter(out, ck, plan, opts.layout, opts.max_shard_size, staged=policy is not None,
                          name_type=cfg_keys.get("quantize"))
         cal = None
         ran = {"executor": "inline", "workers": 1, "ran": "inline"}
         t_cal = time.perf_counter()
-        with make_executor(req.execution) as ex:
+        with ex:  # closed again once the jobs are done: the workers' memory is freed before the output is assembled
             if calib is not None:  # linears and routed experts of each layer as jobs (calib_jobs.py)
                 from dsconv.quant.calibrate.calibration import Calibrator
                 cal = Calibrator(ck, plan, opts, calib, qw, req.progress, executor=ex)
