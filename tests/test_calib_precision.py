@@ -111,3 +111,39 @@ def test_native_bf16_is_read_from_the_cpu_flags(tmp_path):
     assert {"amx_bf16", "avx512f"} <= cpu_flags(str(info)) and native_bf16_matmul(cpu_flags(str(info)))
     assert not native_bf16_matmul({"fpu", "avx2", "avx512f"}) and native_bf16_matmul({"avx512_bf16"})
     assert cpu_flags(str(tmp_path / "absent")) == set()
+
+
+def test_float32_linears_run_on_onednn_whatever_the_thread_count():
+    """The float32 calibration forward sends `F.linear` to oneDNN (2x MKL's sgemm on an AMD host), with bits that do
+    not follow the thread count - a forward job on one thread must write the driver's bytes - and leaves everything
+    else to torch: other dtypes, autograd, matmuls that are not linears."""
+    import torch.nn.functional as F
+
+    from dsconv.quant.calibrate.context import forward_matmuls, onednn_available
+    from dsconv.quant.plan.options import QuantOptions
+    from dsconv.runner.layers import plain_linear
+
+    if not onednn_available():
+        pytest.skip("this torch has no oneDNN")
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(300, 896, generator=g), torch.randn(1024, 896, generator=g), torch.randn(1024, generator=g)
+    onednn = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    mkl = torch.addmm(b, x, w.t())
+    assert not torch.equal(onednn, mkl)  # the two libraries sum in different orders: the test can tell them apart
+    lin = torch.nn.Linear(896, 1024).requires_grad_(False)
+    lin.weight.copy_(w)
+    lin.bias.copy_(b)
+    threads, outs = torch.get_num_threads(), []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            with torch.no_grad(), forward_matmuls(QuantOptions()):
+                outs += [F.linear(x, w, b), lin(x)]
+                assert torch.equal(F.linear(x.double(), w.double()), x.double() @ w.double().t())  # not float32
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(o, onednn) for o in outs)
+    with forward_matmuls(QuantOptions()):  # autograd on: torch's own linear
+        assert torch.equal(F.linear(x, w, b), mkl)
+    assert torch.equal(F.linear(x, w, b), mkl)  # outside the block: torch's own again
+    assert torch.equal(plain_linear(0, "gate", x, w), x @ w.T)  # the experts' projection: the same sgemm as before

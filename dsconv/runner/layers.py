@@ -16,6 +16,7 @@ import inspect
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dsconv.errors import UserError
@@ -145,7 +146,9 @@ ExpertLinear = Callable[[int, str, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def plain_linear(e: int, slot: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x @ w.T
+    """An expert's projection as `F.linear` (the same sgemm as x @ w.T; the calibration forward's oneDNN mode sees
+    it as a linear)."""
+    return F.linear(x, w)
 
 
 def expert_forward(module: nn.Module, e: int, x: torch.Tensor, w: dict[str, torch.Tensor],
