@@ -71,10 +71,12 @@ def test_streamed_pass_equals_in_memory_path(outputs, case, monkeypatch):
     got = text_metrics(run_pass(StreamedModel(ck, False), StreamedModel(qck, True), chunks, 4096, progress=False))
     assert want["tokens"] == got["tokens"] and want["predicted_tokens"] == got["predicted_tokens"]
     for k, v in want.items():
-        # ppl_change_pct is the difference of two nearly equal perplexities: its float rounding is theirs (relative
-        # 2e-5, in percent points), not a fraction of itself (0.02% on the tiny DeepSeek W4A8 case: AMD's and Intel's
-        # float32 kernels differ there by 6e-6 of the perplexity)
-        tol = dict(abs=100 * 2e-5) if k == "ppl_change_pct" else dict(rel=2e-4, abs=2e-6)
+        # ppl_change_pct is the difference of two nearly equal perplexities, each held to 2e-4 relative: its
+        # tolerance is theirs in percent points, not a fraction of itself. On the tiny DeepSeek W4A8 case the two
+        # paths' float32 sums (whole linears against 8 KiB blocks) tip a few per-token int8 activation codes: on an
+        # AMD EPYC host the quantized perplexity differs by 4.8e-5 relative (1.1333 against 1.1285 points), on the
+        # Intel host by less than 2e-5
+        tol = dict(abs=100 * 2e-4) if k == "ppl_change_pct" else dict(rel=2e-4, abs=2e-6)
         assert got[k] == pytest.approx(v, **tol), k
     assert want["ppl_change_pct"] != 0.0  # the quantization did something to compare
 
