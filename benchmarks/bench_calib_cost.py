@@ -90,7 +90,7 @@ def plain_forward(model_dir: Path, samples: list[list[int]], precision: str = "f
     batched = timed(lambda: [decoder(input_ids=i, attention_mask=m, use_cache=False) for i, m in batches])
     # the same batches with dsconv's float32 linears (oneDNN: on a non-Intel CPU MKL's sgemm is 2x slower), so the
     # floor is never a slower library than the one dsconv calls
-    onednn = timed(batched_onednn) if precision == "fp32" and onednn_available() else None
+    onednn = timed(batched_onednn) if precision != "bf16" and onednn_available() else None
     del model
     ways = {"per_sample": per_sample, "batched": batched, **({"batched_onednn": onednn} if onednn else {})}
     name = min(ways, key=lambda k: ways[k][0])
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--calib-samples", type=int, default=None, help="first N bundled samples (default: all)")
     ap.add_argument("--repeat", type=int, default=1, help="best of N for each figure")
-    ap.add_argument("--calib-precision", choices=("fp32", "bf16"), default="fp32",
+    ap.add_argument("--calib-precision", choices=("fp32", "fp32-onednn", "bf16"), default="fp32",
                     help="quantize --calib-precision, and the floor's forward in the same precision")
     a = ap.parse_args(argv if argv is not None else sys.argv[1:])
     sys.path.insert(0, str(ROOT))

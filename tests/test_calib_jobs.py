@@ -34,6 +34,8 @@ CASES = [
     # the forward's matmuls in bf16 (--calib-precision): split jobs must still give the serial bytes
     ("fwd-bits8-moe-bf16", "moe", ["--bits", "8", "--moe-scheme", "w8a8", "--min-expert-tokens", "150",
                                    "--calib-precision", "bf16", *BATCHES]),
+    # the float32 linears through oneDNN: its bits must not follow the jobs' thread count either
+    ("fwd-bits8-onednn-llama", "llama", ["--bits", "8", "--calib-precision", "fp32-onednn", *BATCHES]),
     ("fwd-mse-llama", "llama", ["--bits", "8", "--act-method", "mse", *BATCHES]),  # stays serial, says why
     # Hessians merged from per-batch parts; the dense layers' quantized propagation split too
     ("fwd-gptq-llama", "llama", ["--scheme", "w4a16", "--method", "gptq", "--group-size", "64", *BATCHES]),

@@ -88,7 +88,8 @@ def test_bf16_statistics_move_by_bf16_rounding_only(key, models, run_cli, tmp_pa
 
 
 def test_the_default_records_nothing_new_and_bf16_is_in_the_manifest(models, run_cli, tmp_path):
-    for extra, want in (([], None), (["--calib-precision", "bf16"], "bf16"), (["--calib-precision", "fp32"], None)):
+    for extra, want in (([], None), (["--calib-precision", "bf16"], "bf16"), (["--calib-precision", "fp32"], None),
+                        (["--calib-precision", "fp32-onednn"], "fp32-onednn")):
         out = tmp_path / (want or "fp32") / str(len(extra))
         assert run_cli(["quantize", "-m", models["llama"], "-o", out, *FAST, *extra]).code == 0
         opts = json.loads((out / "dsconv_manifest.json").read_text())["options"]
@@ -114,9 +115,9 @@ def test_native_bf16_is_read_from_the_cpu_flags(tmp_path):
 
 
 def test_float32_linears_run_on_onednn_whatever_the_thread_count():
-    """The float32 calibration forward sends `F.linear` to oneDNN (2x MKL's sgemm on an AMD host), with bits that do
-    not follow the thread count - a forward job on one thread must write the driver's bytes - and leaves everything
-    else to torch: other dtypes, autograd, matmuls that are not linears."""
+    """`--calib-precision fp32-onednn` sends the forward's `F.linear` to oneDNN (2x MKL's sgemm on an AMD host), with
+    bits that do not follow the thread count - a forward job on one thread must write the driver's bytes - and
+    leaves everything else to torch: the default float32, other dtypes, autograd."""
     import torch.nn.functional as F
 
     from dsconv.quant.calibrate.context import forward_matmuls, onednn_available
@@ -137,13 +138,15 @@ def test_float32_linears_run_on_onednn_whatever_the_thread_count():
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            with torch.no_grad(), forward_matmuls(QuantOptions()):
+            with torch.no_grad(), forward_matmuls(QuantOptions(calib_precision="fp32-onednn")):
                 outs += [F.linear(x, w, b), lin(x)]
                 assert torch.equal(F.linear(x.double(), w.double()), x.double() @ w.double().t())  # not float32
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(o, onednn) for o in outs)
-    with forward_matmuls(QuantOptions()):  # autograd on: torch's own linear
+    with forward_matmuls(QuantOptions(calib_precision="fp32-onednn")):  # autograd on: torch's own linear
+        assert torch.equal(F.linear(x, w, b), mkl)
+    with torch.no_grad(), forward_matmuls(QuantOptions()):  # the default float32: torch's own (MKL)
         assert torch.equal(F.linear(x, w, b), mkl)
     assert torch.equal(F.linear(x, w, b), mkl)  # outside the block: torch's own again
     assert torch.equal(plain_linear(0, "gate", x, w), x @ w.T)  # the experts' projection: the same sgemm as before

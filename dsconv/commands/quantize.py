@@ -116,11 +116,13 @@ def parse_smooth(value: str | None) -> float | str | None:
 @click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default=None,
               help="Write the float tensors (norms, embeddings, biases) in this dtype and make it the model's: a "
                    "float32 checkpoint in one step for MindIE, which runs bf16 and fp16 only (default: as stored).")
-@click.option("--calib-precision", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+@click.option("--calib-precision", type=click.Choice(["fp32", "fp32-onednn", "bf16"]), default="fp32",
+              show_default=True,
               help="The calibration forward's matmuls (linear, attention): bf16 inputs with float32 sums run 5-6x "
                    "faster on CPUs with AMX (Intel Sapphire Rapids and later) and are what the NPU computes; "
                    "statistics, searches and fallback checks stay float32 (docs/performance.md). Not for --method "
-                   "gptq/awq.")
+                   "gptq/awq. fp32-onednn: float32 linears through oneDNN instead of MKL (2x on AMD CPUs, where "
+                   "MKL takes a generic path); the same arithmetic summed in another order.")
 @click.option("--dry-run", is_flag=True, help="Print the plan from headers (types, sizes) and write nothing.")
 @exec_options
 @force_option

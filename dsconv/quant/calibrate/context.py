@@ -38,9 +38,12 @@ def forward_matmuls(opts: QuantOptions, sk: Skeleton | None = None,
     DeepSeek's engines score in float32); norms, softmax and the residual stream stay float32 as autocast leaves
     them; the statistics hooks take each linear's input as float32; every search and fallback check runs after the
     forward, in float32.
-    In float32 the linears go through oneDNN where torch has it (`onednn_linears`)."""
+    With fp32-onednn the float32 linears go through oneDNN where torch has it (`onednn_linears`)."""
     if opts.calib_precision != "bf16":
-        with onednn_linears():
+        if opts.calib_precision == "fp32-onednn":
+            with onednn_linears():
+                yield
+        else:
             yield
         return
     routers = [] if layer is None else [m for m, (_, role) in sk.own_weights(layer).items() if role == Role.ROUTER]
@@ -65,7 +68,9 @@ class _OneDNNLinear(TorchFunctionMode):
     EPYC (AVX-512) it ran 98 GFLOP/s per core where oneDNN ran 211 at DeepSeek-V3's expert widths, and the
     calibration forward is mostly these matmuls. oneDNN's results do not depend on the thread count (checked at
     1-8 threads), so a forward job on one thread writes the driver's bits. The sums differ from MKL's in the last
-    bits: on Qwen2.5-Coder-0.5B the same alphas, clip ratios and static count, 0.005% of int8 codes moved."""
+    bits, and the searches' discrete choices can tip: Qwen2.5-Coder-0.5B kept every alpha and its perplexity, but
+    Gemma-3-270M's `--bits 8 --engine vllm-ascend` moved from +1.40% to +1.82%. Hence opt-in (--calib-precision
+    fp32-onednn), as bf16 is."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
