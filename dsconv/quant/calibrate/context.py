@@ -3,7 +3,7 @@ read-only inputs (`CalibContext`), the activations a layer is calibrated on (`La
 input's statistics are made (`StatsSpec`, small and picklable: jobs build the same statistics as the driver)."""
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -40,10 +40,7 @@ def forward_matmuls(opts: QuantOptions, sk: Skeleton | None = None,
     forward, in float32.
     With fp32-onednn the float32 linears go through oneDNN where torch has it (`onednn_linears`)."""
     if opts.calib_precision != "bf16":
-        if opts.calib_precision == "fp32-onednn":
-            with onednn_linears():
-                yield
-        else:
+        with onednn_linears() if opts.calib_precision == "fp32-onednn" else nullcontext():
             yield
         return
     routers = [] if layer is None else [m for m, (_, role) in sk.own_weights(layer).items() if role == Role.ROUTER]
