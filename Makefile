@@ -56,7 +56,7 @@ fuzz: install
 # target: met / MISSED, with the output size).
 bench-fidelity: install
 	$(BIN)/python -m benchmarks.real_models qwen2.5-coder-0.5b gemma-3-270m qwen2.5-coder-0.5b-moe1
-	$(BIN)/python -m benchmarks fidelity kv_positions w8a16_scales eval_cost
+	$(BIN)/python -m benchmarks fidelity calib_noise kv_positions w8a16_scales eval_cost
 
 clean:
 	rm -rf dsconv-demo .pytest_cache build *.egg-info engine-check-out

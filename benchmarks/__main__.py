@@ -1,8 +1,8 @@
 """`python -m benchmarks [NAME ...]`: run every benchmarks/bench_*.py (or the named ones) and print their figures.
 
 `fidelity` runs only when named (`make bench-fidelity`): it needs the real-model fixtures and hours of CPU;
-`engine_check` too: it needs MindIE-LLM's sources (MINDIE_LLM_SRC); `calib_cost`, `kv_positions`, `w8a16_scales` and
-`eval_cost` as well: they need the fixtures and minutes to hours."""
+`engine_check` too: it needs MindIE-LLM's sources (MINDIE_LLM_SRC); `calib_cost`, `calib_noise`, `kv_positions`,
+`w8a16_scales` and `eval_cost` as well: they need the fixtures and minutes to hours."""
 from __future__ import annotations
 
 import importlib
@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 
-ONLY_WHEN_NAMED = ("fidelity", "engine_check", "calib_cost", "kv_positions", "w8a16_scales", "eval_cost")
+ONLY_WHEN_NAMED = ("fidelity", "engine_check", "calib_cost", "calib_noise", "kv_positions", "w8a16_scales",
+                   "eval_cost")
 
 
 def main(argv: list[str]) -> int:

@@ -145,7 +145,11 @@ def run_model(name: str, model_dir: Path, engines: list[str], samples: int | Non
         return None
     toks = calibration_samples(model_dir, samples)
     fwd = min((plain_forward(model_dir, toks, precision) for _ in range(repeat)), key=lambda r: r["wall_s"])
-    res: dict[str, Any] = {"model": str(model_dir), "precision": precision, "threads": torch.get_num_threads(),
+    from dsconv.quant.calibrate.context import auto_precision
+
+    ran = auto_precision() if precision == "auto" else precision
+    res: dict[str, Any] = {"model": str(model_dir), "precision": precision, "ran": ran,
+                           "threads": torch.get_num_threads(),
                            "samples": len(toks), "tokens": sum(len(s) for s in toks), "plain_forward": fwd,
                            "quantize": {}}
     print(f"{name} ({precision}): {len(toks)} samples, {res['tokens']} tokens, {res['threads']} threads; floor "
@@ -181,8 +185,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--calib-samples", type=int, default=None, help="first N bundled samples (default: all)")
     ap.add_argument("--repeat", type=int, default=1, help="best of N for each figure")
-    ap.add_argument("--calib-precision", choices=("fp32", "fp32-onednn", "bf16"), default="fp32",
-                    help="quantize --calib-precision, and the floor's forward in the same precision")
+    ap.add_argument("--calib-precision", choices=("auto", "fp32", "fp32-onednn", "bf16"), default="auto",
+                    help="quantize --calib-precision (default: the CLI's, auto), and the floor's forward in the same "
+                         "precision")
     a = ap.parse_args(argv if argv is not None else sys.argv[1:])
     sys.path.insert(0, str(ROOT))
     import torch  # noqa: F401  (imported before any timing: neither side pays it)
@@ -208,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
                 results[name if name in FIXTURES else model_dir.name] = r
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    save("calib_cost" if a.calib_precision == "fp32" else f"calib_cost_{a.calib_precision}",
+    save("calib_cost" if a.calib_precision == "auto" else f"calib_cost_{a.calib_precision}",
          {"cpus": os.cpu_count(), "models": results}, quiet=True)
 
 

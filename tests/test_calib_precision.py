@@ -87,8 +87,12 @@ def test_bf16_statistics_move_by_bf16_rounding_only(key, models, run_cli, tmp_pa
     assert key != "moe" or any(".experts." in m for m in ra["linears"])
 
 
-def test_the_default_records_nothing_new_and_bf16_is_in_the_manifest(models, run_cli, tmp_path):
-    for extra, want in (([], None), (["--calib-precision", "bf16"], "bf16"), (["--calib-precision", "fp32"], None),
+def test_the_manifest_records_the_precision_that_ran_auto_resolved_for_this_host(models, run_cli, tmp_path):
+    from dsconv.quant.calibrate.context import auto_precision
+
+    here = auto_precision()  # the default: fp32-onednn on an AMD host, float32 through MKL on an Intel one
+    for extra, want in (([], None if here == "fp32" else here), (["--calib-precision", "bf16"], "bf16"),
+                        (["--calib-precision", "fp32"], None),
                         (["--calib-precision", "fp32-onednn"], "fp32-onednn")):
         out = tmp_path / (want or "fp32") / str(len(extra))
         assert run_cli(["quantize", "-m", models["llama"], "-o", out, *FAST, *extra]).code == 0
@@ -112,6 +116,25 @@ def test_native_bf16_is_read_from_the_cpu_flags(tmp_path):
     assert {"amx_bf16", "avx512f"} <= cpu_flags(str(info)) and native_bf16_matmul(cpu_flags(str(info)))
     assert not native_bf16_matmul({"fpu", "avx2", "avx512f"}) and native_bf16_matmul({"avx512_bf16"})
     assert cpu_flags(str(tmp_path / "absent")) == set()
+
+
+def test_auto_picks_onednn_only_where_mkl_runs_its_generic_code(tmp_path, monkeypatch):
+    """MKL dispatches its fast kernels on Intel's vendor string: an AMD or Hygon x86 host gets float32 through
+    oneDNN; Intel, ARM (Kunpeng) and a host whose vendor cannot be read keep torch's own float32."""
+    from dsconv.quant.calibrate import context
+    from dsconv.runtime.process import cpu_vendor
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu avx512f\n")
+    assert cpu_vendor(str(info)) == "AuthenticAMD" and cpu_vendor(str(tmp_path / "absent")) is None
+    if not context.onednn_available() or not torch.backends.mkl.is_available():
+        pytest.skip("this torch lacks oneDNN or MKL")
+    for vendor, machine, want in (("AuthenticAMD", "x86_64", "fp32-onednn"), ("HygonGenuine", "x86_64", "fp32-onednn"),
+                                  ("GenuineIntel", "x86_64", "fp32"), ("AuthenticAMD", "aarch64", "fp32"),
+                                  ("", "x86_64", "fp32")):
+        assert context.auto_precision(vendor, machine) == want, (vendor, machine)
+    monkeypatch.setattr("dsconv.runtime.process.cpu_vendor", lambda: None)  # no vendor to read: torch's own
+    assert context.auto_precision(None, "x86_64") == "fp32"
 
 
 def test_float32_linears_run_on_onednn_whatever_the_thread_count():

@@ -116,13 +116,14 @@ def parse_smooth(value: str | None) -> float | str | None:
 @click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default=None,
               help="Write the float tensors (norms, embeddings, biases) in this dtype and make it the model's: a "
                    "float32 checkpoint in one step for MindIE, which runs bf16 and fp16 only (default: as stored).")
-@click.option("--calib-precision", type=click.Choice(["fp32", "fp32-onednn", "bf16"]), default="fp32",
+@click.option("--calib-precision", type=click.Choice(["auto", "fp32", "fp32-onednn", "bf16"]), default="auto",
               show_default=True,
-              help="The calibration forward's matmuls (linear, attention): bf16 inputs with float32 sums run 5-6x "
-                   "faster on CPUs with AMX (Intel Sapphire Rapids and later) and are what the NPU computes; "
-                   "statistics, searches and fallback checks stay float32 (docs/performance.md). Not for --method "
-                   "gptq/awq. fp32-onednn: float32 linears through oneDNN instead of MKL (2x on AMD CPUs, where "
-                   "MKL takes a generic path); the same arithmetic summed in another order.")
+              help="The calibration forward's matmuls (linear, attention). auto: float32, through oneDNN on x86 CPUs "
+                   "not made by Intel (MKL runs its generic code there, at half the speed), else through MKL; the "
+                   "manifest records which. fp32 / fp32-onednn: float32 through MKL / oneDNN, the same arithmetic "
+                   "summed in another order. bf16: bf16 inputs with float32 sums, 5-6x faster on CPUs with AMX "
+                   "(Intel Sapphire Rapids and later) and what the NPU computes; statistics, searches and fallback "
+                   "checks stay float32; not for --method gptq/awq (docs/performance.md, docs/accuracy.md).")
 @click.option("--dry-run", is_flag=True, help="Print the plan from headers (types, sizes) and write nothing.")
 @exec_options
 @force_option
@@ -155,6 +156,10 @@ def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: 
         if method in ("gptq", "awq") and not dry_run:
             warn(f"--method {method} is the default for {scheme} (docs/accuracy.md): calibrating on "
                  f"{calib or 'the bundled qa.jsonl'}; --method rtn needs no calibration")
+    if calib_precision == "auto":
+        from dsconv.quant.calibrate.context import auto_precision
+
+        calib_precision = auto_precision()
     if calib_precision == "bf16" and not dry_run:
         from dsconv.runtime.process import native_bf16_matmul
 

@@ -57,16 +57,27 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
-    """The CPU's feature flags (Linux); empty where /proc/cpuinfo is absent or unreadable."""
+def _cpuinfo(field: str, path: str) -> str | None:
+    """The first value of `field` in /proc/cpuinfo (Linux); None where the file or the field is absent."""
     try:
         with open(path, encoding="ascii", errors="replace") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                key, sep, value = line.partition(":")
+                if sep and key.strip() == field:
+                    return value.strip()
     except OSError:
         pass
-    return set()
+    return None
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
+    """The CPU's feature flags (Linux); empty where /proc/cpuinfo is absent or unreadable."""
+    return set((_cpuinfo("flags", path) or "").split())
+
+
+def cpu_vendor(path: str = "/proc/cpuinfo") -> str | None:
+    """The x86 vendor string (GenuineIntel, AuthenticAMD, HygonGenuine, ...); None elsewhere."""
+    return _cpuinfo("vendor_id", path)
 
 
 def native_bf16_matmul(flags: set[str] | None = None) -> bool:

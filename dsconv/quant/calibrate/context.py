@@ -3,6 +3,7 @@ read-only inputs (`CalibContext`), the activations a layer is calibrated on (`La
 input's statistics are made (`StatsSpec`, small and picklable: jobs build the same statistics as the driver)."""
 from __future__ import annotations
 
+import platform
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,9 +66,8 @@ class _OneDNNLinear(TorchFunctionMode):
     EPYC (AVX-512) it ran 98 GFLOP/s per core where oneDNN ran 211 at DeepSeek-V3's expert widths, and the
     calibration forward is mostly these matmuls. oneDNN's results do not depend on the thread count (checked at
     1-8 threads), so a forward job on one thread writes the driver's bits. The sums differ from MKL's in the last
-    bits, and the searches' discrete choices can tip: Qwen2.5-Coder-0.5B kept every alpha and its perplexity, but
-    Gemma-3-270M's `--bits 8 --engine vllm-ascend` moved from +1.40% to +1.82%. Hence opt-in (--calib-precision
-    fp32-onednn), as bf16 is."""
+    bits; what that does to a real model's perplexity is measured against the spread of calibration subsets
+    (benchmarks/bench_calib_noise.py). The default where MKL runs its generic code (`auto_precision`)."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -81,6 +81,25 @@ class _OneDNNLinear(TorchFunctionMode):
 
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+
+
+def mkl_generic_path(vendor: str | None = None, machine: str | None = None) -> bool:
+    """Whether torch's float32 matmul runs MKL's generic code on this CPU: MKL picks its AVX2/AVX-512 kernels for
+    Intel's vendor string only, so an x86 CPU of another vendor (AMD EPYC, Hygon) gets the slow path."""
+    from dsconv.runtime.process import cpu_vendor
+
+    vendor = cpu_vendor() if vendor is None else vendor
+    machine = platform.machine() if machine is None else machine
+    return machine.lower() in ("x86_64", "amd64") and torch.backends.mkl.is_available() \
+        and vendor not in (None, "", "GenuineIntel")
+
+
+def auto_precision(vendor: str | None = None, machine: str | None = None) -> str:
+    """What `--calib-precision auto` (the default) means here: float32 through oneDNN where MKL would take its
+    generic path (`mkl_generic_path`) and torch has oneDNN, float32 through MKL everywhere else. Both are float32;
+    only the order of the sums differs, and bench_calib_noise measures that against a user's choice of calibration
+    pairs (docs/accuracy.md)."""
+    return "fp32-onednn" if mkl_generic_path(vendor, machine) and onednn_available() else "fp32"
 
 
 @contextmanager
