@@ -98,6 +98,9 @@ def test_the_manifest_records_the_precision_that_ran_auto_resolved_for_this_host
         assert run_cli(["quantize", "-m", models["llama"], "-o", out, *FAST, *extra]).code == 0
         opts = json.loads((out / "dsconv_manifest.json").read_text())["options"]
         assert opts.get("calib_precision") == want and ("calib_precision" in opts) == (want is not None), opts
+    out = tmp_path / "weight-only"  # no calibration: auto resolves to nothing, and the manifest says nothing
+    assert run_cli(["quantize", "-m", models["llama"], "-o", out, "--scheme", "w8a16", "--method", "rtn"]).code == 0
+    assert "calib_precision" not in json.loads((out / "dsconv_manifest.json").read_text())["options"]
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])

@@ -156,10 +156,6 @@ def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: 
         if method in ("gptq", "awq") and not dry_run:
             warn(f"--method {method} is the default for {scheme} (docs/accuracy.md): calibrating on "
                  f"{calib or 'the bundled qa.jsonl'}; --method rtn needs no calibration")
-    if calib_precision == "auto":
-        from dsconv.quant.calibrate.context import auto_precision
-
-        calib_precision = auto_precision()
     if calib_precision == "bf16" and not dry_run:
         from dsconv.runtime.process import native_bf16_matmul
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -78,6 +78,14 @@ def planned_output(ck: Any, scheme: str, engine: str | None = None) -> tuple[lis
     types = {m: lp.qtype for m, lp in plan.linears.items()}
     specs = final_specs(ck, plan, types)
     return specs, description(plan, types, specs)
+
+
+def _auto_precision() -> str | None:
+    """`--calib-precision auto` on this host, as the manifest records it (None: MKL's float32, the old default)."""
+    from dsconv.quant.calibrate.context import auto_precision
+
+    resolved = auto_precision()
+    return None if resolved == "fp32" else resolved
 
 
 def _load_calibration(ck: Any, plan: Any, opts: QuantOptions, warn: Callable[[str], None]) -> Any:
@@ -226,6 +234,8 @@ def run(req: QuantRequest) -> QuantResult:
     policy = fallback_policy(opts, plan) if engines.check_fallback(prof, opts.fallback, opts.fallback_threshold) \
         else None
     calibrate = needs_calibration(opts, plan)
+    if opts.calib_precision == "auto":  # resolved only for a run that calibrates: weight-only never imports torch
+        opts = replace(opts, calib_precision=_auto_precision() if calibrate else None)
     kinds = {m: engines.layer_kind(lp) for m, lp in plan.linears.items()}
     mtp = mtp_type if any(lp.category == Category.MTP for lp in plan.linears.values()) else None
     cfg_keys = engines.config_updates(prof, family, {m: lp.qtype for m, lp in plan.linears.items()}, kinds, mtp)

@@ -48,7 +48,7 @@ class QuantOptions:
     sample_tokens: int = 128   # calibration rows kept per linear input to measure output error (fallbacks, report)
     rotate: int | None = None  # --rotate: the seed of the residual rotation quantize runs on (dsconv/quant/rotate.py)
     dtype: str | None = None   # --dtype bf16|fp16: the output's float tensors and model dtype (a float32 input)
-    calib_precision: str | None = None  # --calib-precision bf16 / fp32-onednn: the forward's matmuls (None: fp32)
+    calib_precision: str | None = None  # --calib-precision: the forward's matmuls (None: fp32; "auto": quant/stage.py)
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -93,8 +93,9 @@ def check_options(opts: QuantOptions, plan: QuantPlan) -> None:
         raise UserError(f"unknown --method {opts.method}", hint=f"use {', '.join(METHODS)}")
     if opts.min_expert_tokens < 0:
         raise UserError("--min-expert-tokens must be >= 0")
-    if opts.calib_precision not in (None, "fp32", "fp32-onednn", "bf16"):
-        raise UserError(f"unknown --calib-precision {opts.calib_precision}", hint="choose fp32, fp32-onednn or bf16")
+    if opts.calib_precision not in (None, "auto", "fp32", "fp32-onednn", "bf16"):
+        raise UserError(f"unknown --calib-precision {opts.calib_precision}",
+                        hint="choose auto, fp32, fp32-onednn or bf16")
     if opts.calib_precision == "bf16" and opts.method in ("gptq", "awq"):
         raise UserError(f"--calib-precision bf16 does not apply to --method {opts.method}: its Hessian and scale "
                         "search are computed inside the forward and need float32",
