@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--calib-samples", type=int, default=None, help="first N bundled samples (default: all)")
     ap.add_argument("--repeat", type=int, default=1, help="best of N for each figure")
-    ap.add_argument("--calib-precision", choices=("auto", "fp32", "fp32-onednn", "bf16"), default="auto",
-                    help="quantize --calib-precision (default: the CLI's, auto), and the floor's forward in the same "
+    ap.add_argument("--calib-precision", choices=("fp32", "auto", "fp32-onednn", "bf16"), default="fp32",
+                    help="quantize --calib-precision (default: the CLI's, fp32), and the floor's forward in the same "
                          "precision")
     a = ap.parse_args(argv if argv is not None else sys.argv[1:])
     sys.path.insert(0, str(ROOT))
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
                 results[name if name in FIXTURES else model_dir.name] = r
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    save("calib_cost" if a.calib_precision == "auto" else f"calib_cost_{a.calib_precision}",
+    save("calib_cost" if a.calib_precision == "fp32" else f"calib_cost_{a.calib_precision}",
          {"cpus": os.cpu_count(), "models": results}, quiet=True)
 
 

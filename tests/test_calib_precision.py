@@ -90,16 +90,17 @@ def test_bf16_statistics_move_by_bf16_rounding_only(key, models, run_cli, tmp_pa
 def test_the_manifest_records_the_precision_that_ran_auto_resolved_for_this_host(models, run_cli, tmp_path):
     from dsconv.quant.calibrate.context import auto_precision
 
-    here = auto_precision()  # the default: fp32-onednn on an AMD host, float32 through MKL on an Intel one
-    for extra, want in (([], None if here == "fp32" else here), (["--calib-precision", "bf16"], "bf16"),
-                        (["--calib-precision", "fp32"], None),
+    here = auto_precision()  # fp32-onednn on an AMD host, float32 through MKL on an Intel one
+    for extra, want in (([], None), (["--calib-precision", "auto"], None if here == "fp32" else here),
+                        (["--calib-precision", "bf16"], "bf16"), (["--calib-precision", "fp32"], None),
                         (["--calib-precision", "fp32-onednn"], "fp32-onednn")):
-        out = tmp_path / (want or "fp32") / str(len(extra))
+        out = tmp_path / "-".join(["default", *extra])
         assert run_cli(["quantize", "-m", models["llama"], "-o", out, *FAST, *extra]).code == 0
         opts = json.loads((out / "dsconv_manifest.json").read_text())["options"]
         assert opts.get("calib_precision") == want and ("calib_precision" in opts) == (want is not None), opts
     out = tmp_path / "weight-only"  # no calibration: auto resolves to nothing, and the manifest says nothing
-    assert run_cli(["quantize", "-m", models["llama"], "-o", out, "--scheme", "w8a16", "--method", "rtn"]).code == 0
+    assert run_cli(["quantize", "-m", models["llama"], "-o", out, "--scheme", "w8a16", "--method", "rtn",
+                    "--calib-precision", "auto"]).code == 0
     assert "calib_precision" not in json.loads((out / "dsconv_manifest.json").read_text())["options"]
 
 

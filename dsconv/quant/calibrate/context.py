@@ -67,7 +67,8 @@ class _OneDNNLinear(TorchFunctionMode):
     calibration forward is mostly these matmuls. oneDNN's results do not depend on the thread count (checked at
     1-8 threads), so a forward job on one thread writes the driver's bits. The sums differ from MKL's in the last
     bits; what that does to a real model's perplexity is measured against the spread of calibration subsets
-    (benchmarks/bench_calib_noise.py). The default where MKL runs its generic code (`auto_precision`)."""
+    (benchmarks/bench_calib_noise.py, docs/accuracy.md): the same mean as MKL on Gemma-3-270M, 0.2 points worse on
+    Qwen2.5-Coder-0.5B, so it is opt-in (`--calib-precision fp32-onednn`, or `auto` where MKL is slow)."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -95,7 +96,7 @@ def mkl_generic_path(vendor: str | None = None, machine: str | None = None) -> b
 
 
 def auto_precision(vendor: str | None = None, machine: str | None = None) -> str:
-    """What `--calib-precision auto` (the default) means here: float32 through oneDNN where MKL would take its
+    """What `--calib-precision auto` means here: float32 through oneDNN where MKL would take its
     generic path (`mkl_generic_path`) and torch has oneDNN, float32 through MKL everywhere else. Both are float32;
     only the order of the sums differs, and bench_calib_noise measures that against a user's choice of calibration
     pairs (docs/accuracy.md)."""
