@@ -16,7 +16,7 @@ difference is within two standard errors of zero and under the spread of float32
 than a user's choice of calibration text does.
 
 Outputs are evaluated and deleted one at a time (Gemma's is 437 MB); each figure is kept in the work directory
-(`result.json` beside the arguments that made it), so an interrupted run resumes.
+(`<row>_<precision>_<pairs>.json`, with the arguments that made it), so an interrupted run resumes.
 """
 from __future__ import annotations
 
@@ -30,26 +30,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_fidelity import eval_chunks, fixture_dir, load_quantized, perplexity, quantize
+from benchmarks.bench_fidelity import eval_chunks, fixture_dir, float_perplexity, load_quantized, perplexity, quantize
 from benchmarks.common import merge
 
 ROWS = {"vllm": ["--bits", "8", "--engine", "vllm-ascend"], "mindie": ["--bits", "8"],
         "allstatic": ["--bits", "8", "--recipe", "uniform", "--fallback", "0"]}
 PAIRS = 157  # the bundled qa.jsonl
 REFERENCE = "fp32"
-
-
-def _float_ppl(model_dir: Path, chunks: list[list[int]], work: Path) -> float:
-    cache = work / f"float_ppl_{len(chunks)}.json"
-    if cache.exists() and json.loads(cache.read_text()).get("model") == str(model_dir):
-        return float(json.loads(cache.read_text())["ppl"])
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ppl = perplexity(ref, chunks)
-    cache.write_text(json.dumps({"model": str(model_dir), "ppl": ppl}))
-    return ppl
 
 
 def one(model_dir: Path, args: list[str], chunks: list[list[int]], ppl_float: float, out: Path) -> dict[str, Any]:
@@ -101,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     work = (a.work or Path(os.environ.get("DSCONV_BENCH_DIR", "/tmp")) / "dsconv-noise") / model_dir.name
     work.mkdir(parents=True, exist_ok=True)
     chunks = eval_chunks(AutoTokenizer.from_pretrained(model_dir), a.chunks)
-    ppl_float = _float_ppl(model_dir, chunks, work)
+    ppl_float = float_perplexity(model_dir, chunks, work)
     precisions = a.precisions.split(",")
     t0, load0 = time.time(), os.getloadavg()[0]
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in precisions}

@@ -383,10 +383,26 @@ def quantize(model_dir: Path, out: Path, args: list[str]) -> tuple[float, float,
     return dt, cpu, json.loads(p.stdout)
 
 
+def float_perplexity(model_dir: Path, chunks: list[list[int]], work: Path) -> float:
+    """The float model's perplexity on `chunks`, kept in `work` (it does not change between runs)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cache = work / f"float_ppl_{len(chunks)}.json"
+    if cache.exists() and json.loads(cache.read_text()).get("model") == str(model_dir):
+        return float(json.loads(cache.read_text())["ppl"])
+    t = time.perf_counter()
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ppl = perplexity(ref, chunks)
+    del ref
+    print(f"float model evaluated in {time.perf_counter() - t:.0f}s", flush=True)
+    cache.write_text(json.dumps({"model": str(model_dir), "ppl": ppl}))
+    return ppl
+
+
 def run_model(name: str, model_dir: Path, keys: list[str], a: argparse.Namespace) -> dict[str, Any] | None:
     """Float perplexity and one row per scheme for one model (None when its fixture is missing)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     if not (model_dir / "config.json").exists():
         print(f"fidelity: no fixture at {model_dir}; build it with `python -m benchmarks.real_models "
@@ -396,16 +412,7 @@ def run_model(name: str, model_dir: Path, keys: list[str], a: argparse.Namespace
     chunks = eval_chunks(tok, a.chunks)
     work = (a.work or Path(os.environ.get("DSCONV_BENCH_DIR", "/tmp")) / "dsconv-fidelity") / name
     work.mkdir(parents=True, exist_ok=True)
-    cache = work / f"float_ppl_{len(chunks)}.json"  # the float model's figure does not change between runs
-    if cache.exists() and json.loads(cache.read_text()).get("model") == str(model_dir):
-        ppl_float = json.loads(cache.read_text())["ppl"]
-    else:
-        t = time.perf_counter()
-        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        ppl_float = perplexity(ref, chunks)
-        del ref
-        print(f"float model evaluated in {time.perf_counter() - t:.0f}s", flush=True)
-        cache.write_text(json.dumps({"model": str(model_dir), "ppl": ppl_float}))
+    ppl_float = float_perplexity(model_dir, chunks, work)
     print(f"{name}: float perplexity {ppl_float:.4f} on {len(chunks)} x {SEQ} tokens of pydoc_data.topics; "
           f"load {os.getloadavg()[0]:.1f}", flush=True)
     answers = float_answers(model_dir, work, a.qa_tokens) if a.qa_tokens else None
