@@ -141,15 +141,9 @@ def test_auto_picks_onednn_only_where_mkl_runs_its_generic_code(tmp_path, monkey
     assert context.auto_precision(None, "x86_64") == "fp32"
 
 
-def test_float32_linears_run_on_onednn_whatever_the_thread_count():
-    """`--calib-precision fp32-onednn` sends the forward's `F.linear` to oneDNN (2x MKL's sgemm on an AMD host), with
-    bits that do not follow the thread count - a forward job on one thread must write the driver's bytes - and
-    leaves everything else to torch: the default float32, other dtypes, autograd."""
-    import torch.nn.functional as F
-
-    from dsconv.quant.calibrate.context import forward_matmuls, onednn_available
-    from dsconv.quant.plan.options import QuantOptions
-    from dsconv.runner.layers import plain_linear
+def _operands() -> tuple[torch.Tensor, ...]:
+    """x, w, b and F.linear's result through oneDNN and through MKL, which the tests can tell apart."""
+    from dsconv.quant.calibrate.context import onednn_available
 
     if not onednn_available():
         pytest.skip("this torch has no oneDNN")
@@ -158,6 +152,20 @@ def test_float32_linears_run_on_onednn_whatever_the_thread_count():
     onednn = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
     mkl = torch.addmm(b, x, w.t())
     assert not torch.equal(onednn, mkl)  # the two libraries sum in different orders: the test can tell them apart
+    return x, w, b, onednn, mkl
+
+
+def test_float32_linears_run_on_onednn_whatever_the_thread_count():
+    """`--calib-precision fp32-onednn` sends the forward's `F.linear` to oneDNN (2x MKL's sgemm on an AMD host), with
+    bits that do not follow the thread count - a forward job on one thread must write the driver's bytes - and
+    leaves everything else to torch: the default float32, other dtypes, autograd."""
+    import torch.nn.functional as F
+
+    from dsconv.quant.calibrate.context import forward_matmuls
+    from dsconv.quant.plan.options import QuantOptions
+    from dsconv.runner.layers import plain_linear
+
+    x, w, b, onednn, mkl = _operands()
     lin = torch.nn.Linear(896, 1024).requires_grad_(False)
     lin.weight.copy_(w)
     lin.bias.copy_(b)
@@ -177,3 +185,21 @@ def test_float32_linears_run_on_onednn_whatever_the_thread_count():
         assert torch.equal(F.linear(x, w, b), mkl)
     assert torch.equal(F.linear(x, w, b), mkl)  # outside the block: torch's own again
     assert torch.equal(plain_linear(0, "gate", x, w), x @ w.T)  # the experts' projection: the same sgemm as before
+
+
+def test_a_workers_jobs_run_their_linears_on_onednn_too():
+    """A worker process starts with autograd on (the driver calibrates under no_grad). A job's block
+    (`job_threads`, which every linear, expert and forward job enters) must still send its float32 linears to
+    oneDNN: without it two workers ran their experts through MKL, at half the inline run's speed, and with other
+    bits."""
+    import torch.nn.functional as F
+
+    from dsconv.quant.calibrate.calib_jobs import job_threads
+    from dsconv.quant.calibrate.context import forward_matmuls
+    from dsconv.quant.plan.options import QuantOptions
+
+    x, w, b, onednn, _ = _operands()
+    assert torch.is_grad_enabled()  # as in a fresh worker
+    with job_threads(1), forward_matmuls(QuantOptions(calib_precision="fp32-onednn")):
+        assert torch.equal(F.linear(x, w, b), onednn)
+    assert torch.is_grad_enabled()  # the job's block leaves the process as it found it

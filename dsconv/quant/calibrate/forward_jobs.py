@@ -150,7 +150,7 @@ def run_forward(job: ForwardJob) -> ForwardResult:
     """Task: layer i (materialised from the checkpoint, the driver's changes applied) over a run of batches, with
     the same hooks as the driver's pass; their partial statistics and the output rows returned."""
     ctx, i = job.ctx, job.layer
-    with job_threads(job.threads), torch.no_grad():
+    with job_threads(job.threads):
         ck, _ = open_job_checkpoint(ctx)
         sk = _SKELETONS.get(ctx.key)
         if sk is None:  # its own, never the driver's (whose layer i holds the driver's changes) even inline
