@@ -1,9 +1,11 @@
 """The FULL DeepSeek-V3 calibrated quantization projected on 1, 8 and 32 nodes from the per-step costs MEASURED on
-this host, for three runs in one table:
+this host, for five runs in one table:
 
 * `--bits 8` (MindIE's recipe: attention static W8A8 - smoothing and clip searches -, MLP and routed experts
   W8A8_DYNAMIC, kv_b_proj float);
 * `--bits 8 --calib-precision bf16` (the same, its calibration forward's matmuls in bf16: AMX);
+* `--bits 8 --calib-precision auto` (float32 through oneDNN where MKL runs its generic code - an x86 CPU not made
+  by Intel -, else the default; the runs record what it resolved to);
 * `--bits 8 --kv-cache int8` (FA quant's statistics in the same forward);
 * the W4A8 recipe, `--bits 4 --scheme w4a8_dynamic --engine vllm-ascend --method rtn` (routed experts int4
   round-to-nearest, every other linear W8A8_DYNAMIC).
@@ -29,7 +31,9 @@ the config: `work()`), rate = medium seconds / medium work:
 Real shapes: 61 layers (3 dense), 256 experts top-8, hidden 7168, moe_intermediate 2048, MLA. Calibration tokens:
 the bundled set through a real tokenizer (Qwen2.5's, from the real-model fixture, when present: about 18.7k
 tokens; DeepSeek-V3's 128k vocabulary cuts text alike) - and, for comparison with the earlier projection, the
-medium model's own toy tokenizer (384 tokens of vocabulary, about 2.7x as many tokens).
+medium model's own toy tokenizer (384 tokens of vocabulary, about 2.7x as many tokens). The wide probe's
+tokenizer (WIDE_VOCAB) cuts its samples as long as the real tokenizer does, so attention costs per token what it will
+in the real run.
 
 One node: the driver's forward and searches on torch's threads, at the speedup the wide probe measured with
 `--workers 1` on every core (`thread_speedup`: one thread's CPU seconds over the threaded wall seconds).
@@ -71,7 +75,13 @@ WIDE = dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=204
             first_k_dense_replace=0, n_routed_experts=8, num_experts_per_tok=8, n_group=1, topk_group=1,
             n_shared_experts=1, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, head_dim=64)
-WIDE_SAMPLES = 24        # calibration samples of the wide probe (its forward is 70x the medium model's per token)
+WIDE_SAMPLES = 64        # calibration samples of the wide probe (its forward is 70x the medium model's per token)
+# the wide probe's tokenizer: a byte-level BPE of this many tokens trained on the bundled set cuts it as Qwen2.5's
+# does (19,014 tokens against 18,741; mean sample 121 against 119, longest 254 against 250; the medium model's 384
+# make 320 and 512). Attention's cost per token grows with the sample's length, so the probe's samples must be as
+# long as the real run's: with the 384-token vocabulary, SDPA took a third of the probe's forward (oneDNN).
+WIDE_VOCAB = 4608
+MEDIUM_VOCAB = 384
 REAL = dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
             first_k_dense_replace=3, n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1,
             num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
@@ -87,6 +97,8 @@ TARGETS = {1: (4.0, 2.0), 8: (0.5, None)}  # hours: target, goal (issue 32)
 RUNS = {"--bits 8": (["--bits", "8"], "bf16"),
         # the calibration forward's matmuls in bf16 (AMX; its accuracy: bench_fidelity's "--calib-precision bf16" rows)
         "--bits 8 --calib-precision bf16": (["--bits", "8", "--calib-precision", "bf16"], "bf16"),
+        # float32 through oneDNN on an x86 CPU not made by Intel (MKL's generic code there), else the default
+        "--bits 8 --calib-precision auto": (["--bits", "8", "--calib-precision", "auto"], "bf16"),
         "--bits 8 --kv-cache int8": (["--bits", "8", "--kv-cache", "int8"], "fp16"),
         "W4A8 recipe (RTN experts)": (["--bits", "4", "--scheme", "w4a8_dynamic", "--engine", "vllm-ascend",
                                        "--method", "rtn"], "bf16")}
@@ -97,7 +109,7 @@ import json, sys
 from pathlib import Path
 from dsconv.bundled import calib_texts
 from dsconv.tiny import make_tiny, train_tokenizer
-tok = train_tokenizer(calib_texts(), vocab_size=384)
+tok = train_tokenizer(calib_texts(), vocab_size=int(sys.argv[4]))
 make_tiny("deepseek_v3", Path(sys.argv[1]), dtype=sys.argv[3], tokenizer=tok, **json.loads(sys.argv[2]))
 """
 
@@ -198,6 +210,8 @@ def _quantize(model: Path, out: Path, args: list[str], workers: int, env: dict) 
         raise RuntimeError(p.stderr[-3000:])
     s = json.loads(p.stdout)
     s["report"] = json.loads((out / "quant_report.json").read_text())
+    options = json.loads((out / "dsconv_manifest.json").read_text())["options"]
+    s["precision"] = options.get("calib_precision") or "fp32"  # what --calib-precision auto resolved to
     s["_files"] = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(out.glob("*.safetensors"))}
     shutil.rmtree(out, ignore_errors=True)
     s["load_before"], s["load_after"] = load, " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -218,9 +232,9 @@ def real_tokens() -> tuple[int, int] | None:
     return c.tokens, len(c.samples)
 
 
-def _build(root: Path, name: str, config: dict[str, Any], dtype: str, env: dict) -> Path:
-    subprocess.run([sys.executable, "-c", CHILD, str(root / name), json.dumps(config), dtype], check=True, env=env,
-                   cwd=str(ROOT), capture_output=True)
+def _build(root: Path, name: str, config: dict[str, Any], dtype: str, env: dict, vocab: int = MEDIUM_VOCAB) -> Path:
+    subprocess.run([sys.executable, "-c", CHILD, str(root / name), json.dumps(config), dtype, str(vocab)],
+                   check=True, env=env, cwd=str(ROOT), capture_output=True)
     return root / name
 
 
@@ -229,6 +243,7 @@ def _kept(r: dict[str, Any]) -> dict[str, Any]:
     streams the weights: no timings)."""
     return {"seconds": round(r["seconds"], 2), "timings": r.get("timings"), "report": r["report"],
             "calibrated": "timings" in r, "tokens": (r.get("calibration") or {}).get("tokens"),
+            "precision": r.get("precision"),
             "load_before": r["load_before"], "load_after": r["load_after"]}
 
 
@@ -247,7 +262,8 @@ def measure_costs() -> dict[str, Any]:
         same = base["report"]["linears"] == split["report"]["linears"] and base["_files"] == split["_files"]
         wide, threaded = {}, None
         for dtype in sorted({d for _, d in RUNS.values()}):  # the same seed: the same weights, rounded to dtype
-            model = _build(root, f"wide-{dtype}", WIDE, dtype, env)
+            model = _build(root, f"wide-{dtype}", WIDE, dtype, env, WIDE_VOCAB)
+            wide_vocab = json.loads((model / "config.json").read_text())["vocab_size"]
             for name, (args, want) in RUNS.items():
                 if want == dtype and name != "W4A8 recipe (RTN experts)":
                     wide[name] = _quantize(model, root / "q", [*args, "--calib-samples", str(WIDE_SAMPLES)], 1, one)
@@ -258,7 +274,7 @@ def measure_costs() -> dict[str, Any]:
         cfg = json.loads((medium / "config.json").read_text())
         t1, t2 = base["timings"], split["timings"]
         jobs1, jobs2 = t1["linear_jobs"] + t1["expert_jobs"], t2["linear_jobs"] + t2["expert_jobs"]
-        return {"medium_config": cfg, "wide_config": {**cfg, **WIDE}, "calib_tokens": int(base["calibration"]["tokens"]),
+        return {"medium_config": cfg, "wide_config": {**cfg, **WIDE, "vocab_size": wide_vocab}, "calib_tokens": int(base["calibration"]["tokens"]),
                 "calib_samples": base["calibration"]["samples"], "batches": base["forward"]["batches"],
                 "runs": {k: _kept(r) for k, r in runs.items()}, "wide_runs": {k: _kept(r) for k, r in wide.items()},
                 "split_2_workers": {"seconds": round(split["seconds"], 2), "timings": t2, "forward": split["forward"],
@@ -426,7 +442,8 @@ def _text(m: dict[str, Any], rows: list[dict[str, Any]], io_s_per_gb: float) -> 
     text = [f"DeepSeek-V3 projection; node = this host ({WORKERS_PER_NODE} cores); checkpoint I/O {io_s_per_gb:.2f} "
             f"s/GB; the per-layer pattern from a medium DeepSeek-shaped model ({m['calib_tokens']} calibration tokens "
             f"of its toy tokenizer, {m['calib_samples']} samples, {m['batches']} batches), each step's rate from the "
-            f"wide probe (DeepSeek-V3's widths, one MoE layer, {WIDE_SAMPLES} samples)",
+            f"wide probe (DeepSeek-V3's widths, one MoE layer, {WIDE_SAMPLES} samples, cut by a BPE of "
+            f"{m['wide_config'].get('vocab_size', MEDIUM_VOCAB)} tokens)",
             "  runs with --workers 1 in one thread (CPU s per step, from quant_report.json):"]
     for probe, runs in (("medium", m["runs"]), ("wide", m["wide_runs"])):
         for name, r in runs.items():
@@ -436,8 +453,9 @@ def _text(m: dict[str, Any], rows: list[dict[str, Any]], io_s_per_gb: float) -> 
                 continue
             t = r["report"]["timings"]
             steps = ", ".join(f"{k} {v:.1f}" for k, v in {**t["steps_cpu"], **t["in_jobs"]}.items() if v >= 0.05)
-            text.append(f"    {probe} {name}: {r['tokens']} tokens, {r['seconds']} s wall (load {r['load_before']}); "
-                        f"{steps}")
+            ran = f" (ran {r['precision']})" if r.get("precision") and r["precision"] not in name else ""
+            text.append(f"    {probe} {name}{ran}: {r['tokens']} tokens, {r['seconds']} s wall (load "
+                        f"{r['load_before']}); {steps}")
     text.append(f"  medium --workers 2, forward split: {m['split_2_workers']['seconds']} s; forward {m['fwd_speedup']}x "
                 f"on free cores ({m['fwd_speedup_wall']}x wall here), jobs {m['job_speedup']}x; bytes identical to "
                 f"--workers 1: {m['bytes_identical_1_vs_2']}")

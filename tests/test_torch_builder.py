@@ -88,3 +88,36 @@ def test_missing_tensor_is_an_error(tiny_model, tmp_path):
     with pytest.raises(UserError, match="up_proj.weight is missing"):  # Checkpoint.open's inventory check sees it
         with Checkpoint.open(d) as ck:
             torch_builder.build(ck, torch.float32)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "llama"])
+def test_the_layer_forward_runs_transformers_sdpa(tiny_model, family, monkeypatch):
+    """The skeleton's attention (model/attention.py) is transformers' SDPA. MLA's value heads (DeepSeek-V3: 16 wide
+    here, keys 24) reach torch padded to the key width, which lets the CPU flash kernel take them: the logits equal
+    plain SDPA's to float32 rounding. One head width (Llama) is passed through untouched: bit for bit."""
+    from dsconv.model import attention
+    from dsconv.runner.layers import load_full_model
+
+    model, _ = load_full_model(Checkpoint.open(tiny_model(family)))
+    assert model.config._attn_implementation == attention.NAME
+    widths = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        widths.append((k.shape[-1], v.shape[-1]))
+        return sdpa(q, k, v, *args, **kwargs)
+
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), monkeypatch.context() as m:
+        m.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+        ours = model(ids).logits
+        model.set_attn_implementation("sdpa")
+        plain = model(ids).logits
+    n = model.config.num_hidden_layers
+    assert all(k == v for k, v in widths[:n])  # ours: one width
+    mla = family == "deepseek_v3"
+    assert all((k != v) == mla for k, v in widths[n:])  # plain SDPA: MLA's narrower values
+    if mla:
+        torch.testing.assert_close(ours, plain, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(ours, plain)

@@ -21,7 +21,7 @@ from torch import nn
 
 from dsconv.errors import UserError
 from dsconv.families.roles import Role
-from dsconv.model import torch_builder
+from dsconv.model import attention, torch_builder
 
 SLOTS = torch_builder.SLOTS
 
@@ -33,7 +33,8 @@ class Skeleton:
         self.ck = ck
         self.family = ck.family
         self.dtype = dtype
-        self.model = torch_builder.skeleton(ck.config, dtype, attn="sdpa", experts="eager")  # experts: ExpertLoop
+        # SDPA, MLA's values padded to the key width (model/attention.py); experts: ExpertLoop
+        self.model = torch_builder.skeleton(ck.config, dtype, attn=attention.register(), experts="eager")
         self.config = self.model.config
         self.base = self.model.get_decoder()
         self.layers = self.base.layers
