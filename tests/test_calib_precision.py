@@ -203,3 +203,22 @@ def test_a_workers_jobs_run_their_linears_on_onednn_too():
     with job_threads(1), forward_matmuls(QuantOptions(calib_precision="fp32-onednn")):
         assert torch.equal(F.linear(x, w, b), onednn)
     assert torch.is_grad_enabled()  # the job's block leaves the process as it found it
+
+
+@pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel"])
+def test_an_unresolved_auto_means_what_it_means_to_the_stage(vendor, monkeypatch):
+    """The stage resolves `auto` before the forward; a caller that hands the forward an unresolved one gets the
+    same library: oneDNN where MKL runs its generic code (an AMD host), MKL on Intel's."""
+    import platform
+
+    import torch.nn.functional as F
+
+    from dsconv.quant.calibrate.context import forward_matmuls
+    from dsconv.quant.plan.options import QuantOptions
+
+    x, w, b, onednn, mkl = _operands()
+    if platform.machine().lower() not in ("x86_64", "amd64") or not torch.backends.mkl.is_available():
+        pytest.skip("auto picks oneDNN only on an x86 host with MKL")
+    monkeypatch.setattr("dsconv.runtime.process.cpu_vendor", lambda: vendor)
+    with torch.no_grad(), forward_matmuls(QuantOptions(calib_precision="auto")):
+        assert torch.equal(F.linear(x, w, b), onednn if vendor == "AuthenticAMD" else mkl)

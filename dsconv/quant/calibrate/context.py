@@ -39,9 +39,11 @@ def forward_matmuls(opts: QuantOptions, sk: Skeleton | None = None,
     DeepSeek's engines score in float32); norms, softmax and the residual stream stay float32 as autocast leaves
     them; the statistics hooks take each linear's input as float32; every search and fallback check runs after the
     forward, in float32.
-    With fp32-onednn the float32 linears go through oneDNN where torch has it (`onednn_linears`)."""
-    if opts.calib_precision != "bf16":
-        with onednn_linears() if opts.calib_precision == "fp32-onednn" else nullcontext():
+    With fp32-onednn the float32 linears go through oneDNN where torch has it (`onednn_linears`); an "auto" the
+    stage left unresolved means here what it means to the stage (`auto_precision`)."""
+    precision = auto_precision() if opts.calib_precision == "auto" else opts.calib_precision
+    if precision != "bf16":
+        with onednn_linears() if precision == "fp32-onednn" else nullcontext():
             yield
         return
     routers = [] if layer is None else [m for m, (_, role) in sk.own_weights(layer).items() if role == Role.ROUTER]
