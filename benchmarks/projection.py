@@ -2,10 +2,10 @@
 this host, for five runs in one table:
 
 * `--bits 8` (MindIE's recipe: attention static W8A8 - smoothing and clip searches -, MLP and routed experts
-  W8A8_DYNAMIC, kv_b_proj float);
+  W8A8_DYNAMIC, kv_b_proj float; the forward in float32, `--calib-precision auto`: through oneDNN where MKL runs
+  its generic code - an x86 CPU not made by Intel -, else MKL; the runs record what it resolved to);
 * `--bits 8 --calib-precision bf16` (the same, its calibration forward's matmuls in bf16: AMX);
-* `--bits 8 --calib-precision auto` (float32 through oneDNN where MKL runs its generic code - an x86 CPU not made
-  by Intel -, else the default; the runs record what it resolved to);
+* `--bits 8 --calib-precision fp32` (float32 through MKL on every host, the default before 2026-12-07);
 * `--bits 8 --kv-cache int8` (FA quant's statistics in the same forward);
 * the W4A8 recipe, `--bits 4 --scheme w4a8_dynamic --engine vllm-ascend --method rtn` (routed experts int4
   round-to-nearest, every other linear W8A8_DYNAMIC).
@@ -97,8 +97,8 @@ TARGETS = {1: (4.0, 2.0), 8: (0.5, None)}  # hours: target, goal (issue 32)
 RUNS = {"--bits 8": (["--bits", "8"], "bf16"),
         # the calibration forward's matmuls in bf16 (AMX; its accuracy: bench_fidelity's "--calib-precision bf16" rows)
         "--bits 8 --calib-precision bf16": (["--bits", "8", "--calib-precision", "bf16"], "bf16"),
-        # float32 through oneDNN on an x86 CPU not made by Intel (MKL's generic code there), else the default
-        "--bits 8 --calib-precision auto": (["--bits", "8", "--calib-precision", "auto"], "bf16"),
+        # float32 through MKL on every host (its generic code on a CPU not made by Intel): the default until auto
+        "--bits 8 --calib-precision fp32": (["--bits", "8", "--calib-precision", "fp32"], "bf16"),
         "--bits 8 --kv-cache int8": (["--bits", "8", "--kv-cache", "int8"], "fp16"),
         "W4A8 recipe (RTN experts)": (["--bits", "4", "--scheme", "w4a8_dynamic", "--engine", "vllm-ascend",
                                        "--method", "rtn"], "bf16")}

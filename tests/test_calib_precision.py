@@ -91,7 +91,8 @@ def test_the_manifest_records_the_precision_that_ran_auto_resolved_for_this_host
     from dsconv.quant.calibrate.context import auto_precision
 
     here = auto_precision()  # fp32-onednn on an AMD host, float32 through MKL on an Intel one
-    for extra, want in (([], None), (["--calib-precision", "auto"], None if here == "fp32" else here),
+    auto = None if here == "fp32" else here
+    for extra, want in (([], auto), (["--calib-precision", "auto"], auto),
                         (["--calib-precision", "bf16"], "bf16"), (["--calib-precision", "fp32"], None),
                         (["--calib-precision", "fp32-onednn"], "fp32-onednn")):
         out = tmp_path / "-".join(["default", *extra])
@@ -181,7 +182,7 @@ def test_float32_linears_run_on_onednn_whatever_the_thread_count():
     assert all(torch.equal(o, onednn) for o in outs)
     with forward_matmuls(QuantOptions(calib_precision="fp32-onednn")):  # autograd on: torch's own linear
         assert torch.equal(F.linear(x, w, b), mkl)
-    with torch.no_grad(), forward_matmuls(QuantOptions()):  # the default float32: torch's own (MKL)
+    with torch.no_grad(), forward_matmuls(QuantOptions(calib_precision=None)):  # fp32: torch's own (MKL)
         assert torch.equal(F.linear(x, w, b), mkl)
     assert torch.equal(F.linear(x, w, b), mkl)  # outside the block: torch's own again
     assert torch.equal(plain_linear(0, "gate", x, w), x @ w.T)  # the experts' projection: the same sgemm as before

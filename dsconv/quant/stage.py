@@ -81,7 +81,7 @@ def planned_output(ck: Any, scheme: str, engine: str | None = None) -> tuple[lis
 
 
 def _auto_precision() -> str | None:
-    """`--calib-precision auto` on this host, as the manifest records it (None: MKL's float32, the default)."""
+    """`--calib-precision auto` (the default) on this host, as the manifest records it (None: MKL's float32)."""
     from dsconv.quant.calibrate.context import auto_precision
 
     resolved = auto_precision()

@@ -48,7 +48,8 @@ class QuantOptions:
     sample_tokens: int = 128   # calibration rows kept per linear input to measure output error (fallbacks, report)
     rotate: int | None = None  # --rotate: the seed of the residual rotation quantize runs on (dsconv/quant/rotate.py)
     dtype: str | None = None   # --dtype bf16|fp16: the output's float tensors and model dtype (a float32 input)
-    calib_precision: str | None = None  # --calib-precision: the forward's matmuls (None: fp32; "auto": quant/stage.py)
+    # --calib-precision: the forward's matmuls ("auto": resolved by quant/stage.py, to None - fp32, MKL - or another)
+    calib_precision: str | None = "auto"
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
