@@ -115,26 +115,38 @@ make_tiny("deepseek_v3", Path(sys.argv[1]), dtype=sys.argv[3], tokenizer=tok, **
 
 
 # ------------------------------------------------------------------------------------------------ work per step
-def flops(c: dict[str, Any], tokens: int, seq: int) -> dict[str, float]:
-    """Forward FLOPs (2 per multiply-add) of the calibration tokens: outside the routed experts, and in them."""
+def padding(lengths: list[int]) -> dict[str, int]:
+    """What the forward computes for samples of these lengths, batched as dsconv batches them
+    (`context.forward_batches`): real tokens, padded tokens (every linear outside the routed experts runs on the
+    padding too) and the attention's query-key pairs (each batch's samples x its length squared, halved: causal)."""
+    from dsconv.quant.calibrate.context import forward_batches
+
+    batches = [[lengths[j] for j in b] for b in forward_batches(lengths, BATCH_TOKENS)]
+    return {"tokens": sum(lengths), "samples": len(lengths), "batches": len(batches),
+            "padded": sum(len(b) * b[0] for b in batches), "pairs": sum(len(b) * b[0] ** 2 // 2 for b in batches)}
+
+
+def flops(c: dict[str, Any], cut: dict[str, int]) -> dict[str, float]:
+    """Forward FLOPs (2 per multiply-add) of the calibration samples (`padding`): outside the routed experts - on
+    the padded tokens, attention on its query-key pairs - and in them (routed real tokens)."""
     h, H = c["hidden_size"], c["num_attention_heads"]
     qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
     attn_params = (h * c["q_lora_rank"] + c["q_lora_rank"] * H * qk + h * (c["kv_lora_rank"] + c["qk_rope_head_dim"])
                    + c["kv_lora_rank"] * H * (c["qk_nope_head_dim"] + c["v_head_dim"]) + H * c["v_head_dim"] * h)
-    attn_scores = H * (qk + c["v_head_dim"]) * seq / 2  # causal: half the keys on average, per token
     dense = c["first_k_dense_replace"]
     moe = c["num_hidden_layers"] - dense
     mi = c["moe_intermediate_size"]
-    other = (c["num_hidden_layers"] * (attn_params + attn_scores) + dense * 3 * h * c["intermediate_size"]
-             + moe * (c["n_shared_experts"] * 3 * h * mi + h * c["n_routed_experts"]))
+    linears = (c["num_hidden_layers"] * attn_params + dense * 3 * h * c["intermediate_size"]
+               + moe * (c["n_shared_experts"] * 3 * h * mi + h * c["n_routed_experts"]))
+    scores = c["num_hidden_layers"] * H * (qk + c["v_head_dim"]) * cut["pairs"]
     experts = moe * c["num_experts_per_tok"] * 3 * h * mi
-    return {"other": 2.0 * other * tokens, "experts": 2.0 * experts * tokens,
+    return {"other": 2.0 * (linears * cut["padded"] + scores), "experts": 2.0 * experts * cut["tokens"],
             "attn_params": attn_params, "moe_layers": moe, "dense_layers": dense}
 
 
 def weight_bytes(c: dict[str, Any]) -> dict[str, float]:
     """BF16 bytes of the quantized linears (attention, dense MLP, shared and routed experts) and of the whole model."""
-    f = flops(c, 1, 1)
+    f = flops(c, {"tokens": 1, "padded": 1, "pairs": 1})
     h, mi = c["hidden_size"], c["moe_intermediate_size"]
     attn = c["num_hidden_layers"] * f["attn_params"]
     dense = f["dense_layers"] * 3 * h * c["intermediate_size"]
@@ -150,10 +162,11 @@ def _scored(n: int) -> int:
     return len(range(0, n, max(1, n // SEARCH_OUT_ROWS)))
 
 
-def work(report: dict[str, Any], first_moe: int, config: dict[str, Any], tokens: int) -> dict[str, float]:
+def work(report: dict[str, Any], first_moe: int, config: dict[str, Any], cut: dict[str, int]) -> dict[str, float]:
     """Each step's work for `config`, from a medium run's plan and searches (`report`: its quant_report.json; its
     first MoE layer `first_moe`): its per-layer pattern - a dense layer's and a MoE layer's linears, types and
-    searched sites - repeated over the config's layers, every shape from the config."""
+    searched sites - repeated over the config's layers, every shape from the config; `cut`: the calibration
+    samples' `padding`."""
     from dsconv.checkpoint import ConfigOnly
 
     cfg_dir = scratch("dsconv-proj-cfg-")
@@ -171,10 +184,9 @@ def work(report: dict[str, Any], first_moe: int, config: dict[str, Any], tokens:
         return tuple(ck.info(name).shape)
 
     types = {m: v.get("type", v.get("planned")) for m, v in report["linears"].items()}
-    seq = min(SEQ, max(1, tokens // max(1, report["calibration"]["samples"])))  # the mean sample length
-    f = flops(config, tokens, seq)
+    f = flops(config, cut)
     w = {"forward": f["other"], "expert_forward": f["experts"],
-         "kv_cache": tokens * L * config["num_attention_heads"] * config["qk_nope_head_dim"] * config["kv_lora_rank"],
+         "kv_cache": cut["tokens"] * L * config["num_attention_heads"] * config["qk_nope_head_dim"] * config["kv_lora_rank"],
          "smooth_search": 0.0, "clip_search": 0.0, "linear_jobs": 0.0, "expert_weights": 0.0}
     for kind, (med, count) in pattern.items():
         prefix = f".layers.{med}."
@@ -218,18 +230,48 @@ def _quantize(model: Path, out: Path, args: list[str], workers: int, env: dict) 
     return s
 
 
-def real_tokens() -> tuple[int, int] | None:
-    """(tokens, samples) of the bundled calibration set through a real tokenizer (the Qwen2.5 fixture's), if built."""
+def sample_lengths(tokenizer: Any, samples: int | None = None) -> list[int]:
+    """The bundled calibration set's sample lengths as dsconv cuts it with `tokenizer` (its first `samples`)."""
+    from dsconv.quant.calibrate.data import DEFAULT_SEQ_LEN, load_calib
+
+    return [len(s) for s in load_calib(None, tokenizer, samples, DEFAULT_SEQ_LEN).samples]
+
+
+def real_lengths() -> list[int] | None:
+    """The sample lengths through a real tokenizer (the Qwen2.5 fixture's), if built."""
     from benchmarks.bench_fidelity import fixture_dir
 
     d = fixture_dir("qwen")
     if not (d / "tokenizer.json").exists():
         return None
-    from dsconv.quant.calibrate.data import DEFAULT_SEQ_LEN, load_calib
     from dsconv.runner.texts import load_tokenizer
 
-    c = load_calib(None, load_tokenizer(d), None, DEFAULT_SEQ_LEN)
-    return c.tokens, len(c.samples)
+    return sample_lengths(load_tokenizer(d))
+
+
+def probe_lengths(vocab: int, samples: int) -> list[int]:
+    """A probe's sample lengths: its BPE of `vocab` tokens (CHILD's), its first `samples` samples."""
+    from dsconv.bundled import calib_texts
+    from dsconv.tiny import train_tokenizer
+
+    return sample_lengths(train_tokenizer(calib_texts(), vocab_size=vocab), samples)
+
+
+def _probe_cut(config: dict[str, Any], run: dict[str, Any]) -> dict[str, int]:
+    """A measured run's `padding`: its model's BPE (vocab_size) over the samples it calibrated on."""
+    cut = padding(_lengths(int(config.get("vocab_size", MEDIUM_VOCAB)), int(run["report"]["calibration"]["samples"])))
+    if cut["tokens"] != run["tokens"]:
+        raise RuntimeError(f"the probe's samples come to {cut['tokens']} tokens here, {run['tokens']} when measured")
+    return cut
+
+
+_LENGTHS: dict[tuple[int, int], list[int]] = {}
+
+
+def _lengths(vocab: int, samples: int) -> list[int]:
+    if (vocab, samples) not in _LENGTHS:  # a tokenizer trained per call takes a second
+        _LENGTHS[vocab, samples] = probe_lengths(vocab, samples)
+    return _LENGTHS[vocab, samples]
 
 
 def _build(root: Path, name: str, config: dict[str, Any], dtype: str, env: dict, vocab: int = MEDIUM_VOCAB) -> Path:
@@ -284,7 +326,7 @@ def measure_costs() -> dict[str, Any]:
                 "fwd_speedup": round(t1["forward_cpu"] / t2["forward_cpu_critical"], 2),
                 "fwd_speedup_wall": round(t1["forward_wall"] / t2["forward_wall"], 2) if t2["forward_wall"] else 1.0,
                 "thread_speedup": _thread_speedup(wide["--bits 8"], threaded),
-                "wide_threaded": _kept(threaded), "real_tokens": real_tokens()}
+                "wide_threaded": _kept(threaded), "real_lengths": real_lengths()}
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -315,7 +357,7 @@ def rates(m: dict[str, Any], name: str, io_s_per_gb: float, probe: str = "wide")
         return {"io_s_per_gb": io_s_per_gb}
     t = r["report"]["timings"]
     cpu, jobs = t["steps_cpu"], t["in_jobs"]
-    w = work(r["report"], config["first_k_dense_replace"], config, r["tokens"])
+    w = work(r["report"], config["first_k_dense_replace"], config, _probe_cut(config, r))
     fwd = cpu.get("forward", 0.0)
     if name.endswith("--kv-cache int8"):  # FA quant's statistics: what the forward took beyond --bits 8's
         plain = runs["--bits 8"]["report"]["timings"]["steps_cpu"].get("forward", 0.0)
@@ -340,10 +382,10 @@ def project(m: dict[str, Any], io_s_per_gb: float, nodes: tuple[int, ...] = (1, 
     """Hours of each run on each node count - at a real tokenizer's calibration tokens (and, for comparison with the
     earlier projection, the medium model's), at the wide probe's rates (and, for comparison, the medium model's)."""
     rows = []
-    bases = {"medium tokenizer": (m["calib_tokens"], m["calib_samples"], m["batches"])}
-    if m.get("real_tokens"):
-        tok, samples = m["real_tokens"]
-        bases = {"real tokenizer": (tok, samples, _batches(tok, samples)), **bases}
+    bases = {"medium tokenizer": _probe_cut(m["medium_config"], m["runs"]["--bits 8"])}
+    real = m.get("real_lengths") or (real_lengths() if m.get("real_tokens") else None)  # older files: tokens only
+    if real:
+        bases = {"real tokenizer": padding(real), **bases}
     # two workers do at most twice one's work: a higher measured ratio is load noise in the one-worker run
     fgain, gain = (min(float(WORKERS_PER_NODE), max(1.0, m[k])) for k in ("fwd_speedup", "job_speedup"))
     # a saved measurement from before the threaded run: the driver's forward as two split processes, searches as one
@@ -358,25 +400,21 @@ def project(m: dict[str, Any], io_s_per_gb: float, nodes: tuple[int, ...] = (1, 
             if probe == "medium" and name not in m["runs"]:
                 continue
             rate = rates(m, name, io_s_per_gb, probe)
-            for basis, (tokens, samples, nb) in bases.items():
+            for basis, cut in bases.items():
                 if probe == "medium" and basis != "medium tokenizer":
                     continue
                 w = work(pattern, m["medium_config"]["first_k_dense_replace"], {**m["medium_config"], **REAL},
-                         tokens) if calibrated else {}
+                         cut) if calibrated else {}
                 for n in nodes:
-                    rows.append({"run": name, "rates": probe, "tokens": basis, "calib_tokens": tokens, "nodes": n,
-                                 **_hours(rate, w, tokens, nb, n, fgain, gain, tgain, samples)})
+                    rows.append({"run": name, "rates": probe, "tokens": basis, "calib_tokens": cut["tokens"],
+                                 "padded_tokens": cut["padded"], "nodes": n,
+                                 **_hours(rate, w, cut["tokens"], cut["batches"], n, fgain, gain, tgain,
+                                          cut["samples"])})
     text = _text(m, rows, io_s_per_gb)
     return {"rows": rows, "assumptions": {"net_gbps": NET_GBPS, "storage_gbps": STORAGE_GBPS, "seq": SEQ,
                                           "workers_per_node": WORKERS_PER_NODE,
                                           "node": "this host (measured rates and 2-worker speedups)"},
             "real_tb_bf16": round(weight_bytes(REAL)["total"] / 1e12, 3), "text": "\n".join(text)}
-
-
-def _batches(tokens: int, samples: int) -> int:
-    """Calibration batches of BATCH_TOKENS padded tokens for `samples` samples of about equal length."""
-    per = max(1, BATCH_TOKENS // max(1, min(SEQ, -(-tokens // samples))))
-    return -(-samples // per)
 
 
 def _hours(rate: dict[str, float], w: dict[str, float], tokens: int, nb: int, n: int, fgain: float,
@@ -471,7 +509,8 @@ def _text(m: dict[str, Any], rows: list[dict[str, Any]], io_s_per_gb: float) -> 
         tgt = "" if r["target_h"] is None else (f"<= {r['target_h']} h: {'met' if r['met'] else 'MISSED'}" +
                                                 ("" if r["goal_h"] is None else
                                                  f"; goal {r['goal_h']} h: {'met' if r['goal_met'] else 'missed'}"))
-        text.append(f"  | {r['run']} | {r['rates']} | {r['calib_tokens']} ({r['tokens']}) | {r['nodes']} | "
+        text.append(f"  | {r['run']} | {r['rates']} | {r['calib_tokens']} ({r['padded_tokens']} padded; {r['tokens']}) | "
+                    f"{r['nodes']} | "
                     f"{r['hours']} | {r['forward_h']} | {r['searches_h']}{_hidden(r)} | {r['linear_jobs_h']} | "
                     f"{r['experts_h']} | {r['io_h']} | {r['routed_transfer_h']} | {r['dominant']} | {tgt} |")
     return text

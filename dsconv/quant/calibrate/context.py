@@ -162,6 +162,18 @@ class StatsSpec:
                           stride=self.stride, held_out=self.held_out)
 
 
+def forward_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """The forward's batches of sample indices: longest first, as many samples as fit `batch_tokens` padded tokens
+    at the batch's first (longest) length - so padding stays small (benchmarks/projection.py counts it too)."""
+    order = sorted(range(len(lengths)), key=lambda j: (-lengths[j], j))
+    batches: list[list[int]] = []
+    while order:
+        per = max(1, batch_tokens // lengths[order[0]])
+        batches.append(order[:per])
+        order = order[per:]
+    return batches
+
+
 @dataclass
 class LayerActivations:
     """The calibration activations: the current layer's input rows `h` [tokens, hidden] float32 (every sample's
@@ -189,13 +201,7 @@ class LayerActivations:
         h = sk.embed(ids)
         held = selection.held_out_prompts(len(lengths)) if hold_out else None
         held_tokens = None if held is None else torch.repeat_interleave(held, torch.tensor(lengths))
-        order = sorted(range(len(lengths)), key=lambda j: (-lengths[j], j))
-        batches: list[list[int]] = []
-        while order:
-            per = max(1, batch_tokens // lengths[order[0]])
-            batches.append(order[:per])
-            order = order[per:]
-        return cls(h, lengths, starts, batches, held_tokens)
+        return cls(h, lengths, starts, forward_batches(lengths, batch_tokens), held_tokens)
 
     @property
     def tokens(self) -> int:
