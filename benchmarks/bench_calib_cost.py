@@ -54,7 +54,7 @@ def calibration_samples(model_dir: Path, samples: int | None) -> list[list[int]]
 BATCH = 8  # samples per padded batch of the batched floor
 
 
-def plain_forward(model_dir: Path, samples: list[list[int]], precision: str = "fp32") -> dict[str, Any]:
+def plain_forward(model_dir: Path, samples: list[list[int]], precision: str = "auto") -> dict[str, Any]:
     """transformers' model in float32 over the calibration samples, three ways, in this process: each sample on its
     own with the LM head (the old floor), the decoder alone (no LM head: dsconv's layer-by-layer forward never
     computes logits) each sample on its own, and the decoder alone on right-padded batches of BATCH samples with an
@@ -102,7 +102,7 @@ def plain_forward(model_dir: Path, samples: list[list[int]], precision: str = "f
             "load_before": before, "load_after": load()}
 
 
-def quantize(model_dir: Path, out: Path, engine: str, samples: int | None, precision: str = "fp32") -> dict[str, Any]:
+def quantize(model_dir: Path, out: Path, engine: str, samples: int | None, precision: str = "auto") -> dict[str, Any]:
     """`dsconv quantize --bits 8 --engine ENGINE --calib-precision PRECISION` through the CLI, in this process."""
     from dsconv.cli import cli
 
@@ -136,7 +136,7 @@ def _static(out: Path) -> int:
 
 
 def run_model(name: str, model_dir: Path, engines: list[str], samples: int | None, repeat: int,
-              work: Path, precision: str = "fp32") -> dict[str, Any] | None:
+              work: Path, precision: str = "auto") -> dict[str, Any] | None:
     import torch
 
     if not (model_dir / "config.json").exists():
@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--calib-samples", type=int, default=None, help="first N bundled samples (default: all)")
     ap.add_argument("--repeat", type=int, default=1, help="best of N for each figure")
-    ap.add_argument("--calib-precision", choices=("fp32", "auto", "fp32-onednn", "bf16"), default="fp32",
-                    help="quantize --calib-precision (default: the CLI's, fp32), and the floor's forward in the same "
+    ap.add_argument("--calib-precision", choices=("fp32", "auto", "fp32-onednn", "bf16"), default="auto",
+                    help="quantize --calib-precision (default: the CLI's, auto), and the floor's forward in the same "
                          "precision")
     a = ap.parse_args(argv if argv is not None else sys.argv[1:])
     sys.path.insert(0, str(ROOT))
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
                 results[name if name in FIXTURES else model_dir.name] = r
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    save("calib_cost" if a.calib_precision == "fp32" else f"calib_cost_{a.calib_precision}",
+    save("calib_cost" if a.calib_precision == "auto" else f"calib_cost_{a.calib_precision}",
          {"cpus": os.cpu_count(), "models": results}, quiet=True)
 
 
