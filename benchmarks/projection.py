@@ -79,7 +79,8 @@ WIDE_SAMPLES = 64        # calibration samples of the wide probe (its forward is
 # the wide probe's tokenizer: a byte-level BPE of this many tokens trained on the bundled set cuts it as Qwen2.5's
 # does (19,014 tokens against 18,741; mean sample 121 against 119, longest 254 against 250; the medium model's 384
 # make 320 and 512). Attention's cost per token grows with the sample's length, so the probe's samples must be as
-# long as the real run's: with the 384-token vocabulary, SDPA took a third of the probe's forward (oneDNN).
+# long as the real run's: with the 384-token vocabulary, SDPA took a third of the probe's forward (oneDNN, py-spy,
+# the host loaded); at the real lengths, 5.1 of 38 s on the math kernel (quiet).
 WIDE_VOCAB = 4608
 MEDIUM_VOCAB = 384
 REAL = dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
@@ -186,7 +187,8 @@ def work(report: dict[str, Any], first_moe: int, config: dict[str, Any], cut: di
     types = {m: v.get("type", v.get("planned")) for m, v in report["linears"].items()}
     f = flops(config, cut)
     w = {"forward": f["other"], "expert_forward": f["experts"],
-         "kv_cache": cut["tokens"] * L * config["num_attention_heads"] * config["qk_nope_head_dim"] * config["kv_lora_rank"],
+         "kv_cache": cut["tokens"] * L * config["num_attention_heads"] * config["qk_nope_head_dim"]
+         * config["kv_lora_rank"],
          "smooth_search": 0.0, "clip_search": 0.0, "linear_jobs": 0.0, "expert_weights": 0.0}
     for kind, (med, count) in pattern.items():
         prefix = f".layers.{med}."
@@ -316,7 +318,8 @@ def measure_costs() -> dict[str, Any]:
         cfg = json.loads((medium / "config.json").read_text())
         t1, t2 = base["timings"], split["timings"]
         jobs1, jobs2 = t1["linear_jobs"] + t1["expert_jobs"], t2["linear_jobs"] + t2["expert_jobs"]
-        return {"medium_config": cfg, "wide_config": {**cfg, **WIDE, "vocab_size": wide_vocab}, "calib_tokens": int(base["calibration"]["tokens"]),
+        return {"medium_config": cfg, "wide_config": {**cfg, **WIDE, "vocab_size": wide_vocab},
+                "calib_tokens": int(base["calibration"]["tokens"]),
                 "calib_samples": base["calibration"]["samples"], "batches": base["forward"]["batches"],
                 "runs": {k: _kept(r) for k, r in runs.items()}, "wide_runs": {k: _kept(r) for k, r in wide.items()},
                 "split_2_workers": {"seconds": round(split["seconds"], 2), "timings": t2, "forward": split["forward"],
@@ -509,9 +512,8 @@ def _text(m: dict[str, Any], rows: list[dict[str, Any]], io_s_per_gb: float) -> 
         tgt = "" if r["target_h"] is None else (f"<= {r['target_h']} h: {'met' if r['met'] else 'MISSED'}" +
                                                 ("" if r["goal_h"] is None else
                                                  f"; goal {r['goal_h']} h: {'met' if r['goal_met'] else 'missed'}"))
-        text.append(f"  | {r['run']} | {r['rates']} | {r['calib_tokens']} ({r['padded_tokens']} padded; {r['tokens']}) | "
-                    f"{r['nodes']} | "
-                    f"{r['hours']} | {r['forward_h']} | {r['searches_h']}{_hidden(r)} | {r['linear_jobs_h']} | "
+        text.append(f"  | {r['run']} | {r['rates']} | {r['calib_tokens']} ({r['padded_tokens']} padded; "
+                    f"{r['tokens']}) | {r['nodes']} | {r['hours']} | {r['forward_h']} | {r['searches_h']}{_hidden(r)} | {r['linear_jobs_h']} | "
                     f"{r['experts_h']} | {r['io_h']} | {r['routed_transfer_h']} | {r['dominant']} | {tgt} |")
     return text
 
