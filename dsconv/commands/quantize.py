@@ -173,7 +173,7 @@ def quantize(model: Path | None, output: Path | None, bits: str | None, scheme: 
                         seq_len=seq_len, min_expert_tokens=min_expert_tokens, all_experts=all_experts, layout=layout,
                         engine=engine, bits_default=bits_default, moe_scheme=moe_scheme,
                         max_shard_size=max_shard_size, kv_cache=kv_cache, rotate=rotate_seed, dtype=dtype,
-                        calib_precision=None if calib_precision == "fp32" else calib_precision)
+                        calib_precision=calib_precision)
     result = run(QuantRequest(model, output, opts, force=force, progress=not as_json, dry_run=dry_run, warn=warn,
                               execution=resolve_exec(workers, executor, ray_address)))
     if as_json:

@@ -80,12 +80,16 @@ def planned_output(ck: Any, scheme: str, engine: str | None = None) -> tuple[lis
     return specs, description(plan, types, specs)
 
 
-def _auto_precision() -> str | None:
-    """`--calib-precision auto` (the default) on this host, as the manifest records it (None: MKL's float32)."""
-    from dsconv.quant.calibrate.context import auto_precision
+def _resolved_precision(asked: str | None, calibrate: bool) -> str | None:
+    """--calib-precision as the run uses it and the manifest records it: `auto` (the default) resolved on this host
+    for a run that calibrates (weight-only never imports torch: nothing), MKL's float32 (`fp32`) as None."""
+    if asked == "auto":
+        if not calibrate:
+            return None
+        from dsconv.quant.calibrate.context import auto_precision
 
-    resolved = auto_precision()
-    return None if resolved == "fp32" else resolved
+        asked = auto_precision()
+    return None if asked == "fp32" else asked
 
 
 def _load_calibration(ck: Any, plan: Any, opts: QuantOptions, warn: Callable[[str], None]) -> Any:
@@ -234,8 +238,7 @@ def run(req: QuantRequest) -> QuantResult:
     policy = fallback_policy(opts, plan) if engines.check_fallback(prof, opts.fallback, opts.fallback_threshold) \
         else None
     calibrate = needs_calibration(opts, plan)
-    if opts.calib_precision == "auto":  # resolved only for a run that calibrates: weight-only never imports torch
-        opts = replace(opts, calib_precision=_auto_precision() if calibrate else None)
+    opts = replace(opts, calib_precision=_resolved_precision(opts.calib_precision, calibrate))
     kinds = {m: engines.layer_kind(lp) for m, lp in plan.linears.items()}
     mtp = mtp_type if any(lp.category == Category.MTP for lp in plan.linears.values()) else None
     cfg_keys = engines.config_updates(prof, family, {m: lp.qtype for m, lp in plan.linears.items()}, kinds, mtp)
